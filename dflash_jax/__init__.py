@@ -1,0 +1,17 @@
+"""dflash-jax: lossless DFlash speculative decoding of GGUF targets in JAX.
+
+Public API (see README.md):
+  load_target(gguf_path, **options) -> Target
+  load_draft(draft_dir, target) -> Draft
+  forward_logits(target, token_ids) -> np.ndarray [T, V] float32
+  first_draft_logits(target, draft, prompt_ids) -> np.ndarray [block_size-1, V] float32
+  generate(target, draft, prompt_ids, *, max_new_tokens, mode="ar"|"chain", ...) -> GenerateResult
+"""
+
+from dflash_jax.api import (Draft, GenerateResult, Target, first_draft_logits, forward_logits,
+                            generate, load_draft, load_target)
+from dflash_jax.config import DecodeConfig, DraftConfig, TargetConfig
+
+__all__ = ["Draft", "GenerateResult", "Target", "first_draft_logits", "forward_logits", "generate",
+           "load_draft", "load_target", "DecodeConfig", "DraftConfig", "TargetConfig"]
+__version__ = "0.1.0"

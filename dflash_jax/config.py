@@ -1,0 +1,268 @@
+"""Frozen, hashable configs: TargetConfig (from GGUF metadata), DraftConfig (from z-lab config.json),
+DecodeConfig (decode-loop shapes). All are static jit arguments."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+
+SUPPORTED_ARCHS = ("qwen35", "llama", "qwen3")
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+  """Target model hyper-parameters, every value read from GGUF metadata.
+
+  Attributes:
+    arch: GGUF `general.architecture` ("qwen35", "llama", "qwen3").
+    n_layer: trunk layers (`block_count - nextn_predict_layers`; MTP blocks excluded).
+    d_model, d_ff, n_vocab: embedding width, FFN width, vocabulary rows.
+    n_head, n_kv_head, head_dim, v_head_dim: softmax-attention heads (`attention.key_length`/`value_length`).
+    rope_dim: rotated dims per head (`rope.dimension_count`); rope_theta: `rope.freq_base`.
+    rope_style: "neox" (pairs (i, i + rope_dim/2); qwen3, qwen35) or "norm" (adjacent pairs; llama,
+      whose q/k rows llama.cpp's converter permutes).
+    rms_eps: `attention.layer_norm_rms_epsilon`.
+    qk_norm: per-head RMSNorm of q and k (qwen3, qwen35).
+    attn_gate: `attn_q` packs per head [query | gate] and the output is multiplied by sigmoid(gate) (qwen35).
+    recurrent: [n_layer] True = Gated DeltaNet layer, False = softmax attention.
+    gdn_n_k_head, gdn_n_v_head, gdn_d_k, gdn_d_v, conv_kernel: Gated DeltaNet shapes (`ssm.*`);
+      V head h reads K head h % gdn_n_k_head (llama.cpp's tiled layout).
+    n_ctx_train: `context_length`.
+    has_rope_freqs: a `rope_freqs.weight` tensor divides the RoPE frequencies (llama 3.x).
+  """
+
+  arch: str
+  n_layer: int
+  d_model: int
+  d_ff: int
+  n_vocab: int
+  n_head: int
+  n_kv_head: int
+  head_dim: int
+  v_head_dim: int
+  rope_dim: int
+  rope_theta: float
+  rope_style: str
+  rms_eps: float
+  qk_norm: bool
+  attn_gate: bool
+  recurrent: tuple[bool, ...]
+  gdn_n_k_head: int = 0
+  gdn_n_v_head: int = 0
+  gdn_d_k: int = 0
+  gdn_d_v: int = 0
+  conv_kernel: int = 0
+  n_ctx_train: int = 0
+  has_rope_freqs: bool = False
+
+  @property
+  def attn_layers(self) -> tuple[int, ...]:
+    return tuple(i for i, r in enumerate(self.recurrent) if not r)
+
+  @property
+  def gdn_layers(self) -> tuple[int, ...]:
+    return tuple(i for i, r in enumerate(self.recurrent) if r)
+
+  @property
+  def conv_dim(self) -> int:
+    """Channels of the GDN causal conv: [Q (Hk*Dk) | K (Hk*Dk) | V (Hv*Dv)]."""
+    return 2 * self.gdn_n_k_head * self.gdn_d_k + self.gdn_n_v_head * self.gdn_d_v
+
+  @classmethod
+  def from_gguf(cls, meta: Mapping[str, Any], *, n_vocab: int, path: str = "?",
+                has_rope_freqs: bool = False) -> "TargetConfig":
+    """Build from GGUF metadata (`GGUFReader.fields[k].contents()` values).
+
+    Raises ValueError naming the file for an unsupported architecture or a missing key.
+    """
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+      raise ValueError(f"{path}: unsupported architecture general.architecture={arch!r}; "
+                       f"supported: {', '.join(SUPPORTED_ARCHS)}")
+
+    def get(key, default=None, required=True):
+      full = f"{arch}.{key}"
+      if full in meta:
+        return meta[full]
+      if default is None and required:
+        raise ValueError(f"{path}: missing GGUF metadata key {full!r}")
+      return default
+
+    n_layer = int(get("block_count")) - int(get("nextn_predict_layers", 0))
+    d_model = int(get("embedding_length"))
+    n_head = int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", d_model // n_head))
+    v_head_dim = int(get("attention.value_length", head_dim))
+    common = dict(
+        arch=arch, n_layer=n_layer, d_model=d_model, d_ff=int(get("feed_forward_length")),
+        n_vocab=int(n_vocab), n_head=n_head, n_kv_head=int(get("attention.head_count_kv", n_head)),
+        head_dim=head_dim, v_head_dim=v_head_dim,
+        rope_dim=int(get("rope.dimension_count", head_dim)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rms_eps=float(get("attention.layer_norm_rms_epsilon")),
+        n_ctx_train=int(get("context_length", 0, required=False)),
+        has_rope_freqs=has_rope_freqs)
+    if arch in ("llama", "qwen3"):
+      return cls(**common, rope_style="norm" if arch == "llama" else "neox",
+                 qk_norm=arch == "qwen3", attn_gate=False, recurrent=(False,) * n_layer)
+    # qwen35: hybrid Gated DeltaNet + gated attention.
+    rec = get("attention.recurrent_layers", [], required=False)
+    if len(rec):
+      recurrent = tuple(bool(x) for x in list(rec)[:n_layer])
+    else:
+      every = int(get("full_attention_interval", 4))
+      recurrent = tuple((i + 1) % every != 0 for i in range(n_layer))
+    n_v = int(get("ssm.time_step_rank"))
+    n_k = int(get("ssm.group_count"))
+    if n_v % n_k:
+      raise ValueError(f"{path}: ssm.time_step_rank={n_v} is not a multiple of ssm.group_count={n_k}")
+    return cls(**common, rope_style="neox", qk_norm=True, attn_gate=True, recurrent=recurrent,
+               gdn_n_k_head=n_k, gdn_n_v_head=n_v, gdn_d_k=int(get("ssm.state_size")),
+               gdn_d_v=int(get("ssm.inner_size")) // n_v, conv_kernel=int(get("ssm.conv_kernel")))
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+  """z-lab `build_target_layer_ids` (dflash/model.py): evenly spread layers in [1, n-3]."""
+  if num_draft_layers == 1:
+    return [num_target_layers // 2]
+  start, end = 1, num_target_layers - 3
+  span = end - start
+  return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+  """z-lab DFlash draft (a Qwen3 config plus `dflash_config`), see dflash/model.py.
+
+  Attributes:
+    d_model, n_layer, n_head, n_kv_head, head_dim, d_ff, n_vocab, rms_eps: Qwen3 fields.
+    rope_theta: `rope_theta` or `rope_parameters.rope_theta`.
+    block_size: L, tokens per draft block incl. the bonus slot.
+    mask_token_id: id (in the target vocab) whose embedding fills the L-1 masked slots.
+    target_layer_ids: target layers whose outputs are concatenated into the draft context.
+    sliding: [n_layer] True where `layer_types` says "sliding_attention" (causal + window in the block).
+    sliding_window: window for sliding layers (tokens).
+  """
+
+  d_model: int
+  n_layer: int
+  n_head: int
+  n_kv_head: int
+  head_dim: int
+  d_ff: int
+  n_vocab: int
+  rms_eps: float
+  rope_theta: float
+  block_size: int
+  mask_token_id: int
+  target_layer_ids: tuple[int, ...]
+  sliding: tuple[bool, ...]
+  sliding_window: int = 0
+
+  @property
+  def n_features(self) -> int:
+    return len(self.target_layer_ids)
+
+  @classmethod
+  def from_json(cls, cfg: Mapping[str, Any], *, path: str = "?") -> "DraftConfig":
+    """Parse a z-lab config.json dict; every DFlash field is read from `dflash_config` first,
+    then from the top level (as the dflash package's `_draft_value` does).
+
+    Raises ValueError naming the file when a field is missing or invalid.
+    """
+    dfc = cfg.get("dflash_config") or {}
+
+    def dval(name, default=None):
+      if name in dfc:
+        return dfc[name]
+      if name in cfg:
+        return cfg[name]
+      if default is None:
+        raise ValueError(f"{path}: missing draft config field {name!r}")
+      return default
+
+    def need(name):
+      if name not in cfg:
+        raise ValueError(f"{path}: missing draft config field {name!r}")
+      return cfg[name]
+
+    n_layer = int(need("num_hidden_layers"))
+    d_model = int(need("hidden_size"))
+    n_head = int(need("num_attention_heads"))
+    rope_theta = cfg.get("rope_theta")
+    if rope_theta is None:
+      rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta")
+    if rope_theta is None:
+      raise ValueError(f"{path}: no rope_theta or rope_parameters.rope_theta")
+    if cfg.get("rope_scaling"):
+      raise NotImplementedError(f"{path}: rope_scaling={cfg['rope_scaling']!r} is not supported yet")
+    if "target_layer_ids" in dfc or "target_layer_ids" in cfg:
+      layer_ids = [int(x) for x in dval("target_layer_ids")]
+    else:
+      layer_ids = default_target_layer_ids(int(dval("num_target_layers")), n_layer)
+    layer_types = cfg.get("layer_types") or ["full_attention"] * n_layer
+    if len(layer_types) != n_layer:
+      raise ValueError(f"{path}: layer_types has {len(layer_types)} entries for {n_layer} layers")
+    sliding = tuple(t == "sliding_attention" for t in layer_types)
+    return cls(
+        d_model=d_model, n_layer=n_layer, n_head=n_head,
+        n_kv_head=int(cfg.get("num_key_value_heads", n_head)),
+        head_dim=int(cfg.get("head_dim") or d_model // n_head),
+        d_ff=int(need("intermediate_size")), n_vocab=int(need("vocab_size")),
+        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(rope_theta),
+        block_size=int(dval("block_size", 16)), mask_token_id=int(dval("mask_token_id")),
+        target_layer_ids=tuple(layer_ids), sliding=sliding,
+        sliding_window=int(cfg.get("sliding_window") or 0) if any(sliding) else 0)
+
+  def to_json(self) -> dict[str, Any]:
+    """The z-lab config.json fields this config came from (transformers Qwen3 + dflash_config)."""
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "model_type": "qwen3", "hidden_size": self.d_model, "num_hidden_layers": self.n_layer,
+        "num_attention_heads": self.n_head, "num_key_value_heads": self.n_kv_head,
+        "head_dim": self.head_dim, "intermediate_size": self.d_ff, "vocab_size": self.n_vocab,
+        "rms_norm_eps": self.rms_eps, "rope_theta": self.rope_theta,
+        "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
+        "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in self.sliding],
+        "sliding_window": self.sliding_window or None, "use_sliding_window": any(self.sliding),
+        "max_position_embeddings": 32768, "block_size": self.block_size,
+        "dflash_config": {"mask_token_id": self.mask_token_id,
+                          "target_layer_ids": list(self.target_layer_ids),
+                          "block_size": self.block_size},
+        "dtype": "bfloat16",
+    }
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+  """Static shapes of the decode loop (changing any of these recompiles).
+
+  Attributes:
+    mode: "ar" (autoregressive baseline, one token per step) or "chain" (DFlash chain verify).
+    block_size: L, draft block incl. the bonus slot (chain); ignored for "ar".
+    max_ctx: cache capacity in tokens (prompt + generated must fit).
+    prefill_chunk: tokens per prefill forward (prompts are padded to a multiple of it).
+  """
+
+  mode: str = "chain"
+  block_size: int = 16
+  max_ctx: int = 2048
+  prefill_chunk: int = 128
+
+  @property
+  def verify_len(self) -> int:
+    """Tokens per verify forward: L for chain, 1 for autoregressive."""
+    return 1 if self.mode == "ar" else self.block_size
+
+  @property
+  def capacity(self) -> int:
+    """Cache rows: max_ctx plus slack for a padded prefill chunk and a verify block overhang."""
+    c = self.max_ctx + max(self.block_size, self.prefill_chunk)
+    return -(-c // self.prefill_chunk) * self.prefill_chunk
