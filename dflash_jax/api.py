@@ -26,7 +26,7 @@ class Target:
     config: TargetConfig. params: TargetParams on device. tokenizer: GGUFTokenizer (None if the
     GGUF has no usable vocabulary). path: GGUF path. weights: "quantized" | "f32" | "bf16".
     compute_dtype: "float32" | "bfloat16" activations/matmul operands. gguf_tensor_bytes: bytes of
-    all tensors in the file.
+    all tensors in the file. general_name: GGUF `general.name`.
   """
 
   config: TargetConfig
@@ -36,6 +36,7 @@ class Target:
   weights: str
   compute_dtype: str
   gguf_tensor_bytes: int
+  general_name: str = ""
 
   @property
   def device_bytes(self) -> int:
@@ -74,7 +75,8 @@ def load_target(gguf_path: str, *, weights: str = "quantized", compute_dtype: st
                                path=f.path, has_rope_freqs="rope_freqs.weight" in f.tensors)
   params = jax.device_put(target_lib.load_params(f, cfg, weights=weights))
   tok = GGUFTokenizer(f.meta, path=f.path) if tokenizer else None
-  return Target(cfg, params, tok, f.path, weights, compute_dtype, f.n_tensor_bytes)
+  return Target(cfg, params, tok, f.path, weights, compute_dtype, f.n_tensor_bytes,
+                str(f.meta.get("general.name", "")))
 
 
 def load_draft(draft_dir: str, target: Target) -> Draft:
@@ -89,19 +91,27 @@ _forward_jit = jax.jit(target_lib.forward, static_argnames=(
 
 
 def forward_logits(target: Target, token_ids: Sequence[int], *,
-                   feature_layers: tuple[int, ...] = ()) -> np.ndarray:
-  """Full forward of a token sequence from an empty cache.
+                   feature_layers: tuple[int, ...] = (), pad_to: int = 64):
+  """Full forward of a token sequence from an empty cache (prefill math, one call).
 
+  token_ids: [T] ints. The call is padded to a multiple of `pad_to` tokens so that nearby lengths
+  share one compiled function (padding sits after the real tokens and cannot affect them).
   Returns logits [T, V] float32 (numpy); with feature_layers, (logits, features [T, F*D]).
   """
-  ids = jnp.asarray(np.asarray(token_ids, np.int32))
-  cache = target_lib.init_cache(target.config, ids.shape[0])
-  logits, feats, _, _ = _forward_jit(target.params, target.config, ids, jnp.int32(0), cache,
-                                     mode="prefill", feature_layers=tuple(feature_layers),
+  ids = np.asarray(token_ids, np.int32).reshape(-1)
+  n = ids.size
+  if n == 0:
+    raise ValueError("forward_logits needs at least one token")
+  padded = -(-n // pad_to) * pad_to
+  cache = target_lib.init_cache(target.config, padded)
+  logits, feats, _, _ = _forward_jit(target.params, target.config,
+                                     jnp.asarray(np.pad(ids, (0, padded - n))), jnp.int32(0),
+                                     cache, n_valid=jnp.int32(n), mode="prefill",
+                                     feature_layers=tuple(feature_layers),
                                      compute_dtype=target.compute_dtype)
   if feature_layers:
-    return np.asarray(logits), np.asarray(feats)
-  return np.asarray(logits)
+    return np.asarray(logits)[:n], np.asarray(feats)[:n]
+  return np.asarray(logits)[:n]
 
 
 @dataclasses.dataclass

