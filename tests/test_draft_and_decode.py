@@ -1,0 +1,159 @@
+"""DFlash draft vs the z-lab package, and the speculative loop: chain == autoregressive, token for
+token, at every acceptance length; no recompilation across prompts and lengths."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dflash_jax as dj
+from dflash_jax import decode
+from dflash_jax.config import DraftConfig, default_target_layer_ids
+from conftest import DRAFT
+
+
+def test_first_draft_logits_match_zlab(qwen_f32, qwen_draft, draft_ref):
+  lg = dj.first_draft_logits(qwen_f32, qwen_draft, draft_ref["prompt_ids"], max_ctx=256)
+  scale = np.abs(draft_ref["draft_logits"]).max()
+  assert np.abs(lg - draft_ref["draft_logits"]).max() < 1e-5 * max(scale, 1.0)
+  assert lg.argmax(-1).tolist() == draft_ref["draft_tokens"].tolist()
+
+
+def test_target_features_match_zlab(qwen_f32, qwen_draft, draft_ref):
+  _, feats = dj.forward_logits(qwen_f32, draft_ref["prompt_ids"],
+                               feature_layers=qwen_draft.config.target_layer_ids)
+  assert np.abs(feats - draft_ref["target_hidden"]).max() < 1e-5
+
+
+def test_chain_with_fixture_draft_equals_greedy_and_zlab(qwen_f32, qwen_draft, draft_ref):
+  p = draft_ref["prompt_ids"]
+  greedy = draft_ref["greedy_output_ids"][len(p):].tolist()
+  ar = dj.generate(qwen_f32, qwen_draft, p, max_new_tokens=40, mode="ar", max_ctx=256)
+  ch = dj.generate(qwen_f32, qwen_draft, p, max_new_tokens=40, mode="chain", max_ctx=256)
+  assert ar.tokens == greedy and ch.tokens == greedy
+  assert ch.tokens == draft_ref["spec_output_ids"][len(p):].tolist()
+  assert ch.accept_lens == draft_ref["spec_acceptance_lengths"].tolist()
+
+
+def make_oracle(n_vocab):
+  """Proposer that drafts the true continuation `seq` with token `pattern[step % len]` wrong
+  (a value >= L-1 means the whole block is right)."""
+
+  def oracle(tparams, dparams, s, *, dcfg, dec, compute_dtype):
+    drafts = jax.lax.dynamic_slice_in_dim(dparams["seq"], s.pos + 1, dec.block_size - 1)
+    off = dparams["pattern"][s.n_steps % dparams["pattern"].shape[0]]
+    wrong = (drafts + 1) % n_vocab
+    return jnp.where(jnp.arange(dec.block_size - 1) == off, wrong, drafts), s.draft
+
+  return oracle
+
+
+def _oracle_run(target, prompt, truth, pattern, max_ctx, block_size=16):
+  seq = np.zeros(max_ctx + 512, np.int32)
+  full = np.concatenate([prompt, truth])
+  seq[:full.size] = full
+  return dj.generate(target, None, prompt, max_new_tokens=len(truth), mode="chain",
+                     max_ctx=max_ctx, block_size=block_size, eog_ids=(),
+                     proposer=make_oracle(target.config.n_vocab),
+                     proposer_params={"seq": jnp.asarray(seq),
+                                      "pattern": jnp.asarray(pattern, jnp.int32)})
+
+
+def test_oracle_matches_zlab_acceptance(qwen_f32, draft_ref):
+  p = draft_ref["prompt_ids"]
+  truth = draft_ref["greedy_output_ids"][len(p):]
+  r = _oracle_run(qwen_f32, p, truth, draft_ref["oracle_pattern"], 256)
+  assert r.tokens == draft_ref["oracle_output_ids"][len(p):].tolist()
+  ref = draft_ref["oracle_acceptance_lengths"].tolist()
+  assert r.accept_lens[:-1] == ref[:-1]  # the package clips the last one at max_new_tokens
+  assert r.accept_lens[-1] >= ref[-1]
+
+
+def test_oracle_every_acceptance_length_tiny_hybrid(qwen_f32, qwen_ref):
+  """Error at offset 0..14 -> acceptance length 1..15; offset 99 -> full block (16)."""
+  prompt = qwen_ref["tokens"][2, :16]
+  truth = dj.generate(qwen_f32, None, prompt, max_new_tokens=200, mode="ar", max_ctx=512,
+                      eog_ids=()).tokens
+  pattern = list(range(15)) + [99]
+  r = _oracle_run(qwen_f32, prompt, np.asarray(truth, np.int32), pattern, 512)
+  assert r.tokens == truth
+  expect = [(p + 1 if p < 15 else 16) for p in pattern]
+  assert r.accept_lens[:16] == expect
+  assert sum(r.accept_lens) >= len(truth)
+
+
+def test_oracle_every_acceptance_length_smollm2(smol, smol_prompts):
+  prompt = smol_prompts[0]["prompt_ids"]
+  truth = dj.generate(smol, None, prompt, max_new_tokens=140, mode="ar", max_ctx=512,
+                      eog_ids=()).tokens
+  pattern = [99] + list(range(15))
+  r = _oracle_run(smol, np.asarray(prompt, np.int32), np.asarray(truth, np.int32), pattern, 512)
+  assert r.tokens == truth
+  assert r.accept_lens[:16] == [(p + 1 if p < 15 else 16) for p in pattern]
+
+
+def _random_draft(target, n_layer=1, seed=0):
+  from dflash_jax import draft as draft_lib
+  c = target.config
+  cfg = DraftConfig(d_model=c.d_model, n_layer=n_layer, n_head=c.n_head, n_kv_head=c.n_kv_head,
+                    head_dim=c.head_dim, d_ff=c.d_ff, n_vocab=c.n_vocab, rms_eps=c.rms_eps,
+                    rope_theta=c.rope_theta, block_size=16, mask_token_id=0,
+                    target_layer_ids=tuple(default_target_layer_ids(c.n_layer, 3)),
+                    sliding=(False,) * n_layer)
+  return dj.Draft(cfg, jax.device_put(draft_lib.init_params(jax.random.key(seed), cfg, c.d_model)),
+                  "random")
+
+
+def test_chain_random_draft_smollm2_equals_ar_and_stops_at_eog(smol, smol_prompts):
+  d = _random_draft(smol)
+  for p in smol_prompts[3:5]:  # chat prompts: short answers that end with <|im_end|>
+    ar = dj.generate(smol, d, p["prompt_ids"], max_new_tokens=48, mode="ar", max_ctx=512)
+    ch = dj.generate(smol, d, p["prompt_ids"], max_new_tokens=48, mode="chain", max_ctx=512)
+    assert ch.tokens == ar.tokens
+    assert ch.stop_reason == ar.stop_reason
+  assert ar.stop_reason == "eog" and ar.tokens[-1] in smol.tokenizer.eog_ids
+
+
+def test_no_recompile_across_prompts_and_lengths(qwen_f32, qwen_draft, qwen_ref):
+  dj.generate(qwen_f32, qwen_draft, qwen_ref["tokens"][0, :20], max_new_tokens=5, max_ctx=256)
+  before = dict(decode.TRACE_COUNTS)
+  for r, (n, m) in enumerate([(7, 9), (33, 17), (48, 3)]):
+    dj.generate(qwen_f32, qwen_draft, qwen_ref["tokens"][r, :n], max_new_tokens=m, max_ctx=256)
+  dj.generate(qwen_f32, qwen_draft, qwen_ref["tokens"][1, :11], max_new_tokens=12, max_ctx=256,
+              on_tokens=lambda ids: None, steps_per_call=2)
+  assert dict(decode.TRACE_COUNTS) == before
+
+
+def test_streaming_yields_the_same_tokens(qwen_f32, qwen_draft, qwen_ref):
+  seen = []
+  r = dj.generate(qwen_f32, qwen_draft, qwen_ref["tokens"][0, :16], max_new_tokens=25,
+                  max_ctx=256, on_tokens=seen.extend, steps_per_call=3)
+  assert seen == r.tokens and len(r.tokens) == 25
+
+
+def test_context_limit_stops_generation(qwen_f32, qwen_draft, qwen_ref):
+  r = dj.generate(qwen_f32, qwen_draft, qwen_ref["tokens"][0, :40], max_new_tokens=100, max_ctx=64)
+  assert r.stop_reason == "max_ctx"
+  ar = dj.generate(qwen_f32, None, qwen_ref["tokens"][0, :40], max_new_tokens=len(r.tokens),
+                   mode="ar", max_ctx=128, eog_ids=())
+  assert r.tokens == ar.tokens
+
+
+def test_draft_config_variants():
+  with open(os.path.join(DRAFT, "config.json")) as fh:
+    base = json.load(fh)
+  cfg = DraftConfig.from_json(base)
+  assert cfg.block_size == 16 and cfg.target_layer_ids == (1, 3, 5) and cfg.rope_theta == 1e7
+  v = dict(base, rope_theta=1e6, dflash_config={"mask_token_id": 5, "block_size": 8})
+  v.pop("rope_parameters")
+  v["num_target_layers"] = 64
+  v["num_hidden_layers"] = 5
+  v["layer_types"] = ["sliding_attention"] * 4 + ["full_attention"]
+  v["sliding_window"] = 2048
+  cfg = DraftConfig.from_json(v)
+  assert cfg.block_size == 8 and cfg.rope_theta == 1e6 and cfg.mask_token_id == 5
+  assert cfg.target_layer_ids == (1, 16, 31, 46, 61)  # z-lab default formula
+  assert cfg.sliding == (True,) * 4 + (False,) and cfg.sliding_window == 2048

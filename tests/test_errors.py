@@ -1,0 +1,102 @@
+"""Bad input gets a clear error naming the file, tensor or value."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import dflash_jax as dj
+from conftest import DRAFT, QWEN
+
+
+def _write_gguf(path, arch, tensors, extra_kv=()):
+  from gguf import GGUFWriter
+  w = GGUFWriter(str(path), arch)
+  w.add_block_count(1)
+  w.add_embedding_length(256)
+  w.add_feed_forward_length(256)
+  w.add_head_count(4)
+  w.add_layer_norm_rms_eps(1e-5)
+  for k, v in extra_kv:
+    w.add_string(k, v)
+  for name, arr, raw in tensors:
+    w.add_tensor(name, arr, raw_dtype=raw)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+
+
+def test_unknown_architecture(tmp_path):
+  p = tmp_path / "m.gguf"
+  _write_gguf(p, "gpt_neox", [("token_embd.weight", np.zeros((8, 256), np.float32), None)])
+  with pytest.raises(ValueError, match=r"m\.gguf.*architecture.*'gpt_neox'"):
+    dj.load_target(str(p))
+
+
+def test_unknown_quant_type_names_tensor(tmp_path):
+  from gguf import GGMLQuantizationType as QT
+  p = tmp_path / "m.gguf"
+  _write_gguf(p, "llama", [("token_embd.weight", np.zeros((8, 84), np.uint8), QT.Q2_K)])
+  with pytest.raises(ValueError, match=r"token_embd\.weight.*Q2_K.*not supported"):
+    dj.load_target(str(p), tokenizer=False)
+
+
+def test_truncated_gguf(tmp_path):
+  src = os.path.join(QWEN, "model-q4_k_m.gguf")
+  p = tmp_path / "trunc.gguf"
+  with open(src, "rb") as fh:
+    p.write_bytes(fh.read()[: os.path.getsize(src) - 1000])
+  with pytest.raises(ValueError, match=r"trunc\.gguf.*(truncated|corrupt)"):
+    dj.load_target(str(p), tokenizer=False)
+  p.write_bytes(b"GGUF\x03\x00\x00\x00garbage")
+  with pytest.raises(ValueError, match=r"trunc\.gguf"):
+    dj.load_target(str(p), tokenizer=False)
+
+
+def test_missing_file():
+  with pytest.raises(FileNotFoundError, match="nope.gguf"):
+    dj.load_target("/nonexistent/nope.gguf")
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("hidden_size", 512, r"hidden_size=512.*embedding_length=256"),
+    ("vocab_size", 2048, r"vocab_size=2048"),
+    ("dflash_config", {"mask_token_id": 1023, "target_layer_ids": [1, 3, 9]}, r"target_layer_ids.*\[9\]"),
+])
+def test_mismatched_draft(tmp_path, qwen_f32, field, value, match):
+  d = tmp_path / "draft"
+  shutil.copytree(DRAFT, d)
+  with open(d / "config.json") as fh:
+    cfg = json.load(fh)
+  cfg[field] = value
+  with open(d / "config.json", "w") as fh:
+    json.dump(cfg, fh)
+  with pytest.raises(ValueError, match=match):
+    dj.load_draft(str(d), qwen_f32)
+
+
+def test_draft_with_wrong_tensor_shape(tmp_path, qwen_f32):
+  from safetensors.numpy import save_file
+  from dflash_jax.draft import _load_safetensors
+  d = tmp_path / "draft"
+  shutil.copytree(DRAFT, d)
+  arrays = _load_safetensors(str(d / "model.safetensors"))
+  arrays["layers.1.mlp.up_proj.weight"] = np.zeros((100, 256), np.float32)
+  save_file(arrays, str(d / "model.safetensors"))
+  with pytest.raises(ValueError, match=r"layers\.1\.mlp\.up_proj\.weight.*\(100, 256\)"):
+    dj.load_draft(str(d), qwen_f32)
+
+
+def test_prompt_longer_than_context(qwen_f32, qwen_draft):
+  with pytest.raises(ValueError, match=r"prompt has 48 tokens.*max_ctx=32"):
+    dj.generate(qwen_f32, qwen_draft, list(range(48)), max_new_tokens=4, max_ctx=32)
+
+
+def test_bad_mode_and_block_size(qwen_f32, qwen_draft):
+  with pytest.raises(ValueError, match="mode='tree'"):
+    dj.generate(qwen_f32, qwen_draft, [1, 2, 3], max_new_tokens=4, mode="tree")
+  with pytest.raises(ValueError, match="block_size=8"):
+    dj.generate(qwen_f32, qwen_draft, [1, 2, 3], max_new_tokens=4, block_size=8)
