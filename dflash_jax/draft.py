@@ -248,6 +248,72 @@ def propose(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: 
   return logits, DraftCache(jnp.stack(ks), jnp.stack(vs))
 
 
+def block_masks(anchors: jax.Array, n_ctx: int, cfg: DraftConfig, sliding: bool):
+  """Attention masks of the training forward (True = visible).
+
+  anchors: [A] int32 absolute positions of the blocks' first rows. Context rows are positions
+  0..n_ctx-1. Block a's queries see context positions < anchors[a] (target features strictly
+  before the anchor) and the L rows of their own block only (bidirectional; other blocks never);
+  sliding layers add causality and the window, measured in absolute positions.
+  Returns (ctx_mask [A, L, n_ctx], blk_mask [A, L, L]).
+  """
+  L = cfg.block_size
+  qpos = anchors[:, None] + jnp.arange(L)                        # [A, L]
+  cpos = jnp.arange(n_ctx)
+  ctx = jnp.broadcast_to(cpos[None, None, :] < anchors[:, None, None], (anchors.shape[0], L, n_ctx))
+  blk = jnp.ones((anchors.shape[0], L, L), bool)
+  if sliding:
+    w = cfg.sliding_window
+    ctx = ctx & (qpos[:, :, None] - cpos[None, None, :] < w)
+    blk = blk & (qpos[:, None, :] <= qpos[:, :, None]) & (qpos[:, :, None] - qpos[:, None, :] < w)
+  return ctx, blk
+
+
+def train_hidden(params: DraftParams, cfg: DraftConfig, feats: jax.Array, block_ids: jax.Array,
+                 anchors: jax.Array, embed: QuantWeight, compute_dtype: str = "float32"):
+  """Draft forward for many blocks of one sequence at once (training; same math as ingest +
+  propose, checked by tests).
+
+  feats: [T, F*D] target features of positions 0..T-1; block_ids: [A, L] int32 rows
+  [x_anchor, MASK x (L-1)]; anchors: [A] int32 positions of the first rows.
+  Returns h: [A, L, D] float32 after the final norm (apply the target lm_head to rows 1..L-1).
+  """
+  cdt = jnp.dtype(compute_dtype)
+  n_ctx = feats.shape[0]
+  A, L = block_ids.shape
+  H, Hkv, Dh = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+  G = H // Hkv
+  cpos = jnp.arange(n_ctx, dtype=jnp.int32)
+  qpos = (anchors[:, None] + jnp.arange(L, dtype=jnp.int32)).reshape(-1)  # [A*L]
+  c = layers.rms_norm(layers.linear(feats, params.fc, cdt), params.hidden_norm, cfg.rms_eps)
+  h = take_rows(embed, block_ids.reshape(-1)).reshape(A, L, -1)
+  hp = jax.lax.Precision.HIGHEST
+  for i, lay in enumerate(params.layers):
+    kc = layers.rms_norm(layers.linear(c, lay.wk, cdt).reshape(n_ctx, Hkv, Dh), lay.k_norm, cfg.rms_eps)
+    kc = _rope(kc, cpos, cfg)
+    vc = layers.linear(c, lay.wv, cdt).reshape(n_ctx, Hkv, Dh)
+    x = layers.rms_norm(h, lay.in_norm, cfg.rms_eps).reshape(A * L, -1)
+    q = layers.rms_norm(layers.linear(x, lay.wq, cdt).reshape(A * L, H, Dh), lay.q_norm, cfg.rms_eps)
+    kb = layers.rms_norm(layers.linear(x, lay.wk, cdt).reshape(A * L, Hkv, Dh), lay.k_norm, cfg.rms_eps)
+    vb = layers.linear(x, lay.wv, cdt).reshape(A, L, Hkv, Dh)
+    q = _rope(q, qpos, cfg).reshape(A, L, Hkv, G, Dh)
+    kb = _rope(kb, qpos, cfg).reshape(A, L, Hkv, Dh)
+    ctx_mask, blk_mask = block_masks(anchors, n_ctx, cfg, cfg.sliding[i])
+    scale = Dh ** -0.5
+    s_ctx = jnp.einsum("alkgd,tkd->akglt", q, kc, precision=hp) * scale
+    s_blk = jnp.einsum("alkgd,amkd->akglm", q, kb, precision=hp) * scale
+    s = jnp.concatenate([jnp.where(ctx_mask[:, None, None], s_ctx, -jnp.inf),
+                         jnp.where(blk_mask[:, None, None], s_blk, -jnp.inf)], axis=-1)
+    p = jax.nn.softmax(s, axis=-1)
+    o = (jnp.einsum("akglt,tkd->alkgd", p[..., :n_ctx], vc, precision=hp)
+         + jnp.einsum("akglm,amkd->alkgd", p[..., n_ctx:], vb, precision=hp))
+    h = h + layers.linear(o.reshape(A, L, H * Dh), lay.wo, cdt)
+    y = layers.rms_norm(h, lay.post_norm, cfg.rms_eps)
+    h = h + layers.linear(jax.nn.silu(layers.linear(y, lay.gate, cdt)) * layers.linear(y, lay.up, cdt),
+                          lay.down, cdt)
+  return layers.rms_norm(h, params.norm, cfg.rms_eps)
+
+
 def init_params(key: jax.Array, cfg: DraftConfig, d_target: int, *, std: float = 0.02,
                 weight_fmt: str = "bf16") -> DraftParams:
   """Random draft (matrices N(0, std^2), norms 1): a starting point for training and for tests."""
