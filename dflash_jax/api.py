@@ -149,11 +149,14 @@ class GenerateResult:
 
 
 def _prepare(target: Target, draft: Optional[Draft], prompt_ids, mode, max_ctx, block_size,
-             prefill_chunk):
-  if mode not in ("ar", "chain"):
-    raise ValueError(f"mode={mode!r}: expected 'ar' or 'chain'")
-  if mode == "chain" and draft is None and block_size is None:
-    raise ValueError("mode='chain' needs a draft (or a proposer and block_size)")
+             prefill_chunk, tree_opts=None):
+  if mode not in ("ar", "chain", "ddtree"):
+    raise ValueError(f"mode={mode!r}: expected 'ar', 'chain' or 'ddtree'")
+  if mode != "ar" and draft is None and block_size is None:
+    raise ValueError(f"mode={mode!r} needs a draft (or a proposer and block_size)")
+  tree_opts = dict(tree_opts or {})
+  if tree_opts.get("budget", 1) < 1 or tree_opts.get("top_k", 1) < 1:
+    raise ValueError(f"budget and top_k must be >= 1, got {tree_opts}")
   if block_size is None:
     block_size = draft.config.block_size if draft is not None else 16
   if draft is not None and block_size != draft.config.block_size:
@@ -168,7 +171,7 @@ def _prepare(target: Target, draft: Optional[Draft], prompt_ids, mode, max_ctx, 
   if ids.max() >= target.config.n_vocab or ids.min() < 0:
     raise ValueError(f"prompt token ids must be in [0, {target.config.n_vocab})")
   dec = DecodeConfig(mode=mode, block_size=block_size, max_ctx=max_ctx,
-                     prefill_chunk=prefill_chunk)
+                     prefill_chunk=prefill_chunk, **tree_opts)
   return ids, dec
 
 
@@ -180,7 +183,7 @@ def _eog(target: Target, eog_ids):
 
 def _prefill(target, draft, ids, dec, eog, dparams=None):
   """Prefill `ids` chunk by chunk into a fresh DecodeState."""
-  dcfg = draft.config if (draft is not None and dec.mode == "chain") else None
+  dcfg = draft.config if (draft is not None and dec.mode != "ar") else None
   if dparams is None and dcfg is not None:
     dparams = draft.params
   state = decode_lib.init_state(target.config, dcfg, dec)
@@ -208,23 +211,29 @@ def first_draft_logits(target: Target, draft: Draft, prompt_ids: Sequence[int], 
 
 def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], *,
              max_new_tokens: int, mode: str = "chain", max_ctx: int = 2048,
-             block_size: Optional[int] = None, prefill_chunk: int = 128,
+             block_size: Optional[int] = None, prefill_chunk: int = 128, budget: int = 22,
+             top_k: int = 8, chain_seed: bool = True, draft_temp: float = 1.0,
              eog_ids: Optional[Sequence[int]] = None,
              on_tokens: Optional[Callable[[list[int]], None]] = None, steps_per_call: int = 4,
              proposer: Optional[Callable] = None, proposer_params=None) -> GenerateResult:
-  """Greedy generation, speculative (mode="chain", DFlash) or autoregressive (mode="ar").
+  """Greedy generation: speculative (mode="chain": DFlash chain; mode="ddtree": DDTree with
+  `budget` nodes, `top_k` candidates per depth, the top-1 `chain_seed` and `draft_temp`) or
+  autoregressive (mode="ar").
 
   prompt_ids: [P] ints, P < max_ctx. max_new_tokens: tokens to generate at most (the loop also
   stops after an EOG token, or when the context reaches max_ctx).
   on_tokens: called with the newly committed token ids; the loop then runs `steps_per_call`
     steps per device call (the same compiled function), else all steps in one call.
   proposer / proposer_params: replace the DFlash draft (see decode.dflash_proposer), e.g. an oracle.
-  Greedy chain output equals autoregressive output token for token.
+  Greedy chain and DDTree output equal autoregressive output token for token.
   Raises ValueError for a bad mode, an empty or too long prompt, or a block size mismatch.
   """
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-  ids, dec = _prepare(target, draft, prompt_ids, mode, max_ctx, block_size, prefill_chunk)
+  tree_opts = (dict(budget=budget, top_k=top_k, chain_seed=chain_seed, draft_temp=draft_temp)
+               if mode == "ddtree" else None)
+  ids, dec = _prepare(target, draft, prompt_ids, mode, max_ctx, block_size, prefill_chunk,
+                      tree_opts)
   eog = _eog(target, eog_ids)
   t0 = time.perf_counter()
   if proposer is not None:

@@ -245,24 +245,32 @@ class DecodeConfig:
   """Static shapes of the decode loop (changing any of these recompiles).
 
   Attributes:
-    mode: "ar" (autoregressive baseline, one token per step) or "chain" (DFlash chain verify).
-    block_size: L, draft block incl. the bonus slot (chain); ignored for "ar".
+    mode: "ar" (autoregressive baseline, one token per step), "chain" (DFlash chain verify) or
+      "ddtree" (DDTree: a best-first draft tree verified in one forward).
+    block_size: L, draft block incl. the bonus slot; ignored for "ar".
     max_ctx: cache capacity in tokens (prompt + generated must fit).
     prefill_chunk: tokens per prefill forward (prompts are padded to a multiple of it).
+    budget: DDTree nodes excluding the root. top_k: candidates per depth.
+    chain_seed: insert the draft's top-1 chain first (acceptance never below chain mode).
+    draft_temp: temperature applied to the draft logits before scoring the tree.
   """
 
   mode: str = "chain"
   block_size: int = 16
   max_ctx: int = 2048
   prefill_chunk: int = 128
+  budget: int = 22
+  top_k: int = 8
+  chain_seed: bool = True
+  draft_temp: float = 1.0
 
   @property
   def verify_len(self) -> int:
-    """Tokens per verify forward: L for chain, 1 for autoregressive."""
-    return 1 if self.mode == "ar" else self.block_size
+    """Tokens per verify forward: L (chain), 1 + budget (ddtree), 1 (autoregressive)."""
+    return {"ar": 1, "chain": self.block_size, "ddtree": self.budget + 1}[self.mode]
 
   @property
   def capacity(self) -> int:
-    """Cache rows: max_ctx plus slack for a padded prefill chunk and a verify block overhang."""
-    c = self.max_ctx + max(self.block_size, self.prefill_chunk)
+    """Cache rows: max_ctx plus slack for a padded prefill chunk and a verify overhang."""
+    c = self.max_ctx + max(self.block_size, self.budget + 1, self.prefill_chunk)
     return -(-c // self.prefill_chunk) * self.prefill_chunk

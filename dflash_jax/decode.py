@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from dflash_jax import draft as draft_lib
 from dflash_jax import target as target_lib
+from dflash_jax import tree as tree_lib
 from dflash_jax.config import DecodeConfig, DraftConfig, TargetConfig
 
 # Number of times each jitted function was traced (tests assert no retrace across prompts).
@@ -107,47 +108,65 @@ def dflash_proposer(tparams, dparams, s: DecodeState, *, dcfg: DraftConfig, dec:
                     compute_dtype: str = "float32"):
   """The DFlash draft as proposer: ingest pending target features, draft one block.
 
-  Returns (drafts [L-1] int32 greedy tokens for positions pos+1.., new DraftCache).
-  A proposer is any function with this signature (tests pass an oracle).
+  Returns (logits [L-1, V] float32 for positions pos+1.., new DraftCache). A proposer is any
+  function with this signature (tests pass an oracle); chain mode takes the argmax per row,
+  DDTree builds a tree from the rows' log-probabilities.
   """
   dcache = draft_lib.ingest(dparams, dcfg, s.pending, s.pos - s.n_pending, s.draft, compute_dtype)
-  dlogits, dcache = draft_lib.propose(dparams, dcfg, tparams.embed, tparams.lm_head, s.bonus,
-                                      s.pos, dcache, compute_dtype)
-  return jnp.argmax(dlogits, axis=-1).astype(jnp.int32), dcache
+  return draft_lib.propose(dparams, dcfg, tparams.embed, tparams.lm_head, s.bonus, s.pos, dcache,
+                           compute_dtype)
 
 
 def _step(tparams, dparams, s: DecodeState, max_new, eog_ids, *, tcfg, dcfg, dec, compute_dtype,
           proposer):
-  """One round: draft (chain only), verify, accept, commit."""
-  L = dec.verify_len
+  """One round: draft, verify (chain block or DDTree tree), accept, commit."""
+  L = dec.block_size if dec.mode != "ar" else 1
   feature_layers = _feature_layers(dcfg, dec)
   dcache, pending = s.draft, s.pending
   if dec.mode == "ar":
     block = s.bonus[None]
   else:
-    drafts, dcache = proposer(tparams, dparams, s, dcfg=dcfg, dec=dec, compute_dtype=compute_dtype)
-    block = jnp.concatenate([s.bonus[None], drafts])              # [L]
-  logits, feats, tcache, steps = target_lib.forward(
-      tparams, tcfg, block, s.pos, s.target, mode="verify", feature_layers=feature_layers,
-      logits_rows="all", compute_dtype=compute_dtype)
-  post = jnp.argmax(logits, axis=-1).astype(jnp.int32)            # [L] target's next tokens
-  if dec.mode == "ar":
-    n_acc = jnp.int32(0)
+    dlogits, dcache = proposer(tparams, dparams, s, dcfg=dcfg, dec=dec, compute_dtype=compute_dtype)
+  if dec.mode == "ddtree":
+    logp = jax.nn.log_softmax(dlogits.astype(jnp.float32) / dec.draft_temp, axis=-1)
+    tree = tree_lib.build_tree(logp, s.bonus, budget=dec.budget, top_k=dec.top_k,
+                               chain_seed=dec.chain_seed)
+    logits, feats, tcache, steps = target_lib.forward(
+        tparams, tcfg, tree.tokens, s.pos, s.target, mode="tree", feature_layers=feature_layers,
+        logits_rows="all", compute_dtype=compute_dtype, tree_parents=tree.parents,
+        tree_depths=tree.depths)
+    post = jnp.argmax(logits, axis=-1).astype(jnp.int32)          # [N] target's next tokens
+    path, n_acc, _ = tree_lib.follow(tree, post, L - 1)           # path: [L] node ids
+    n_commit = n_acc + 1
+    emit = post[path]                                             # [L]: accepted drafts, bonus
+    tcache = target_lib.commit_path(tcache, steps, s.pos, path, n_commit)
+    if feature_layers:
+      feats = feats[path]
   else:
-    n_acc = jnp.sum(jnp.cumprod((drafts == post[:-1]).astype(jnp.int32))).astype(jnp.int32)
-  n_commit = n_acc + 1
-  # Emit post[0..n_acc]; stop after the first EOG token among them and at max_new tokens.
-  is_eog = jnp.any(post[:, None] == eog_ids[None, :], axis=-1) & (jnp.arange(L) < n_commit)
+    if dec.mode == "chain":
+      drafts = jnp.argmax(dlogits, axis=-1).astype(jnp.int32)     # [L-1]
+      block = jnp.concatenate([s.bonus[None], drafts])            # [L]
+    logits, feats, tcache, steps = target_lib.forward(
+        tparams, tcfg, block, s.pos, s.target, mode="verify", feature_layers=feature_layers,
+        logits_rows="all", compute_dtype=compute_dtype)
+    emit = jnp.argmax(logits, axis=-1).astype(jnp.int32)          # [L] target's next tokens
+    if dec.mode == "ar":
+      n_acc = jnp.int32(0)
+    else:
+      n_acc = jnp.sum(jnp.cumprod((drafts == emit[:-1]).astype(jnp.int32))).astype(jnp.int32)
+    n_commit = n_acc + 1
+    tcache = target_lib.commit(tcache, steps, n_commit)
+  # Emit emit[0..n_acc]; stop after the first EOG token among them and at max_new tokens.
+  is_eog = jnp.any(emit[:, None] == eog_ids[None, :], axis=-1) & (jnp.arange(L) < n_commit)
   hit = jnp.any(is_eog)
   n_emit = jnp.where(hit, jnp.argmax(is_eog) + 1, n_commit)
   n_emit = jnp.minimum(n_emit, max_new - s.n_out)
-  out = jax.lax.dynamic_update_slice_in_dim(s.out, post, s.n_out, axis=0)
+  out = jax.lax.dynamic_update_slice_in_dim(s.out, emit, s.n_out, axis=0)
   n_out = s.n_out + n_emit
-  tcache = target_lib.commit(tcache, steps, n_commit)
   if feature_layers:
     pending = feats
   return dataclasses.replace(
-      s, out=out, n_out=n_out, pos=s.pos + n_commit, bonus=post[n_acc],
+      s, out=out, n_out=n_out, pos=s.pos + n_commit, bonus=emit[n_acc],
       done=s.done | hit | (n_out >= max_new), n_steps=s.n_steps + 1,
       accept_lens=s.accept_lens.at[s.n_steps].set(n_commit), target=tcache, draft=dcache,
       pending=pending, n_pending=n_commit)

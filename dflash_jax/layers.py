@@ -165,3 +165,50 @@ def gated_delta_rule_chunked(q, k, v, g, beta, state, chunk: int = 64):
   s, o = jax.lax.scan(step, state.astype(f32), (qc, kc, u, w, gcum, aqk))
   o = jnp.moveaxis(o, 2, 1).reshape(n * chunk, hv, dv)[:t]
   return o, s
+
+
+def gated_delta_rule_tree(q, k, v, g, beta, state, parents):
+  """Gated delta rule over a tree (DDTree verify): node i starts from its parent's state, the
+  root (parents[i] < 0) from `state`. Pure-JAX reference: a scan over nodes in index order with a
+  parent gather (parents[i] < i). The chain is parents = [-1, 0, 1, ...].
+
+  q, k: [N, Hv, Dk]; v: [N, Hv, Dv]; g, beta: [N, Hv]; state: [Hv, Dk, Dv]; parents: [N] int32.
+  Returns (o: [N, Hv, Dv], states: [N, Hv, Dk, Dv] the state after each node).
+  """
+  n = q.shape[0]
+  hp = jax.lax.Precision.HIGHEST
+  state = state.astype(jnp.float32)
+
+  def step(buf, inp):
+    i, qt, kt, vt, gt, bt = inp
+    p = parents[i]
+    s = jnp.where(p >= 0, buf[jnp.maximum(p, 0)], state)
+    s = s * jnp.exp(gt)[:, None, None]
+    delta = (vt - jnp.einsum("hk,hkv->hv", kt, s, precision=hp)) * bt[:, None]
+    s = s + kt[:, :, None] * delta[:, None, :]
+    o = jnp.einsum("hk,hkv->hv", qt, s, precision=hp)
+    return buf.at[i].set(s), o
+
+  buf = jnp.zeros((n,) + state.shape, jnp.float32)
+  buf, o = jax.lax.scan(step, buf, (jnp.arange(n), q, k, v, g, beta))
+  return o, buf
+
+
+def causal_conv_tree(x: jax.Array, conv_state: jax.Array, w: jax.Array, anc: jax.Array,
+                     depths: jax.Array) -> jax.Array:
+  """Causal depthwise conv along each node's ancestor chain (DDTree verify).
+
+  x: [N, C] node inputs; conv_state: [K-1, C] committed inputs before the root (oldest first);
+  w: [C, K]; anc: [N, K] j-th ancestor of each node (column 0 = itself, -1 past the root);
+  depths: [N] root = 0. Node i's window reads x[anc[i, j]] for j <= depth and then falls back
+  into conv_state (the committed past). Returns [N, C] float32; equals `causal_conv` on a chain.
+  """
+  kk = w.shape[1]
+  x = x.astype(jnp.float32)
+  y = jnp.zeros_like(x)
+  for j in range(kk):  # j = steps back from the node
+    from_tree = x[jnp.maximum(anc[:, j], 0)]
+    back = j - depths                                   # > 0: inside the committed conv state
+    from_state = conv_state.astype(jnp.float32)[jnp.clip(kk - 1 - back, 0, kk - 2)]
+    y = y + jnp.where((j <= depths)[:, None], from_tree, from_state) * w[:, kk - 1 - j]
+  return y

@@ -123,6 +123,32 @@ def commit(cache: TargetCache, steps: GDNSteps, n_keep: jax.Array) -> TargetCach
   return dataclasses.replace(cache, ssm=ssm, conv=conv)
 
 
+def _gather_rows(c: jax.Array, start: jax.Array, path: jax.Array) -> jax.Array:
+  """c: [n, S, ...]; rows start+m <- rows start+path[m] for m < len(path)."""
+  if c.shape[0] == 0:
+    return c
+  rows = jnp.take(c, start + path, axis=1)
+  return jax.lax.dynamic_update_slice_in_dim(c, rows, start, axis=1)
+
+
+def commit_path(cache: TargetCache, steps: GDNSteps, start: jax.Array, path: jax.Array,
+                n_keep: jax.Array) -> TargetCache:
+  """Commit the accepted root path of a tree verify (no replay).
+
+  path: [P] int32 node ids of the accepted path (root first; entries past n_keep are ignored);
+  n_keep: [] nodes kept (>= 1). KV rows start+path[m] move to start+m; SSM state = the state
+  after node path[n_keep-1]; conv state = last K-1 inputs of [old conv state ; path inputs].
+  """
+  cache = dataclasses.replace(cache, k=_gather_rows(cache.k, start, path),
+                              v=_gather_rows(cache.v, start, path))
+  if cache.ssm.shape[0] == 0:
+    return cache
+  ssm = jnp.take(steps.ssm, path[n_keep - 1], axis=1)
+  xc = jnp.concatenate([cache.conv, jnp.take(steps.xin, path, axis=1)], axis=1)
+  conv = jax.lax.dynamic_slice_in_dim(xc, n_keep, cache.conv.shape[1], axis=1)
+  return dataclasses.replace(cache, ssm=ssm, conv=conv)
+
+
 # ----------------------------------------------------------------------------- loading
 
 def _expect(f: GGUFFile, name: str, shape: tuple[int, ...]):
@@ -204,9 +230,12 @@ def _ffn(x, p: FFNParams, cfg: TargetConfig, cdt):
   return layers.linear(h, p.down, cdt)
 
 
-def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_cache, v_cache, pos, cdt, rope_freqs):
-  """x: [T, D]; k_cache/v_cache: [S, Hkv, Dh]; pos: [T] int32 absolute positions (contiguous).
-  Writes this call's K/V at pos[0].. and attends causally over the cache by position."""
+def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_cache, v_cache, start, pos, cdt, rope_freqs,
+                tree_anc=None):
+  """x: [T, D]; k_cache/v_cache: [S, Hkv, Dh]; start: [] first cache row written; pos: [T] int32
+  RoPE positions. Writes this call's K/V at rows start..start+T-1. Mask: chain/prefill -> keys
+  at rows <= pos (causal); tree -> rows < start (committed past) plus the node's ancestors
+  (tree_anc: [T, T] bool)."""
   t = x.shape[0]
   h, hkv, dh, dv = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.v_head_dim
   y = layers.rms_norm(x, p.norm, cfg.rms_eps)
@@ -224,10 +253,15 @@ def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_cache, v_cache, pos, cdt,
   rope = functools.partial(layers.rope, pos=pos, rot_dim=cfg.rope_dim, theta=cfg.rope_theta,
                            style=cfg.rope_style, freq_factors=rope_freqs)
   q, k = rope(q), rope(k)
-  k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), pos[0], axis=0)
-  v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), pos[0], axis=0)
+  k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), start, axis=0)
+  v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, axis=0)
   key_pos = jnp.arange(k_cache.shape[0], dtype=jnp.int32)
-  mask = key_pos[None, :] <= pos[:, None]
+  if tree_anc is None:
+    mask = key_pos[None, :] <= pos[:, None]
+  else:
+    slot = key_pos - start
+    in_tree = (slot >= 0) & (slot < t)
+    mask = (key_pos[None, :] < start) | (in_tree[None, :] & tree_anc[:, jnp.clip(slot, 0, t - 1)])
   o = layers.attention(q, k_cache.astype(jnp.float32), v_cache.astype(jnp.float32), mask)
   o = o.reshape(t, h * dv)
   if gate is not None:
@@ -235,12 +269,14 @@ def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_cache, v_cache, pos, cdt,
   return layers.linear(o, p.wo, cdt), k_cache, v_cache
 
 
-def _gdn_layer(x, p: GDNParams, cfg: TargetConfig, ssm, conv, n_valid, mode, cdt):
+def _gdn_layer(x, p: GDNParams, cfg: TargetConfig, ssm, conv, n_valid, mode, cdt, tree=None):
   """Gated DeltaNet mixer (llama.cpp qwen35.cpp build_layer_attn_linear; HF Qwen3_5GatedDeltaNet).
 
   x: [T, D]; ssm: [Hv, Dk, Dv]; conv: [K-1, C]; n_valid: [] tokens of x that are real.
   mode "prefill": chunked rule, returns the state after n_valid tokens.
   mode "verify": recurrent rule, returns per-token states (GDNSteps rows) and leaves conv alone.
+  mode "tree": like verify, over tree nodes (tree = (parents, depths, ancestors [T, K])): each node
+    continues its parent's SSM state and conv window (tree_deltanet reference).
   """
   t = x.shape[0]
   hk, hv, dk, dv = cfg.gdn_n_k_head, cfg.gdn_n_v_head, cfg.gdn_d_k, cfg.gdn_d_v
@@ -249,7 +285,11 @@ def _gdn_layer(x, p: GDNParams, cfg: TargetConfig, ssm, conv, n_valid, mode, cdt
   z = layers.linear(y, p.w_z, cdt).reshape(t, hv, dv)
   beta = jax.nn.sigmoid(layers.linear(y, p.w_beta, cdt))    # [T, Hv]
   g = p.ssm_a * jax.nn.softplus(layers.linear(y, p.w_alpha, cdt) + p.dt_bias)  # [T, Hv] log decay
-  mixed = jax.nn.silu(layers.causal_conv(xin, conv, p.conv))
+  if mode == "tree":
+    parents, depths, anc = tree
+    mixed = jax.nn.silu(layers.causal_conv_tree(xin, conv, p.conv, anc, depths))
+  else:
+    mixed = jax.nn.silu(layers.causal_conv(xin, conv, p.conv))
   q = mixed[:, :hk * dk].reshape(t, hk, dk)
   k = mixed[:, hk * dk:2 * hk * dk].reshape(t, hk, dk)
   v = mixed[:, 2 * hk * dk:].reshape(t, hv, dv)
@@ -263,6 +303,9 @@ def _gdn_layer(x, p: GDNParams, cfg: TargetConfig, ssm, conv, n_valid, mode, cdt
     xc = jnp.concatenate([conv, xin], axis=0)
     new_conv = jax.lax.dynamic_slice_in_dim(xc, n_valid, conv.shape[0], axis=0)
     step_states = None
+  elif mode == "tree":
+    o, step_states = layers.gated_delta_rule_tree(q, k, v, g, beta, ssm, tree[0])
+    new_ssm, new_conv = ssm, conv
   else:
     o, step_states = layers.gated_delta_rule_recurrent(q, k, v, g, beta, ssm)
     new_ssm, new_conv = ssm, conv
@@ -274,12 +317,16 @@ def _gdn_layer(x, p: GDNParams, cfg: TargetConfig, ssm, conv, n_valid, mode, cdt
 def forward(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, start: jax.Array,
             cache: TargetCache, *, n_valid: jax.Array | None = None, mode: str = "verify",
             feature_layers: tuple[int, ...] = (), logits_rows: str = "all",
-            compute_dtype: str = "float32"):
+            compute_dtype: str = "float32", tree_parents: jax.Array | None = None,
+            tree_depths: jax.Array | None = None):
   """Target forward of T new tokens at positions start..start+T-1 against `cache`.
 
   tokens: [T] int32; start: [] int32; n_valid: [] int32 real tokens (prefill padding), default T.
-  mode: "prefill" (chunked GDN, cache fully updated for n_valid tokens) or "verify" (recurrent
-    GDN; KV written for all T, SSM/conv untouched, per-token states returned for `commit`).
+  mode: "prefill" (chunked GDN, cache fully updated for n_valid tokens), "verify" (recurrent
+    GDN; KV written for all T, SSM/conv untouched, per-token states returned for `commit`) or
+    "tree" (DDTree verify of T tree nodes: tree_parents/tree_depths [T] int32, node i at RoPE
+    position start + depth, attending to the committed past and its ancestors; commit with
+    `commit_path`).
   feature_layers: target layer ids whose residual-stream outputs are returned, concatenated
     (the DFlash hidden_states[lid+1] convention).
   logits_rows: "all" -> logits [T, V]; "last" -> [1, V] for row n_valid-1; "none" -> None.
@@ -289,7 +336,16 @@ def forward(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, start: j
   t = tokens.shape[0]
   if n_valid is None:
     n_valid = jnp.int32(t)
-  pos = start + jnp.arange(t, dtype=jnp.int32)
+  tree = tree_anc = None
+  if mode == "tree":
+    from dflash_jax import tree as tree_lib
+    max_depth = t - 1
+    tree_anc = tree_lib.ancestor_matrix(tree_parents, max_depth)
+    pos = start + tree_depths
+    if cfg.gdn_layers:
+      tree = (tree_parents, tree_depths, tree_lib.ancestors(tree_parents, cfg.conv_kernel - 1))
+  else:
+    pos = start + jnp.arange(t, dtype=jnp.int32)
   x = take_rows(params.embed, tokens)
   feats = {}
   ks, vs, ssms, convs, st_ssm, st_x = [], [], [], [], [], []
@@ -297,13 +353,14 @@ def forward(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, start: j
   for i, p in enumerate(params.layers):
     if cfg.recurrent[i]:
       o, s_new, c_new, st, xin = _gdn_layer(x, p, cfg, cache.ssm[ig], cache.conv[ig], n_valid,
-                                            mode, cdt)
+                                            mode, cdt, tree)
       ssms.append(s_new), convs.append(c_new)
       if st is not None:
         st_ssm.append(st), st_x.append(xin)
       ig += 1
     else:
-      o, kc, vc = _attn_layer(x, p, cfg, cache.k[ia], cache.v[ia], pos, cdt, params.rope_freqs)
+      o, kc, vc = _attn_layer(x, p, cfg, cache.k[ia], cache.v[ia], start, pos, cdt,
+                              params.rope_freqs, tree_anc)
       ks.append(kc), vs.append(vc)
       ia += 1
     x = x + o
@@ -314,9 +371,9 @@ def forward(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, start: j
       k=jnp.stack(ks) if ks else cache.k, v=jnp.stack(vs) if vs else cache.v,
       ssm=jnp.stack(ssms) if ssms else cache.ssm, conv=jnp.stack(convs) if convs else cache.conv)
   steps = None
-  if mode == "verify" and st_ssm:
+  if mode in ("verify", "tree") and st_ssm:
     steps = GDNSteps(ssm=jnp.stack(st_ssm), xin=jnp.stack(st_x))
-  elif mode == "verify":
+  elif mode in ("verify", "tree"):
     steps = GDNSteps(ssm=jnp.zeros((0, t) + cache.ssm.shape[1:], jnp.float32),
                      xin=jnp.zeros((0, t, cache.conv.shape[-1]), jnp.float32))
   feat = jnp.concatenate([feats[l] for l in feature_layers], axis=-1) if feature_layers else None

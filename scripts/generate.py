@@ -152,8 +152,16 @@ def main(argv):
         f"(incl. compile)", file=sys.stderr)
 
 
+def _main_with_clear_errors(argv):
+  try:
+    main(argv)
+  except (ValueError, FileNotFoundError, NotImplementedError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(1)
+
+
 if __name__ == "__main__":
   import jax
   jax.config.config_with_absl()
   logging.set_verbosity(logging.WARNING)
-  app.run(main)
+  app.run(_main_with_clear_errors)

@@ -38,28 +38,37 @@ def test_chain_with_fixture_draft_equals_greedy_and_zlab(qwen_f32, qwen_draft, d
   assert ch.accept_lens == draft_ref["spec_acceptance_lengths"].tolist()
 
 
-def make_oracle(n_vocab):
+def make_oracle(n_vocab, second=False):
   """Proposer that drafts the true continuation `seq` with token `pattern[step % len]` wrong
-  (a value >= L-1 means the whole block is right)."""
+  (a value >= L-1 means the whole block is right). Logits: the drafted token gets 0, all else
+  -30; with `second`, the true token at the wrong offset is ranked second (-1), so a tree with
+  top_k >= 2 can accept through a non-top-1 sibling."""
 
   def oracle(tparams, dparams, s, *, dcfg, dec, compute_dtype):
-    drafts = jax.lax.dynamic_slice_in_dim(dparams["seq"], s.pos + 1, dec.block_size - 1)
+    truth = jax.lax.dynamic_slice_in_dim(dparams["seq"], s.pos + 1, dec.block_size - 1)
     off = dparams["pattern"][s.n_steps % dparams["pattern"].shape[0]]
-    wrong = (drafts + 1) % n_vocab
-    return jnp.where(jnp.arange(dec.block_size - 1) == off, wrong, drafts), s.draft
+    at_off = jnp.arange(dec.block_size - 1) == off
+    drafts = jnp.where(at_off, (truth + 1) % n_vocab, truth)
+    logits = jnp.full((dec.block_size - 1, n_vocab), -30.0)
+    rows = jnp.arange(dec.block_size - 1)
+    if second:
+      logits = logits.at[rows, truth].set(jnp.where(at_off, -1.0, -30.0))
+    logits = logits.at[rows, drafts].set(0.0)
+    return logits, s.draft
 
   return oracle
 
 
-def _oracle_run(target, prompt, truth, pattern, max_ctx, block_size=16):
+def _oracle_run(target, prompt, truth, pattern, max_ctx, block_size=16, mode="chain",
+                second=False, **kw):
   seq = np.zeros(max_ctx + 512, np.int32)
   full = np.concatenate([prompt, truth])
   seq[:full.size] = full
-  return dj.generate(target, None, prompt, max_new_tokens=len(truth), mode="chain",
+  return dj.generate(target, None, prompt, max_new_tokens=len(truth), mode=mode,
                      max_ctx=max_ctx, block_size=block_size, eog_ids=(),
-                     proposer=make_oracle(target.config.n_vocab),
+                     proposer=make_oracle(target.config.n_vocab, second),
                      proposer_params={"seq": jnp.asarray(seq),
-                                      "pattern": jnp.asarray(pattern, jnp.int32)})
+                                      "pattern": jnp.asarray(pattern, jnp.int32)}, **kw)
 
 
 def test_oracle_matches_zlab_acceptance(qwen_f32, draft_ref):

@@ -100,3 +100,11 @@ def test_bad_mode_and_block_size(qwen_f32, qwen_draft):
     dj.generate(qwen_f32, qwen_draft, [1, 2, 3], max_new_tokens=4, mode="tree")
   with pytest.raises(ValueError, match="block_size=8"):
     dj.generate(qwen_f32, qwen_draft, [1, 2, 3], max_new_tokens=4, block_size=8)
+
+
+def test_unsupported_tokenizer_kind():
+  from dflash_jax.tokenizer import GGUFTokenizer
+  with pytest.raises(NotImplementedError, match=r"m\.gguf.*tokenizer\.ggml\.model='llama'.*not supported yet"):
+    GGUFTokenizer({"tokenizer.ggml.model": "llama"}, path="m.gguf")
+  with pytest.raises(NotImplementedError, match=r"tokenizer\.ggml\.pre='mystery'"):
+    GGUFTokenizer({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "mystery"}, path="m.gguf")

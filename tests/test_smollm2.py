@@ -62,11 +62,29 @@ def test_greedy_matches_transformers_generate(smol, smol_ref, smol_prompts):
   assert r.tokens == smol_ref[f"{p['id']}__hf_greedy_ids"][:24].tolist()
 
 
-def test_generate_script_end_to_end():
-  out = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "scripts", "generate.py"), "--nochat",
-       "--prompt", "def fibonacci(n):", "--max_new_tokens", "12", "--draft", "none"],
-      capture_output=True, text=True, timeout=600, cwd=ROOT)
-  assert out.returncode == 0, out.stderr
-  assert "decode" in out.stderr and "mean acceptance length" in out.stderr
-  assert len(out.stdout.strip()) > 0
+def test_generate_script_batch_jsonl(tmp_path, smol):
+  """scripts/generate.py on the default target (and its shipped draft, if any) with a JSONL batch;
+  the completion must equal the library's greedy output."""
+  prompts = tmp_path / "p.jsonl"
+  prompts.write_text(json.dumps({"id": "a", "prompt": "What is 2 + 2?", "max_new_tokens": 10}) + "\n"
+                     + json.dumps({"id": "b", "prompt": "def add(a, b):", "max_new_tokens": 12}) + "\n")
+  out_file = tmp_path / "out.jsonl"
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "generate.py"),
+                      "--prompt_file", str(prompts), "--output_file", str(out_file), "--max_ctx", "512"],
+                     capture_output=True, text=True, timeout=900, cwd=ROOT)
+  assert r.returncode == 0, r.stderr[-3000:]
+  rows = [json.loads(l) for l in out_file.read_text().splitlines()]
+  assert [x["id"] for x in rows] == ["a", "b"] and "mean acceptance length" in r.stderr
+  from dflash_jax import cli
+  ids = cli.build_prompt(smol, "What is 2 + 2?", chat=True)
+  ref = dj.generate(smol, None, ids, max_new_tokens=10, mode="ar", max_ctx=512)
+  assert rows[0]["tokens"] == ref.tokens and rows[0]["completion"] == smol.tokenizer.decode(ref.tokens)
+
+
+def test_generate_script_clear_error_for_long_prompt():
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "generate.py"), "--nochat",
+                      "--prompt", "word " * 300, "--max_ctx", "64", "--draft", "none"],
+                     capture_output=True, text=True, timeout=600, cwd=ROOT)
+  assert r.returncode == 1
+  assert "error: prompt has" in r.stderr and "max_ctx=64" in r.stderr
+  assert "Traceback" not in r.stderr

@@ -138,3 +138,14 @@ def test_chunked_rule_padding_leaves_state_unchanged():
   g[13:], beta[13:] = 0.0, 0.0
   _, s_pad = layers.gated_delta_rule_chunked(*map(jnp.asarray, (q, k, v, g, beta, s0)))
   assert rel_err(s_pad, s_ref) < 1e-6
+
+
+def test_bf16_compute_and_dequantized_weights_options(qwen_f32_path, qwen_ref):
+  """compute_dtype=bfloat16 (GPU speed option) stays close; weights='f32' (dequantize at load)
+  gives the same logits as packed weights."""
+  toks = qwen_ref["tokens"][0]
+  ref = qwen_ref["hf_logits"][0]
+  bf = dj.load_target(qwen_f32_path, compute_dtype="bfloat16", tokenizer=False)
+  assert rel_err(dj.forward_logits(bf, toks), ref) < 0.05
+  q = dj.load_target(os.path.join(QWEN, "model-q4_k_m.gguf"), weights="f32", tokenizer=False)
+  assert np.abs(dj.forward_logits(q, toks) - qwen_ref["hf_dequant_logits_q4_k_m"][0]).max() < 2e-5

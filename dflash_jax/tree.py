@@ -1,0 +1,156 @@
+"""DDTree (Ringel & Romano 2026, "Accelerating Speculative Decoding with Block Diffusion Draft
+Trees", arXiv:2604.12989): a best-first tree of the most likely draft prefixes, built on device
+with static shapes, and the walk that accepts the longest path the target agrees with.
+
+A tree has N = 1 + budget node slots: node 0 is the root (the bonus token, depth 0); every other
+valid node i has parents[i] < i, depth = depth(parent) + 1, and a token drawn from the draft's
+top-K at that depth. Node score = sum of draft log-probs along its path; nodes are inserted in
+descending score order (ties: lowest candidate slot first), so the node set is the `budget`
+best prefixes. With `chain_seed`, the full top-1 chain is inserted first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Tree:
+  """tokens, parents, depths: [N] int32 (parents[0] = -1, invalid slots: parent -1, depth 0);
+  valid: [N] bool; scores: [N] float32 path log-probs (root 0)."""
+
+  tokens: jax.Array
+  parents: jax.Array
+  depths: jax.Array
+  valid: jax.Array
+  scores: jax.Array
+
+
+def build_tree(logp: jax.Array, root_token: jax.Array, *, budget: int, top_k: int,
+               chain_seed: bool = True) -> Tree:
+  """Best-first tree from per-depth draft log-probs.
+
+  logp: [D, V] float32 log-probabilities, row d for depth d+1 (D = block_size - 1).
+  root_token: [] int32. budget: nodes besides the root. top_k: candidates per depth (<= budget).
+  chain_seed: insert the top-1 chain (depths 1..min(D, budget)) before the best-first expansion.
+  """
+  D = logp.shape[0]
+  K = min(top_k, budget)
+  vals, ids = jax.lax.top_k(logp, K)                     # [D, K] descending
+  N = budget + 1
+  C = 2 * budget + D + 2                                 # candidate slots (each pop adds <= 2)
+  neg = jnp.float32(-jnp.inf)
+  tokens = jnp.zeros((N,), jnp.int32).at[0].set(root_token)
+  parents = jnp.full((N,), -1, jnp.int32)
+  depths = jnp.zeros((N,), jnp.int32)
+  scores = jnp.zeros((N,), jnp.float32)
+  valid = jnp.zeros((N,), bool).at[0].set(True)
+  c_score = jnp.full((C,), neg)
+  c_parent = jnp.zeros((C,), jnp.int32)
+  c_depth = jnp.ones((C,), jnp.int32)
+  c_rank = jnp.zeros((C,), jnp.int32)
+
+  def push(c, n_c, score, parent, depth, rank, ok):
+    slot = jnp.where(ok, n_c, C - 1)  # slot C-1 is a sink that is never popped
+    c_score, c_parent, c_depth, c_rank = c
+    c_score = c_score.at[slot].set(jnp.where(ok, score, neg))
+    c_parent = c_parent.at[slot].set(parent)
+    c_depth = c_depth.at[slot].set(depth)
+    c_rank = c_rank.at[slot].set(rank)
+    return (c_score, c_parent, c_depth, c_rank), n_c + ok.astype(jnp.int32)
+
+  cand = (c_score, c_parent, c_depth, c_rank)
+  n_seed = min(D, budget) if chain_seed else 0
+  # Chain pre-seed: nodes 1..n_seed are the top-1 chain; their rank-1 siblings become candidates.
+  n_c = jnp.int32(0)
+  for d in range(1, n_seed + 1):
+    tokens = tokens.at[d].set(ids[d - 1, 0])
+    parents = parents.at[d].set(d - 1)
+    depths = depths.at[d].set(d)
+    scores = scores.at[d].set(scores[d - 1] + vals[d - 1, 0])
+    valid = valid.at[d].set(True)
+    if K > 1:
+      cand, n_c = push(cand, n_c, scores[d - 1] + vals[d - 1, 1], jnp.int32(d - 1), jnp.int32(d),
+                       jnp.int32(1), jnp.bool_(True))
+  if not chain_seed:
+    cand, n_c = push(cand, n_c, vals[0, 0], jnp.int32(0), jnp.int32(1), jnp.int32(0), jnp.bool_(True))
+
+  def body(i, carry):
+    tokens, parents, depths, scores, valid, cand, n_c = carry
+    c_score, c_parent, c_depth, c_rank = cand
+    c = jnp.argmax(c_score)
+    ok = c_score[c] > neg
+    d, r, par, sc = c_depth[c], c_rank[c], c_parent[c], c_score[c]
+    tokens = tokens.at[i].set(jnp.where(ok, ids[d - 1, r], 0))
+    parents = parents.at[i].set(jnp.where(ok, par, -1))
+    depths = depths.at[i].set(jnp.where(ok, d, 0))
+    scores = scores.at[i].set(jnp.where(ok, sc, neg))
+    valid = valid.at[i].set(ok)
+    cand = (c_score.at[c].set(neg), c_parent, c_depth, c_rank)
+    # next sibling (same parent, next rank) and first child (next depth, rank 0)
+    sib_ok = ok & (r + 1 < K)
+    cand, n_c = push(cand, n_c, sc - vals[d - 1, r] + vals[d - 1, jnp.minimum(r + 1, K - 1)], par, d,
+                     r + 1, sib_ok)
+    child_ok = ok & (d < D)
+    cand, n_c = push(cand, n_c, sc + vals[jnp.minimum(d, D - 1), 0], i, d + 1, jnp.int32(0),
+                     child_ok)
+    return tokens, parents, depths, scores, valid, cand, n_c
+
+  carry = (tokens, parents, depths, scores, valid, cand, n_c)
+  if n_seed + 1 <= budget:
+    carry = jax.lax.fori_loop(n_seed + 1, budget + 1, body, carry)
+  tokens, parents, depths, scores, valid, _, _ = carry
+  return Tree(tokens=tokens, parents=parents, depths=depths, valid=valid, scores=scores)
+
+
+def ancestor_matrix(parents: jax.Array, max_depth: int) -> jax.Array:
+  """[N, N] bool: anc[i, j] = node j is node i or one of its ancestors."""
+  n = parents.shape[0]
+  idx = jnp.arange(n)
+  anc = jnp.eye(n, dtype=bool)
+  cur = idx
+  for _ in range(max_depth):
+    cur = jnp.where(cur >= 0, parents[jnp.maximum(cur, 0)], -1)
+    anc = anc | ((cur[:, None] == idx[None, :]) & (cur[:, None] >= 0))
+  return anc
+
+
+def ancestors(parents: jax.Array, n_back: int) -> jax.Array:
+  """[N, n_back + 1] int32: column j = the j-th ancestor of each node (column 0 = the node
+  itself), -1 past the root."""
+  cols = [jnp.arange(parents.shape[0], dtype=jnp.int32)]
+  for _ in range(n_back):
+    prev = cols[-1]
+    cols.append(jnp.where(prev >= 0, parents[jnp.maximum(prev, 0)], -1))
+  return jnp.stack(cols, axis=1)
+
+
+def follow(tree: Tree, posterior: jax.Array, max_depth: int):
+  """Accept the longest root path whose tokens equal the target's posterior at each parent.
+
+  posterior: [N] int32 target argmax at each node. Returns (path [max_depth + 1] int32 node ids
+  of the accepted path, root first, padded with the last accepted node; n_acc [] int32 accepted
+  drafts; bonus [] int32 = posterior at the last accepted node).
+  """
+  n = tree.tokens.shape[0]
+  path = jnp.zeros((max_depth + 1,), jnp.int32)
+
+  def body(d, carry):
+    cur, n_acc, alive, path = carry
+    want = posterior[cur]
+    match = tree.valid & (tree.parents == cur) & (tree.tokens == want)
+    has = jnp.any(match) & alive
+    child = jnp.argmax(match).astype(jnp.int32)
+    cur = jnp.where(has, child, cur)
+    n_acc = n_acc + has.astype(jnp.int32)
+    path = path.at[d].set(cur)
+    return cur, n_acc, alive & has, path
+
+  cur, n_acc, _, path = jax.lax.fori_loop(1, max_depth + 1, body,
+                                          (jnp.int32(0), jnp.int32(0), jnp.bool_(True), path))
+  del n
+  return path, n_acc, posterior[cur]

@@ -1,0 +1,162 @@
+"""DDTree: tree construction vs brute force, tree Gated DeltaNet and conv vs the chain recurrence
+along each root path, lossless decoding through non-top-1 siblings, chain-shaped tree == chain."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dflash_jax as dj
+from dflash_jax import decode, layers
+from dflash_jax import tree as tree_lib
+from conftest import rel_err
+from test_draft_and_decode import _oracle_run, _random_draft
+
+
+def _brute_force_best(logp, budget, top_k):
+  """All prefixes over the per-depth top-k, best `budget` by summed log-prob."""
+  D = logp.shape[0]
+  order = np.argsort(-logp, axis=1, kind="stable")[:, :top_k]
+  scored = []
+  for d in range(1, D + 1):
+    for ranks in itertools.product(range(top_k), repeat=d):
+      toks = tuple(int(order[i, r]) for i, r in enumerate(ranks))
+      scored.append((sum(float(logp[i, order[i, r]]) for i, r in enumerate(ranks)), toks))
+  scored.sort(key=lambda x: -x[0])
+  return {t for _, t in scored[:budget]}
+
+
+def _paths(tree):
+  toks, par, val = (np.asarray(x) for x in (tree.tokens, tree.parents, tree.valid))
+  out = set()
+  for i in range(1, toks.size):
+    if not val[i]:
+      continue
+    path, j = [], i
+    while j > 0:
+      path.append(int(toks[j]))
+      j = int(par[j])
+    out.add(tuple(reversed(path)))
+  return out
+
+
+def test_build_tree_hand_computed():
+  # depth 1: token 2 (-0.1), token 0 (-0.5); depth 2: token 1 (-0.2), token 3 (-0.3)
+  logp = jnp.log(jnp.array([[0.2, 0.05, 0.7, 0.05], [0.05, 0.6, 0.05, 0.3]]))
+  t = tree_lib.build_tree(logp, jnp.int32(9), budget=4, top_k=2, chain_seed=False)
+  # best-first: [2] -0.36, [2,1] -0.87, [2,3] -1.56, [0] -1.61
+  assert np.asarray(t.tokens).tolist() == [9, 2, 1, 3, 0]
+  assert np.asarray(t.parents).tolist() == [-1, 0, 1, 1, 0]
+  assert np.asarray(t.depths).tolist() == [0, 1, 2, 2, 1]
+  assert np.asarray(t.valid).all()
+  t = tree_lib.build_tree(logp, jnp.int32(9), budget=4, top_k=1, chain_seed=True)
+  assert np.asarray(t.tokens).tolist()[:3] == [9, 2, 1]
+  assert np.asarray(t.valid).tolist() == [True, True, True, False, False]  # only 2 prefixes exist
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_build_tree_is_the_best_prefix_set(seed):
+  rng = np.random.default_rng(seed)
+  D, V, budget, k = 4, 12, 9, 3
+  logp = np.log(rng.dirichlet(np.ones(V) * 0.5, size=D)).astype(np.float32)
+  t = tree_lib.build_tree(jnp.asarray(logp), jnp.int32(0), budget=budget, top_k=k, chain_seed=False)
+  assert _paths(t) == _brute_force_best(logp, budget, k)
+  par = np.asarray(t.parents)
+  assert all(par[i] < i for i in range(1, budget + 1))
+  # chain seed: the top-1 chain is always present
+  t = tree_lib.build_tree(jnp.asarray(logp), jnp.int32(0), budget=budget, top_k=k, chain_seed=True)
+  top1 = tuple(int(x) for x in logp.argmax(1))
+  assert all(top1[:d] in _paths(t) for d in range(1, D + 1))
+
+
+def _random_tree(rng, n):
+  parents = np.full(n, -1, np.int32)
+  for i in range(1, n):
+    parents[i] = rng.integers(0, i)
+  depths = np.zeros(n, np.int32)
+  for i in range(1, n):
+    depths[i] = depths[parents[i]] + 1
+  return parents, depths
+
+
+@pytest.mark.parametrize("n", [1, 7, 23])
+def test_tree_deltanet_and_conv_equal_chain_along_every_path(n):
+  rng = np.random.default_rng()
+  parents, depths = _random_tree(rng, n)
+  hv, dk, dv, C, K = 2, 8, 8, 6, 4
+  q = rng.standard_normal((n, hv, dk)).astype(np.float32) * 0.3
+  k = rng.standard_normal((n, hv, dk)).astype(np.float32)
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  v = rng.standard_normal((n, hv, dv)).astype(np.float32)
+  g = -rng.uniform(0.05, 1.0, (n, hv)).astype(np.float32)
+  beta = rng.uniform(0.1, 0.9, (n, hv)).astype(np.float32)
+  s0 = rng.standard_normal((hv, dk, dv)).astype(np.float32) * 0.1
+  x = rng.standard_normal((n, C)).astype(np.float32)
+  conv0 = rng.standard_normal((K - 1, C)).astype(np.float32)
+  w = rng.standard_normal((C, K)).astype(np.float32)
+  o, states = layers.gated_delta_rule_tree(*map(jnp.asarray, (q, k, v, g, beta, s0)),
+                                           jnp.asarray(parents))
+  anc = tree_lib.ancestors(jnp.asarray(parents), K - 1)
+  y = layers.causal_conv_tree(jnp.asarray(x), jnp.asarray(conv0), jnp.asarray(w), anc,
+                              jnp.asarray(depths))
+  for i in range(n):
+    path, j = [], i
+    while j >= 0:
+      path.append(j)
+      j = int(parents[j])
+    path = path[::-1]
+    o_ref, st_ref = layers.gated_delta_rule_recurrent(
+        *(jnp.asarray(a[path]) for a in (q, k, v, g, beta)), jnp.asarray(s0))
+    assert rel_err(o[i], o_ref[-1]) < 1e-5 and rel_err(states[i], st_ref[-1]) < 1e-5
+    y_ref = layers.causal_conv(jnp.asarray(x[path]), jnp.asarray(conv0), jnp.asarray(w))
+    assert rel_err(y[i], y_ref[-1]) < 1e-5
+
+
+@pytest.mark.parametrize("which", ["tiny_hybrid", "smollm2"])
+def test_ddtree_lossless_through_second_ranked_siblings(which, qwen_f32, qwen_ref, smol,
+                                                        smol_prompts):
+  target, prompt = ((qwen_f32, qwen_ref["tokens"][1, :16]) if which == "tiny_hybrid"
+                    else (smol, np.asarray(smol_prompts[0]["prompt_ids"], np.int32)))
+  truth = np.asarray(dj.generate(target, None, prompt, max_new_tokens=150, mode="ar",
+                                 max_ctx=512, eog_ids=()).tokens, np.int32)
+  pattern = [0, 3, 99, 7, 12, 1, 14]
+  chain = _oracle_run(target, prompt, truth, pattern, 512, second=True)
+  tree = _oracle_run(target, prompt, truth, pattern, 512, mode="ddtree", second=True, budget=22,
+                     top_k=4)
+  assert chain.tokens == truth.tolist() and tree.tokens == truth.tolist()
+  n = 6
+  assert chain.accept_lens[:n] == [min(p + 1, 16) for p in pattern[:n]]
+  # chain seed (15 nodes), then 7 nodes: the true sibling at depth p+1 and 6 top-1 descendants,
+  # so p + 7 accepted drafts (+ bonus), capped at the block
+  assert tree.accept_lens[:n] == [min(p + 8, 16) for p in pattern[:n]]
+
+
+def test_chain_shaped_tree_reproduces_chain(qwen_f32, qwen_draft, draft_ref, smol, smol_prompts):
+  p = draft_ref["prompt_ids"]
+  ch = dj.generate(qwen_f32, qwen_draft, p, max_new_tokens=40, mode="chain", max_ctx=256)
+  tr = dj.generate(qwen_f32, qwen_draft, p, max_new_tokens=40, mode="ddtree", max_ctx=256,
+                   budget=15, top_k=1)
+  assert tr.tokens == ch.tokens and tr.accept_lens == ch.accept_lens
+  d = _random_draft(smol)
+  ids = smol_prompts[4]["prompt_ids"]
+  ch = dj.generate(smol, d, ids, max_new_tokens=32, mode="chain", max_ctx=512)
+  tr = dj.generate(smol, d, ids, max_new_tokens=32, mode="ddtree", max_ctx=512, budget=15, top_k=1)
+  ar = dj.generate(smol, d, ids, max_new_tokens=32, mode="ar", max_ctx=512)
+  assert tr.tokens == ch.tokens == ar.tokens and tr.accept_lens == ch.accept_lens
+
+
+def test_ddtree_fixture_draft_lossless_and_no_recompile(qwen_f32, qwen_draft, qwen_ref, draft_ref):
+  p = draft_ref["prompt_ids"]
+  r = dj.generate(qwen_f32, qwen_draft, p, max_new_tokens=40, mode="ddtree", max_ctx=256)
+  assert r.tokens == draft_ref["greedy_output_ids"][len(p):].tolist()
+  before = dict(decode.TRACE_COUNTS)
+  for row, (n, m) in enumerate([(9, 20), (30, 7)]):
+    ar = dj.generate(qwen_f32, None, qwen_ref["tokens"][row, :n], max_new_tokens=m, mode="ar",
+                     max_ctx=256, eog_ids=())
+    tr = dj.generate(qwen_f32, qwen_draft, qwen_ref["tokens"][row, :n], max_new_tokens=m,
+                     mode="ddtree", max_ctx=256, eog_ids=())
+    assert tr.tokens == ar.tokens
+  assert before["decode_loop"] + 1 == decode.TRACE_COUNTS["decode_loop"]  # only the AR loop is new
+  assert before["prefill_chunk"] + 1 == decode.TRACE_COUNTS["prefill_chunk"]
