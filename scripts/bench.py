@@ -31,7 +31,10 @@ _N_PROMPTS = flags.DEFINE_integer("n_prompts", 10, "First N prompts of the set."
 _LLAMA_CPP = flags.DEFINE_boolean("llama_cpp", True, "Also time llama.cpp if llama_cpp is importable.")
 _N_GEN = flags.DEFINE_integer("n_gen", 128, "Tokens to generate per prompt (EOG does not stop).")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per prompt and mode (median).")
-_MODES = flags.DEFINE_list("modes", ["ar", "chain"], "Modes to compare.")
+_MODES = flags.DEFINE_list("modes", ["ar", "chain"], "Modes to compare: ar, chain, ddtree.")
+_BUDGETS = flags.DEFINE_list("budgets", ["22"], "DDTree budgets (one column each) when "
+                             "--modes has ddtree.")
+_TOP_K = flags.DEFINE_integer("top_k", 8, "DDTree candidates per depth.")
 _MAX_CTX = flags.DEFINE_integer("max_ctx", 1024, "Context capacity.")
 _WEIGHTS = flags.DEFINE_enum("weights", "quantized", ["quantized", "f32", "bf16"], "Weights on device.")
 _DTYPE = flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
@@ -116,15 +119,25 @@ def main(argv):
   else:
     encoded = [(tid, cli.build_prompt(target, text, chat=True))
                for tid, text in chat_prompts(_N_PROMPTS.value)]
-  run = lambda ids, mode: dj.generate(target, draft, ids, max_new_tokens=_N_GEN.value, mode=mode,
-                                      max_ctx=_MAX_CTX.value, eog_ids=())
-  for mode in _MODES.value:  # warm-up: compile every function once
+  modes = []
+  for m in _MODES.value:
+    modes += [f"ddtree@{b}" for b in _BUDGETS.value] if m == "ddtree" else [m]
+
+  def run(ids, mode):
+    kw = {}
+    if mode.startswith("ddtree@"):
+      kw = dict(budget=int(mode.split("@")[1]), top_k=_TOP_K.value)
+      mode = "ddtree"
+    return dj.generate(target, draft, ids, max_new_tokens=_N_GEN.value, mode=mode,
+                       max_ctx=_MAX_CTX.value, eog_ids=(), **kw)
+
+  for mode in modes:  # warm-up: compile every function once
     run(encoded[0][1], mode)
   rows = []
   for tid, ids in encoded:
     row = {"task_id": tid, "prompt_tokens": len(ids)}
     outputs = {}
-    for mode in _MODES.value:
+    for mode in modes:
       runs = [run(ids, mode) for _ in range(_REPEATS.value)]
       r = runs[0]
       outputs[mode] = r.tokens
@@ -136,14 +149,14 @@ def main(argv):
     rows.append(row)
     print(json.dumps(row), file=sys.stderr)
   summary = {}
-  for mode in _MODES.value:
+  for mode in modes:
     summary[mode] = {
         "decode_tok_s_median": statistics.median(r[mode]["decode_tok_s"] for r in rows),
         "mean_accept_len": statistics.mean(r[mode]["mean_accept_len"] for r in rows),
         "per_prompt_accept_len": [round(r[mode]["mean_accept_len"], 3) for r in rows],
         "steps_total": sum(r[mode]["steps"] for r in rows)}
   if "ar" in summary:
-    for mode in _MODES.value:
+    for mode in modes:
       summary[mode]["speedup_vs_ar"] = (summary[mode]["decode_tok_s_median"]
                                         / summary["ar"]["decode_tok_s_median"])
   llama = time_llama_cpp(path, encoded, _N_GEN.value, _REPEATS.value) if _LLAMA_CPP.value else None
@@ -151,7 +164,7 @@ def main(argv):
     for r, v in zip(rows, llama):
       r["llama_cpp_ar_tok_s"] = v
     summary["llama_cpp_ar"] = {"decode_tok_s_median": statistics.median(llama)}
-    for mode in _MODES.value:
+    for mode in modes:
       summary[mode]["speedup_vs_llama_cpp"] = (summary[mode]["decode_tok_s_median"]
                                                / summary["llama_cpp_ar"]["decode_tok_s_median"])
   result = {
@@ -162,15 +175,15 @@ def main(argv):
       "all_outputs_identical": all(r["outputs_identical"] for r in rows),
       "summary": summary, "per_prompt": rows, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
   hdr = f"{'task':<14}" + "".join(f"{m + ' tok/s':>14}{m + ' AL':>10}{m + ' steps':>12}"
-                                  for m in _MODES.value)
+                                  for m in modes)
   print(hdr)
   for r in rows:
     print(f"{r['task_id']:<14}" + "".join(
         f"{r[m]['decode_tok_s']:>14.2f}{r[m]['mean_accept_len']:>10.2f}{r[m]['steps']:>12d}"
-        for m in _MODES.value))
+        for m in modes))
   print(f"{'median/mean':<14}" + "".join(
       f"{summary[m]['decode_tok_s_median']:>14.2f}{summary[m]['mean_accept_len']:>10.2f}"
-      f"{summary[m]['steps_total']:>12d}" for m in _MODES.value))
+      f"{summary[m]['steps_total']:>12d}" for m in modes))
   if llama is not None:
     print(f"llama.cpp autoregressive median {summary['llama_cpp_ar']['decode_tok_s_median']:.2f} tok/s")
   print(json.dumps({"summary": summary, "all_outputs_identical": result["all_outputs_identical"]}))

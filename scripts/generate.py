@@ -30,8 +30,13 @@ _CHAT = flags.DEFINE_boolean("chat", True, "Wrap the prompt in the GGUF chat tem
                              "(--nochat: raw completion).")
 _SYSTEM = flags.DEFINE_string("system", None, "System message (chat only).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Tokens to generate at most.")
-_MODE = flags.DEFINE_enum("mode", None, ["ar", "chain"], "Decoding: 'chain' (DFlash) or 'ar' "
-                          "(autoregressive). Default: chain when a draft is loaded.")
+_MODE = flags.DEFINE_enum("mode", None, ["ar", "chain", "ddtree"], "Decoding: 'chain' (DFlash), "
+                          "'ddtree' (DDTree draft tree) or 'ar' (autoregressive). Default: "
+                          "chain when a draft is loaded.")
+_BUDGET = flags.DEFINE_integer("budget", 22, "DDTree nodes besides the root.")
+_TOP_K = flags.DEFINE_integer("top_k", 8, "DDTree candidates per depth.")
+_CHAIN_SEED = flags.DEFINE_boolean("chain_seed", True, "DDTree: insert the draft's top-1 chain first.")
+_DRAFT_TEMP = flags.DEFINE_float("draft_temp", 1.0, "DDTree: temperature of the draft log-probs.")
 _BLOCK = flags.DEFINE_integer("block_size", None, "Draft block size L (must equal the draft's).")
 _MAX_CTX = flags.DEFINE_integer("max_ctx", 2048, "Context capacity in tokens (prompt + output).")
 _WEIGHTS = flags.DEFINE_enum("weights", "quantized", ["quantized", "f32", "bf16"],
@@ -63,14 +68,19 @@ def _load():
     bar.update()
   mode = _MODE.value or ("chain" if draft is not None else "ar")
   if draft is None:
-    if mode == "chain":
-      raise app.UsageError("--mode=chain needs a draft (--draft)")
+    if mode != "ar":
+      raise app.UsageError(f"--mode={mode} needs a draft (--draft)")
     print(f"[dflash] no draft for {os.path.basename(path)}: decoding autoregressively",
           file=sys.stderr)
   return target, draft, mode
 
 
 _WARM = []
+
+
+def _tree_opts():
+  return dict(budget=_BUDGET.value, top_k=_TOP_K.value, chain_seed=_CHAIN_SEED.value,
+              draft_temp=_DRAFT_TEMP.value)
 
 
 def _run_one(target, draft, mode, text, system, max_new, stream):
@@ -82,7 +92,8 @@ def _run_one(target, draft, mode, text, system, max_new, stream):
   if _WARMUP.value and not _WARM:
     t0 = time.perf_counter()
     dj.generate(target, draft, ids[:1], max_new_tokens=2, mode=mode, max_ctx=_MAX_CTX.value,
-                block_size=_BLOCK.value, on_tokens=(lambda _: None) if stream else None)
+                block_size=_BLOCK.value, on_tokens=(lambda _: None) if stream else None,
+                **_tree_opts())
     _WARM.append(True)
     print(f"[dflash] compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
   shown = {"ids": [], "text": ""}
@@ -97,7 +108,7 @@ def _run_one(target, draft, mode, text, system, max_new, stream):
     shown["text"] = text_now
 
   r = dj.generate(target, draft, ids, max_new_tokens=max_new, mode=mode, max_ctx=_MAX_CTX.value,
-                  block_size=_BLOCK.value, on_tokens=on_tokens if stream else None)
+                  block_size=_BLOCK.value, on_tokens=on_tokens if stream else None, **_tree_opts())
   completion = tok.decode(r.tokens)
   if stream:
     sys.stdout.write(completion[len(shown["text"]):] + "\n")
