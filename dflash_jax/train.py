@@ -114,20 +114,29 @@ def _batched_prefill(params, cfg, tokens, n_valid, cache, *, feature_layers):
   return jax.vmap(one)(tokens, n_valid, cache)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "feature_layers"), donate_argnames=("cache",))
-def _batched_step(params, cfg, tok, pos, cache, *, feature_layers):
-  def one(t, p, c):
+def _pick(logits, key, temperature):
+  """Greedy (temperature 0) or a sample from softmax(logits / temperature)."""
+  if temperature <= 0:
+    return jnp.argmax(logits).astype(jnp.int32)
+  return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "feature_layers", "temperature"),
+                   donate_argnames=("cache",))
+def _batched_step(params, cfg, tok, pos, cache, key, *, feature_layers, temperature=0.0):
+  def one(t, p, c, k):
     logits, feats, c, steps = target_lib.forward(params, cfg, t[None], p, c, mode="verify",
                                                  feature_layers=feature_layers)
     c = target_lib.commit(c, steps, jnp.int32(1))
-    return jnp.argmax(logits[0]).astype(jnp.int32), feats[0], c
-  return jax.vmap(one)(tok, pos, cache)
+    return _pick(logits[0], k, temperature), feats[0], c
+  return jax.vmap(one)(tok, pos, cache, jax.random.split(key, tok.shape[0]))
 
 
 def generate_with_features(target, prompts_ids: list[list[int]], *, n_gen: int,
                            feature_layers: tuple[int, ...], eog_ids: Iterable[int],
-                           pad_to: int = 64) -> list[dict]:
-  """Greedy responses of a batch of prompts, batched with vmap, capturing target features.
+                           pad_to: int = 64, temperature: float = 0.0, seed: int = 0) -> list[dict]:
+  """Responses of a batch of prompts (greedy, or sampled at `temperature` > 0 after the first
+  token), batched with vmap, capturing target features.
 
   Returns per prompt {"tokens": [P+R] int32, "feats": [P+R, F*D] float16, "prompt_len": P}, the
   response cut after its first EOG token (kept). Row p of feats is the residual-stream output
@@ -148,8 +157,11 @@ def generate_with_features(target, prompts_ids: list[list[int]], *, n_gen: int,
   gen = [np.asarray(nxt)]
   step_feats = []
   pos = jnp.asarray(n_valid)
+  key = jax.random.key(seed)
   for _ in range(n_gen - 1):
-    nxt, f, cache = _batched_step(target.params, cfg, nxt, pos, cache, feature_layers=feature_layers)
+    key, sub = jax.random.split(key)
+    nxt, f, cache = _batched_step(target.params, cfg, nxt, pos, cache, sub,
+                                  feature_layers=feature_layers, temperature=float(temperature))
     step_feats.append(np.asarray(f, np.float16))
     gen.append(np.asarray(nxt))
     pos = pos + 1

@@ -29,6 +29,9 @@ _N_EVAL = flags.DEFINE_integer("n_eval", 4, "Held-out prompts for acceptance-len
 _N_GEN = flags.DEFINE_integer("n_gen", 160, "Response tokens generated per prompt.")
 _MAX_PROMPT = flags.DEFINE_integer("max_prompt", 192, "Skip prompts longer than this (tokens).")
 _GEN_BATCH = flags.DEFINE_integer("gen_batch", 32, "Prompts per batched generation call.")
+_SAMPLE = flags.DEFINE_float("sample_fraction", 0.0, "Fraction of prompts answered by sampling "
+                             "(at --sample_temp) instead of greedily.")
+_SAMPLE_TEMP = flags.DEFINE_float("sample_temp", 0.8, "Temperature for sampled responses.")
 _LAYERS = flags.DEFINE_integer("draft_layers", 2, "Draft decoder layers.")
 _LAYER_IDS = flags.DEFINE_list("target_layer_ids", None, "Target layers feeding the draft "
                                "(default: z-lab formula for 4 features).")
@@ -73,6 +76,9 @@ def _generate_data(target, corpus, feature_layers, data_dir):
   meta_path = os.path.join(data_dir, "meta.json")
   meta = {"target": os.path.basename(target.path), "feature_layers": list(feature_layers),
           "n_gen": _N_GEN.value, "n_prompts": len(ids), "seed": _SEED.value}
+  if _SAMPLE.value > 0:
+    meta.update(sample_fraction=_SAMPLE.value, sample_temp=_SAMPLE_TEMP.value)
+  n_greedy_shards = round(n_shards * (1.0 - _SAMPLE.value))
   if os.path.exists(meta_path):
     with open(meta_path) as fh:
       old = json.load(fh)
@@ -86,8 +92,10 @@ def _generate_data(target, corpus, feature_layers, data_dir):
     path = os.path.join(data_dir, f"shard_{s:04d}.npz")
     if os.path.exists(path):
       continue
+    temp = 0.0 if s < n_greedy_shards else _SAMPLE_TEMP.value
     seqs = train.generate_with_features(target, ids[s * bsz:(s + 1) * bsz], n_gen=_N_GEN.value,
-                                        feature_layers=feature_layers, eog_ids=tok.eog_ids)
+                                        feature_layers=feature_layers, eog_ids=tok.eog_ids,
+                                        temperature=temp, seed=_SEED.value + s)
     train.save_shard(path, seqs)
   return time.perf_counter() - t0
 

@@ -194,3 +194,13 @@ def test_data_parallel_on_two_host_devices(qwen_f32_path):
   r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                      timeout=600)
   assert r.returncode == 0 and "DP_OK" in r.stdout, r.stderr[-3000:]
+
+
+def test_sampled_data_features_match_forward(qwen_f32, qwen_ref, tiny_data):
+  prompts = [qwen_ref["tokens"][r, :12].tolist() for r in range(3)]
+  sampled = train.generate_with_features(qwen_f32, prompts, n_gen=40, feature_layers=(1, 3, 5),
+                                         eog_ids=(), temperature=1.0, seed=3)
+  assert any(a["tokens"].tolist() != b["tokens"].tolist() for a, b in zip(sampled, tiny_data))
+  s = sampled[1]
+  _, feats = dj.forward_logits(qwen_f32, s["tokens"][:-1], feature_layers=(1, 3, 5))
+  assert np.abs(s["feats"].astype(np.float32) - feats).max() < 2e-2
