@@ -314,6 +314,19 @@ def train_hidden(params: DraftParams, cfg: DraftConfig, feats: jax.Array, block_
   return layers.rms_norm(h, params.norm, cfg.rms_eps)
 
 
+def config_for_target(tcfg: TargetConfig, *, n_layer: int = 1, n_features: int = 3,
+                      block_size: int = 16, mask_token_id: int = 0) -> DraftConfig:
+  """A draft config shaped after the target (its attention/FFN sizes, z-lab default layer ids):
+  the starting point for training a new draft, and for tests."""
+  from dflash_jax.config import default_target_layer_ids
+  return DraftConfig(
+      d_model=tcfg.d_model, n_layer=n_layer, n_head=tcfg.n_head, n_kv_head=tcfg.n_kv_head,
+      head_dim=tcfg.head_dim, d_ff=tcfg.d_ff, n_vocab=tcfg.n_vocab, rms_eps=tcfg.rms_eps,
+      rope_theta=tcfg.rope_theta, block_size=block_size, mask_token_id=mask_token_id,
+      target_layer_ids=tuple(default_target_layer_ids(tcfg.n_layer, n_features)),
+      sliding=(False,) * n_layer)
+
+
 def init_params(key: jax.Array, cfg: DraftConfig, d_target: int, *, std: float = 0.02,
                 weight_fmt: str = "bf16") -> DraftParams:
   """Random draft (matrices N(0, std^2), norms 1): a starting point for training and for tests."""

@@ -91,17 +91,13 @@ def time_llama_cpp(path, encoded, n_gen, repeats):
 
 
 def random_draft(target, seed=0):
+  """An untrained 1-layer draft (acceptance ~1): measures the verify overhead, not a speed-up."""
   import jax
   import dflash_jax as dj
   from dflash_jax import draft as draft_lib
-  from dflash_jax.config import DraftConfig, default_target_layer_ids
-  c = target.config
-  cfg = DraftConfig(d_model=c.d_model, n_layer=1, n_head=c.n_head, n_kv_head=c.n_kv_head,
-                    head_dim=c.head_dim, d_ff=c.d_ff, n_vocab=c.n_vocab, rms_eps=c.rms_eps,
-                    rope_theta=c.rope_theta, block_size=16, mask_token_id=0,
-                    target_layer_ids=tuple(default_target_layer_ids(c.n_layer, 3)), sliding=(False,))
-  return dj.Draft(cfg, jax.device_put(draft_lib.init_params(jax.random.key(seed), cfg, c.d_model)),
-                  "random")
+  cfg = draft_lib.config_for_target(target.config)
+  params = draft_lib.init_params(jax.random.key(seed), cfg, target.config.d_model)
+  return dj.Draft(cfg, jax.device_put(params), "random")
 
 
 def main(argv):

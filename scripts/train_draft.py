@@ -123,26 +123,23 @@ def main(argv):
   import dflash_jax as dj
   from dflash_jax import cli, train
   from dflash_jax import draft as draft_lib
-  from dflash_jax.config import DraftConfig, default_target_layer_ids
+  import dataclasses
 
   t_start = time.perf_counter()
   path = _TARGET.value or cli.default_target_path()
   target = dj.load_target(path)
   tcfg = target.config
-  layer_ids = (tuple(int(x) for x in _LAYER_IDS.value) if _LAYER_IDS.value
-               else tuple(default_target_layer_ids(tcfg.n_layer, 4)))
   mask_id = _MASK.value if _MASK.value >= 0 else _choose_mask_id(target.tokenizer)
-  cfg = DraftConfig(d_model=tcfg.d_model, n_layer=_LAYERS.value, n_head=tcfg.n_head,
-                    n_kv_head=tcfg.n_kv_head, head_dim=tcfg.head_dim, d_ff=tcfg.d_ff,
-                    n_vocab=tcfg.n_vocab, rms_eps=tcfg.rms_eps, rope_theta=tcfg.rope_theta,
-                    block_size=_BLOCK.value, mask_token_id=mask_id, target_layer_ids=layer_ids,
-                    sliding=(False,) * _LAYERS.value)
+  cfg = draft_lib.config_for_target(tcfg, n_layer=_LAYERS.value, n_features=4,
+                                    block_size=_BLOCK.value, mask_token_id=mask_id)
+  if _LAYER_IDS.value:
+    cfg = dataclasses.replace(cfg, target_layer_ids=tuple(int(x) for x in _LAYER_IDS.value))
   draft_lib.validate(cfg, tcfg, path="--draft flags")
 
   corpus = train.build_corpus(n_code=_N_CODE.value + _N_EVAL.value,
                               n_chat=_N_CHAT.value + _N_EVAL.value, seed=_SEED.value)
   held_out, corpus = corpus[:2 * _N_EVAL.value], corpus[2 * _N_EVAL.value:]
-  gen_s = _generate_data(target, corpus, layer_ids, _DATA.value)
+  gen_s = _generate_data(target, corpus, cfg.target_layer_ids, _DATA.value)
   seqs = train.load_shards(_DATA.value)
   n_resp = sum(s["tokens"].size - s["prompt_len"] for s in seqs)
   print(f"[train] {len(seqs)} sequences, {n_resp} response tokens "

@@ -106,14 +106,9 @@ def test_oracle_every_acceptance_length_smollm2(smol, smol_prompts):
 
 def _random_draft(target, n_layer=1, seed=0):
   from dflash_jax import draft as draft_lib
-  c = target.config
-  cfg = DraftConfig(d_model=c.d_model, n_layer=n_layer, n_head=c.n_head, n_kv_head=c.n_kv_head,
-                    head_dim=c.head_dim, d_ff=c.d_ff, n_vocab=c.n_vocab, rms_eps=c.rms_eps,
-                    rope_theta=c.rope_theta, block_size=16, mask_token_id=0,
-                    target_layer_ids=tuple(default_target_layer_ids(c.n_layer, 3)),
-                    sliding=(False,) * n_layer)
-  return dj.Draft(cfg, jax.device_put(draft_lib.init_params(jax.random.key(seed), cfg, c.d_model)),
-                  "random")
+  cfg = draft_lib.config_for_target(target.config, n_layer=n_layer)
+  return dj.Draft(cfg, jax.device_put(draft_lib.init_params(jax.random.key(seed), cfg,
+                                                            target.config.d_model)), "random")
 
 
 def test_chain_random_draft_smollm2_equals_ar_and_stops_at_eog(smol, smol_prompts):
