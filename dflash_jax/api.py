@@ -181,11 +181,10 @@ def _eog(target: Target, eog_ids):
   return jnp.asarray(list(eog_ids) or [-1], jnp.int32)
 
 
-def _prefill(target, draft, ids, dec, eog, dparams=None):
+def _prefill(target, draft, ids, dec, eog):
   """Prefill `ids` chunk by chunk into a fresh DecodeState."""
   dcfg = draft.config if (draft is not None and dec.mode != "ar") else None
-  if dparams is None and dcfg is not None:
-    dparams = draft.params
+  dparams = draft.params if dcfg is not None else None
   state = decode_lib.init_state(target.config, dcfg, dec)
   c = dec.prefill_chunk
   for s0 in range(0, ids.size, c):
@@ -237,7 +236,7 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
   eog = _eog(target, eog_ids)
   t0 = time.perf_counter()
   if proposer is not None:
-    state, dcfg, dparams = _prefill(target, None, ids, dec, eog)
+    state, dcfg, _ = _prefill(target, None, ids, dec, eog)
     dparams = proposer_params
   else:
     proposer = decode_lib.dflash_proposer
