@@ -53,18 +53,26 @@ class Draft:
 
 
 def load_target(gguf_path: str, *, weights: str = "quantized", compute_dtype: str = "float32",
-                tokenizer: bool = True) -> Target:
+                tokenizer: bool = True, kernels: str = "auto") -> Target:
   """Load a GGUF target (`qwen35`, `llama`, `qwen3`).
 
   weights: "quantized" (default) keeps GGUF blocks packed on device and dequantizes inside the
     jitted forward; "f32"/"bf16" dequantize once at load (faster on CPU, 4-8x the memory).
   compute_dtype: "float32" (default; what the references are compared in) or "bfloat16".
   tokenizer: build the tokenizer from the GGUF vocabulary (errors if unsupported).
+  kernels: "auto" (Pallas kernels on GPU, the pure-JAX reference elsewhere), "pallas",
+    "reference", or "pallas_interpret" (Pallas interpreter; slow, for tests). The Pallas
+    dequantizing matmul needs weights="quantized" (float weights always use XLA's dot).
   Raises FileNotFoundError, ValueError (unknown architecture or quant type, truncated file,
   tensor shape mismatch) or NotImplementedError (unsupported tokenizer kind), naming the file.
   """
   if compute_dtype not in ("float32", "bfloat16"):
     raise ValueError(f"compute_dtype={compute_dtype!r}: expected 'float32' or 'bfloat16'")
+  from dflash_jax.layers import KERNEL_CHOICES
+  if kernels == "auto":
+    kernels = "pallas" if jax.default_backend() == "gpu" else "reference"
+  if kernels not in KERNEL_CHOICES:
+    raise ValueError(f"kernels={kernels!r}: expected 'auto' or one of {KERNEL_CHOICES}")
   f = read_gguf(gguf_path)
   if "token_embd.weight" not in f.tensors:
     arch = f.meta.get("general.architecture")
@@ -73,6 +81,7 @@ def load_target(gguf_path: str, *, weights: str = "quantized", compute_dtype: st
     raise ValueError(f"{f.path}: missing tensor 'token_embd.weight'")
   cfg = TargetConfig.from_gguf(f.meta, n_vocab=f.tensors["token_embd.weight"].shape[0],
                                path=f.path, has_rope_freqs="rope_freqs.weight" in f.tensors)
+  cfg = dataclasses.replace(cfg, kernels=kernels)
   params = jax.device_put(target_lib.load_params(f, cfg, weights=weights))
   tok = GGUFTokenizer(f.meta, path=f.path) if tokenizer else None
   return Target(cfg, params, tok, f.path, weights, compute_dtype, f.n_tensor_bytes,

@@ -32,6 +32,9 @@ class TargetConfig:
       V head h reads K head h % gdn_n_k_head (llama.cpp's tiled layout).
     n_ctx_train: `context_length`.
     has_rope_freqs: a `rope_freqs.weight` tensor divides the RoPE frequencies (llama 3.x).
+    kernels: not from GGUF: which matmul / tree-GDN implementation the forward runs,
+      "reference" (pure JAX), "pallas" (pallas_kernels, GPU) or "pallas_interpret" (the same
+      kernels through the Pallas interpreter; tests). `load_target(kernels=...)` sets it.
   """
 
   arch: str
@@ -57,6 +60,7 @@ class TargetConfig:
   conv_kernel: int = 0
   n_ctx_train: int = 0
   has_rope_freqs: bool = False
+  kernels: str = "reference"
 
   @property
   def attn_layers(self) -> tuple[int, ...]:

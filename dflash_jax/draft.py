@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -328,11 +329,22 @@ def config_for_target(tcfg: TargetConfig, *, n_layer: int = 1, n_features: int =
 
 
 def init_params(key: jax.Array, cfg: DraftConfig, d_target: int, *, std: float = 0.02,
-                weight_fmt: str = "bf16") -> DraftParams:
-  """Random draft (matrices N(0, std^2), norms 1): a starting point for training and for tests."""
+                weight_fmt: str = "bf16", out_norm: Optional[np.ndarray] = None) -> DraftParams:
+  """Random draft (matrices N(0, std^2), norms 1): a starting point for training and for tests.
+
+  out_norm: optional [D] float32 initial final-norm weight; training passes the target's
+  `output_norm` so the draft's logits through the shared lm_head start at the target's scale
+  (with all-ones the initial cross-entropy is ~60 nats on SmolLM2 and the first hundreds of
+  steps only shrink the logits).
+  """
   arrays = {}
   for name, shape in expected_shapes(cfg, d_target).items():
     key, sub = jax.random.split(key)
     arrays[name] = (np.ones(shape, np.float32) if len(shape) == 1
                     else np.asarray(std * jax.random.normal(sub, shape, jnp.float32)))
+  if out_norm is not None:
+    out_norm = np.asarray(out_norm, np.float32)
+    if out_norm.shape != (cfg.d_model,):
+      raise ValueError(f"init_params: out_norm shape {out_norm.shape} != ({cfg.d_model},)")
+    arrays["norm.weight"] = out_norm
   return params_from_arrays(arrays, cfg, weight_fmt=weight_fmt)

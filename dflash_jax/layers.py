@@ -11,17 +11,28 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.quants import QuantWeight
-from pallas_kernels.dequant_matmul import dequant_matmul_reference
+
+KERNEL_CHOICES = ("reference", "pallas", "pallas_interpret")
 
 
-def linear(x: jax.Array, w: QuantWeight, compute_dtype=jnp.float32) -> jax.Array:
+def linear(x: jax.Array, w: QuantWeight, compute_dtype=jnp.float32,
+           kernels: str = "reference") -> jax.Array:
   """y = x @ W^T.  x: [..., K] float; w: logical [N, K]; returns [..., N] float32.
 
-  The weight is dequantized inside the traced function (pallas_kernels.dequant_matmul's pure-JAX
-  reference; the Pallas kernels consume the same packed rows). float32 uses HIGHEST precision.
+  kernels: "reference" dequantizes inside the traced function and runs one XLA dot (float32
+  uses HIGHEST precision); "pallas" runs pallas_kernels.dequant_matmul on the packed GGUF rows
+  (operands in `compute_dtype`: float32 means TF32 tensor cores on GPU) for the block formats
+  and N it tiles, the reference otherwise; "pallas_interpret" is the same through the Pallas
+  interpreter (CPU tests).
   """
+  from pallas_kernels import dequant_matmul as dm
   lead = x.shape[:-1]
-  y = dequant_matmul_reference(x.reshape(-1, x.shape[-1]), w, compute_dtype)
+  x2 = x.reshape(-1, x.shape[-1])
+  if kernels != "reference" and dm.supports(w):
+    y = dm.dequant_matmul(x2, w, compute_dtype=compute_dtype,
+                          interpret=kernels == "pallas_interpret")
+  else:
+    y = dm.dequant_matmul_reference(x2, w, compute_dtype)
   return y.reshape(*lead, w.shape[0])
 
 
@@ -167,31 +178,19 @@ def gated_delta_rule_chunked(q, k, v, g, beta, state, chunk: int = 64):
   return o, s
 
 
-def gated_delta_rule_tree(q, k, v, g, beta, state, parents):
+def gated_delta_rule_tree(q, k, v, g, beta, state, parents, kernels: str = "reference"):
   """Gated delta rule over a tree (DDTree verify): node i starts from its parent's state, the
-  root (parents[i] < 0) from `state`. Pure-JAX reference: a scan over nodes in index order with a
-  parent gather (parents[i] < i). The chain is parents = [-1, 0, 1, ...].
+  root (parents[i] < 0) from `state`; parents[i] < i. The chain is parents = [-1, 0, 1, ...].
 
   q, k: [N, Hv, Dk]; v: [N, Hv, Dv]; g, beta: [N, Hv]; state: [Hv, Dk, Dv]; parents: [N] int32.
-  Returns (o: [N, Hv, Dv], states: [N, Hv, Dk, Dv] the state after each node).
+  Returns (o: [N, Hv, Dv], states: [N, Hv, Dk, Dv] the state after each node), float32.
+  kernels: "reference" (pallas_kernels.tree_gdn.tree_gdn_reference, a scan over nodes with a
+  parent gather), "pallas" / "pallas_interpret" (the Pallas kernel where the head sizes tile).
   """
-  n = q.shape[0]
-  hp = jax.lax.Precision.HIGHEST
-  state = state.astype(jnp.float32)
-
-  def step(buf, inp):
-    i, qt, kt, vt, gt, bt = inp
-    p = parents[i]
-    s = jnp.where(p >= 0, buf[jnp.maximum(p, 0)], state)
-    s = s * jnp.exp(gt)[:, None, None]
-    delta = (vt - jnp.einsum("hk,hkv->hv", kt, s, precision=hp)) * bt[:, None]
-    s = s + kt[:, :, None] * delta[:, None, :]
-    o = jnp.einsum("hk,hkv->hv", qt, s, precision=hp)
-    return buf.at[i].set(s), o
-
-  buf = jnp.zeros((n,) + state.shape, jnp.float32)
-  buf, o = jax.lax.scan(step, buf, (jnp.arange(n), q, k, v, g, beta))
-  return o, buf
+  from pallas_kernels import tree_gdn as tk
+  if kernels != "reference" and tk.supports(q.shape[-1], v.shape[-1]):
+    return tk.tree_gdn(q, k, v, g, beta, state, parents, interpret=kernels == "pallas_interpret")
+  return tk.tree_gdn_reference(q, k, v, g, beta, state, parents)
 
 
 def causal_conv_tree(x: jax.Array, conv_state: jax.Array, w: jax.Array, anc: jax.Array,

@@ -226,8 +226,8 @@ def load_params(f: GGUFFile, cfg: TargetConfig, *, weights: str = "quantized") -
 
 def _ffn(x, p: FFNParams, cfg: TargetConfig, cdt):
   y = layers.rms_norm(x, p.norm, cfg.rms_eps)
-  h = jax.nn.silu(layers.linear(y, p.gate, cdt)) * layers.linear(y, p.up, cdt)
-  return layers.linear(h, p.down, cdt)
+  h = jax.nn.silu(layers.linear(y, p.gate, cdt, cfg.kernels)) * layers.linear(y, p.up, cdt, cfg.kernels)
+  return layers.linear(h, p.down, cdt, cfg.kernels)
 
 
 def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_cache, v_cache, start, pos, cdt, rope_freqs,
@@ -239,14 +239,14 @@ def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_cache, v_cache, start, po
   t = x.shape[0]
   h, hkv, dh, dv = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.v_head_dim
   y = layers.rms_norm(x, p.norm, cfg.rms_eps)
-  q = layers.linear(y, p.wq, cdt)
+  q = layers.linear(y, p.wq, cdt, cfg.kernels)
   gate = None
   if cfg.attn_gate:  # per head [query Dh | gate Dh] (llama.cpp qwen35.cpp)
     q = q.reshape(t, h, 2 * dh)
     q, gate = q[..., :dh], q[..., dh:].reshape(t, h * dh)
   q = q.reshape(t, h, dh)
-  k = layers.linear(y, p.wk, cdt).reshape(t, hkv, dh)
-  v = layers.linear(y, p.wv, cdt).reshape(t, hkv, dv)
+  k = layers.linear(y, p.wk, cdt, cfg.kernels).reshape(t, hkv, dh)
+  v = layers.linear(y, p.wv, cdt, cfg.kernels).reshape(t, hkv, dv)
   if cfg.qk_norm:
     q = layers.rms_norm(q, p.q_norm, cfg.rms_eps)
     k = layers.rms_norm(k, p.k_norm, cfg.rms_eps)
@@ -266,7 +266,7 @@ def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_cache, v_cache, start, po
   o = o.reshape(t, h * dv)
   if gate is not None:
     o = o * jax.nn.sigmoid(gate)
-  return layers.linear(o, p.wo, cdt), k_cache, v_cache
+  return layers.linear(o, p.wo, cdt, cfg.kernels), k_cache, v_cache
 
 
 def _gdn_layer(x, p: GDNParams, cfg: TargetConfig, ssm, conv, n_valid, mode, cdt, tree=None):
@@ -281,10 +281,10 @@ def _gdn_layer(x, p: GDNParams, cfg: TargetConfig, ssm, conv, n_valid, mode, cdt
   t = x.shape[0]
   hk, hv, dk, dv = cfg.gdn_n_k_head, cfg.gdn_n_v_head, cfg.gdn_d_k, cfg.gdn_d_v
   y = layers.rms_norm(x, p.norm, cfg.rms_eps)
-  xin = layers.linear(y, p.w_qkv, cdt)                       # [T, C] pre-conv
-  z = layers.linear(y, p.w_z, cdt).reshape(t, hv, dv)
-  beta = jax.nn.sigmoid(layers.linear(y, p.w_beta, cdt))    # [T, Hv]
-  g = p.ssm_a * jax.nn.softplus(layers.linear(y, p.w_alpha, cdt) + p.dt_bias)  # [T, Hv] log decay
+  xin = layers.linear(y, p.w_qkv, cdt, cfg.kernels)                       # [T, C] pre-conv
+  z = layers.linear(y, p.w_z, cdt, cfg.kernels).reshape(t, hv, dv)
+  beta = jax.nn.sigmoid(layers.linear(y, p.w_beta, cdt, cfg.kernels))    # [T, Hv]
+  g = p.ssm_a * jax.nn.softplus(layers.linear(y, p.w_alpha, cdt, cfg.kernels) + p.dt_bias)  # [T, Hv] log decay
   if mode == "tree":
     parents, depths, anc = tree
     mixed = jax.nn.silu(layers.causal_conv_tree(xin, conv, p.conv, anc, depths))
@@ -304,13 +304,13 @@ def _gdn_layer(x, p: GDNParams, cfg: TargetConfig, ssm, conv, n_valid, mode, cdt
     new_conv = jax.lax.dynamic_slice_in_dim(xc, n_valid, conv.shape[0], axis=0)
     step_states = None
   elif mode == "tree":
-    o, step_states = layers.gated_delta_rule_tree(q, k, v, g, beta, ssm, tree[0])
+    o, step_states = layers.gated_delta_rule_tree(q, k, v, g, beta, ssm, tree[0], cfg.kernels)
     new_ssm, new_conv = ssm, conv
   else:
     o, step_states = layers.gated_delta_rule_recurrent(q, k, v, g, beta, ssm)
     new_ssm, new_conv = ssm, conv
   o = layers.rms_norm(o, p.ssm_norm, cfg.rms_eps) * jax.nn.silu(z)
-  out = layers.linear(o.reshape(t, hv * dv), p.w_out, cdt)
+  out = layers.linear(o.reshape(t, hv * dv), p.w_out, cdt, cfg.kernels)
   return out, new_ssm, new_conv, step_states, xin
 
 
@@ -382,5 +382,5 @@ def forward(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, start: j
   else:
     if logits_rows == "last":
       x = jax.lax.dynamic_slice_in_dim(x, n_valid - 1, 1, axis=0)
-    logits = layers.linear(layers.rms_norm(x, params.out_norm, cfg.rms_eps), params.lm_head, cdt)
+    logits = layers.linear(layers.rms_norm(x, params.out_norm, cfg.rms_eps), params.lm_head, cdt, cfg.kernels)
   return logits, feat, new_cache, steps

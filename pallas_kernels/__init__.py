@@ -1,9 +1,11 @@
-"""Pallas GPU kernels and the pure-JAX references they are tested against.
+"""Pallas GPU kernels (Triton lowering) and the pure-JAX references they are tested against.
 
-dequant_matmul: y = x @ dequantize(W)^T over GGUF blocks kept packed (reference implemented;
-the Pallas kernel is tracked by the kernels issue).
+dequant_matmul: y = x @ dequantize(W)^T reading GGUF blocks kept packed (Q4_0 Q4_1 Q5_0 Q5_1
+  Q8_0 Q4_K Q5_K Q6_K), with `dequant_matmul_reference`.
+tree_gdn: the DDTree-verify gated delta rule (each node from its parent's state), with
+  `tree_gdn_reference`.
 """
 
-from pallas_kernels.dequant_matmul import dequant_matmul_reference
+from pallas_kernels import dequant_matmul, tree_gdn  # modules (their functions share the names)
 
-__all__ = ["dequant_matmul_reference"]
+__all__ = ["dequant_matmul", "tree_gdn"]

@@ -1,25 +1,271 @@
-"""Dequantizing matmul over packed GGUF rows.
+"""Dequantizing matmul over packed GGUF rows: a Pallas (Triton lowering) kernel and its reference.
 
-Contract: y[M, N] = x[M, K] @ dequantize(W)[N, K]^T, float32 accumulation, with W a
-`dflash_jax.quants.QuantWeight` holding raw GGUF blocks `[N, K // block * type_size] uint8`.
-This file holds the pure-JAX reference; the Pallas (Triton lowering) kernel that must match it
-is the subject of the kernels issue and is not written yet.
+Contract: y[M, N] = x[M, K] @ dequantize(W)[N, K]^T with float32 accumulation, W a
+`dflash_jax.quants.QuantWeight` holding the raw GGUF blocks `[N, K // block * type_size] uint8`
+exactly as the loader keeps them on device (no repacking: device bytes = file bytes).
+
+Kernel design (`dequant_matmul`):
+  * grid (M tiles, N tiles, K splits). Each program owns a [bm, bn] output tile and a contiguous
+    range of GGUF blocks of its bn weight rows; the weight rows are viewed as
+    [N, n_blocks, type_size] so every field of a block (f16 scales, packed 6-bit scales, nibbles,
+    high bits) is a strided ref slice, loaded and decoded in registers. Nothing dequantized is
+    written to memory.
+  * per sub-block (32 elements; 16 for Q4_0/Q4_1/Q5_x halves and for Q6_K whose scales are per
+    16) the integer codes q are exact in bf16/f16, so one small dot `x_sub @ q_sub^T` with
+    float32 accumulation is followed by the block scale (and for the affine formats the min term
+    `rowsum(x_sub) * min`), applied in float32 after the dot. This is exact up to the rounding
+    of x to the operand dtype (llama.cpp's q8_1-sum trick; tokamax's post-scale path).
+  * split-K (`k_splits` > 1) writes float32 partials [S, M, N] that are summed outside, for
+    shapes whose N alone cannot fill the GPU.
+  * M is padded to a multiple of bm (>= 16: tensor-core dots need M >= 16).
+
+Block layouts: ggml/src/ggml-common.h; decoding mirrors dflash_jax.quants.dequantize_blocks
+(bit-identical to gguf-py's gguf.quants.dequantize), which is what the tests compare against.
+
+Uses `jax.experimental.pallas.triton` (deprecated since JAX 0.11 but shipped in 0.12; the only
+GPU Pallas style that also runs with interpret=True on CPU). The kernel body only uses ref
+slicing, jnp ops and fori_loop, so a Mosaic GPU port is mechanical.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import warnings
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
-from dflash_jax.quants import QuantWeight, dequantize
+from dflash_jax.quants import BLOCK_FORMATS, QuantWeight, dequantize
+
+warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+
+# Formats with a Pallas kernel (the issue's list plus Q5_0/Q5_1/Q5_K, same machinery).
+KERNEL_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 
 
 def dequant_matmul_reference(x: jax.Array, w: QuantWeight, compute_dtype=jnp.float32) -> jax.Array:
-  """x: [M, K] float; w: logical [N, K] packed; returns [M, N] float32.
+  """Pure-JAX reference. x: [M, K] float; w: logical [N, K] packed; returns [M, N] float32.
 
   Dequantizes W to `compute_dtype` (exact for float32), then one matmul with float32 accumulation
-  (HIGHEST precision for float32 operands).
+  (HIGHEST precision for float32 operands). Works for every QuantWeight format.
   """
   wd = dequantize(w, compute_dtype)
   prec = jax.lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
   return jnp.dot(x.astype(compute_dtype), wd.T, precision=prec, preferred_element_type=jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+  """Static tiling of one kernel call. bm: rows of x per program (>= 16, power of 2);
+  bn: weight rows per program (power of 2); k_splits: programs along K (divides n_blocks);
+  num_warps / num_stages: Triton launch parameters."""
+  bm: int = 16
+  bn: int = 64
+  k_splits: int = 1
+  num_warps: int = 4
+  num_stages: int = 2
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+  b = 1
+  while b * 2 <= cap and n % (b * 2) == 0:
+    b *= 2
+  return b
+
+
+def default_tiles(m: int, n: int, k: int, fmt: str, *, n_sm: int = 132) -> TileConfig:
+  """Tile choice used by the model: bm = M rounded up to a power of 2 in [16, 64]; bn the largest
+  power of 2 <= 128 dividing N (>= 16); split K while the N tiles cannot fill `n_sm` SMs and each
+  split keeps >= 4 blocks. Raises ValueError when N has no power-of-2 divisor >= 16."""
+  bm = 16
+  while bm < min(m, 64):
+    bm *= 2
+  bn = _pow2_divisor(n, 128)
+  if bn < 16:
+    raise ValueError(f"dequant_matmul: N={n} has no power-of-2 tile >= 16")
+  blk = BLOCK_FORMATS[fmt][0]
+  n_blocks = k // blk
+  splits = 1
+  while (n // bn) * splits < n_sm and n_blocks % (splits * 2) == 0 and n_blocks // (splits * 2) >= 4:
+    splits *= 2
+  return TileConfig(bm=bm, bn=bn, k_splits=splits)
+
+
+def supports(w: QuantWeight) -> bool:
+  """True when `dequant_matmul` has a kernel for this weight (format and N tileable)."""
+  return w.fmt in KERNEL_FORMATS and _pow2_divisor(w.shape[0], 128) >= 16
+
+
+# ----------------------------------------------------------------------------- block decoding
+
+def _f16(lo, hi):
+  """Two [bn] uint8 vectors (little endian) -> [bn] float32 via IEEE half."""
+  u = lo.astype(jnp.uint16) | (hi.astype(jnp.uint16) << 8)
+  return jax.lax.bitcast_convert_type(u, jnp.float16).astype(jnp.float32)
+
+
+def _i8(b):
+  return jax.lax.bitcast_convert_type(b, jnp.int8)
+
+
+def _sub_blocks(fmt: str, w_ref, blk):
+  """Sub-blocks of GGUF block `blk` (traced index into w_ref's block axis) as a static list of
+  (x offset within the block, width, q [bn, width] integer codes (int32), scale [bn] f32,
+  bias [bn] f32 or None) with  w[:, off:off+width] = scale * q + bias."""
+  def byte(i):
+    return w_ref[:, blk, i]
+
+  def bytes_(start, n):
+    return w_ref[:, blk, pl.ds(start, n)]
+
+  def iota(n):
+    return jax.lax.broadcasted_iota(jnp.uint32, (1, n), 1)
+
+  def u32(start):
+    b = [byte(start + i).astype(jnp.uint32) for i in range(4)]
+    return b[0] | (b[1] << 8) | (b[2] << 16) | (b[3] << 24)
+
+  out = []
+  if fmt == "q8_0":
+    d = _f16(byte(0), byte(1))
+    out.append((0, 32, _i8(bytes_(2, 32)).astype(jnp.int32), d, None))
+  elif fmt in ("q4_0", "q4_1"):
+    d = _f16(byte(0), byte(1))
+    off = 2 if fmt == "q4_0" else 4
+    bias = None if fmt == "q4_0" else _f16(byte(2), byte(3))
+    qs = bytes_(off, 16).astype(jnp.int32)
+    shift = 8 if fmt == "q4_0" else 0
+    out.append((0, 16, (qs & 15) - shift, d, bias))
+    out.append((16, 16, (qs >> 4) - shift, d, bias))
+  elif fmt in ("q5_0", "q5_1"):
+    d = _f16(byte(0), byte(1))
+    off = 2 if fmt == "q5_0" else 4
+    bias = None if fmt == "q5_0" else _f16(byte(2), byte(3))
+    qh = u32(off)[:, None]
+    qs = bytes_(off + 4, 16).astype(jnp.int32)
+    shift = 16 if fmt == "q5_0" else 0
+    hb_lo = ((qh >> iota(16)) & 1).astype(jnp.int32)
+    hb_hi = ((qh >> (iota(16) + 16)) & 1).astype(jnp.int32)
+    out.append((0, 16, ((qs & 15) | (hb_lo << 4)) - shift, d, bias))
+    out.append((16, 16, ((qs >> 4) | (hb_hi << 4)) - shift, d, bias))
+  elif fmt in ("q4_k", "q5_k"):
+    d = _f16(byte(0), byte(1))
+    dmin = _f16(byte(2), byte(3))
+    s = [byte(4 + i).astype(jnp.int32) for i in range(12)]
+    qs_off = 16 if fmt == "q4_k" else 48
+    qh = bytes_(16, 32).astype(jnp.int32) if fmt == "q5_k" else None
+    for j in range(8):
+      if j < 4:
+        sc, mn = s[j] & 63, s[j + 4] & 63
+      else:
+        sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4)
+        mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4)
+      qb = bytes_(qs_off + 32 * (j // 2), 32).astype(jnp.int32)
+      q = (qb & 15) if j % 2 == 0 else (qb >> 4)
+      if qh is not None:
+        q = q | (((qh >> j) & 1) << 4)
+      out.append((32 * j, 32, q, d * sc.astype(jnp.float32), -(dmin * mn.astype(jnp.float32))))
+  elif fmt == "q6_k":
+    d = _f16(byte(208), byte(209))
+    for s16 in range(16):
+      n, r, p = s16 // 8, (s16 % 8) // 2, s16 % 2
+      ql = bytes_(64 * n + 32 * (r % 2) + 16 * p, 16).astype(jnp.int32)
+      nib = (ql & 15) if r < 2 else (ql >> 4)
+      qh = bytes_(128 + 32 * n + 16 * p, 16).astype(jnp.int32)
+      q = (nib | (((qh >> (2 * r)) & 3) << 4)) - 32
+      sc = _i8(byte(192 + s16)).astype(jnp.float32)
+      out.append((128 * n + 32 * r + 16 * p, 16, q, d * sc, None))
+  else:
+    raise ValueError(f"dequant_matmul: no kernel for format {fmt!r}; kernels: {KERNEL_FORMATS}")
+  return out
+
+
+def _kernel(x_ref, w_ref, *rest, fmt: str, blk_elems: int, blocks_per_split: int,
+            group: int, cdt):
+  """One [bm, bn] output tile over `blocks_per_split` GGUF blocks (a K split)."""
+  o_ref = rest[-1]   # rest = ([aliased poison buffer,] output)
+  bm = x_ref.shape[0]
+  bn = w_ref.shape[0]
+
+  def body(g, acc):
+    for b in range(group):
+      blk = g * group + b
+      for off, width, q, scale, bias in _sub_blocks(fmt, w_ref, blk):
+        xs = x_ref[:, pl.ds(blk * blk_elems + off, width)].astype(cdt)      # [bm, width]
+        y = jax.lax.dot_general(xs, q.astype(cdt), (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)         # [bm, bn]
+        acc = acc + y * scale[None, :]
+        if bias is not None:
+          acc = acc + jnp.sum(xs.astype(jnp.float32), axis=1)[:, None] * bias[None, :]
+    return acc
+
+  acc = jax.lax.fori_loop(0, blocks_per_split // group, body, jnp.zeros((bm, bn), jnp.float32))
+  o_ref[...] = acc
+
+
+@functools.partial(jax.jit, static_argnames=("fmt_shape", "tiles", "compute_dtype", "interpret",
+                                             "poison"))
+def _dequant_matmul(x, data, *, fmt_shape, tiles: TileConfig, compute_dtype, interpret, poison):
+  fmt, (n, k) = fmt_shape
+  blk_elems, type_size = BLOCK_FORMATS[fmt]
+  n_blocks = k // blk_elems
+  m = x.shape[0]
+  bm, bn, s = tiles.bm, tiles.bn, tiles.k_splits
+  mp = -(-m // bm) * bm
+  if mp != m:
+    x = jnp.pad(x, ((0, mp - m), (0, 0)))
+  bps = n_blocks // s
+  group = _pow2_divisor(bps, 8) if blk_elems == 32 else 1
+  w3 = data.reshape(n, n_blocks, type_size)
+  from jax.experimental.pallas import triton as plgpu_triton
+  kernel = functools.partial(_kernel, fmt=fmt, blk_elems=blk_elems, blocks_per_split=bps,
+                             group=group, cdt=jnp.dtype(compute_dtype))
+  out_spec = pl.BlockSpec((None, bm, bn), lambda i, j, t: (t, i, j))
+  in_specs = [pl.BlockSpec((bm, bps * blk_elems), lambda i, j, t: (i, t)),
+              pl.BlockSpec((bn, bps, type_size), lambda i, j, t: (j, t, 0))]
+  args = [x, w3]
+  if poison:   # start the output as NaN: an element the kernel never writes stays NaN
+    args.append(jnp.full((s, mp, n), jnp.nan, jnp.float32))
+    in_specs.append(out_spec)
+  out = pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((s, mp, n), jnp.float32),
+      grid=(mp // bm, n // bn, s),
+      in_specs=in_specs,
+      out_specs=out_spec,
+      input_output_aliases={2: 0} if poison else {},
+      compiler_params=plgpu_triton.CompilerParams(num_warps=tiles.num_warps,
+                                                  num_stages=tiles.num_stages),
+      interpret=interpret,
+      name=f"dequant_matmul_{fmt}",
+  )(*args)
+  y = out[0] if s == 1 else jnp.sum(out, axis=0)
+  return y[:m]
+
+
+def dequant_matmul(x: jax.Array, w: QuantWeight, *, compute_dtype=jnp.bfloat16,
+                   tiles: TileConfig | None = None, interpret: bool = False,
+                   poison_output: bool = False) -> jax.Array:
+  """Pallas dequantizing matmul. x: [M, K] float; w: packed QuantWeight, logical [N, K], fmt in
+  KERNEL_FORMATS; returns y [M, N] float32 = x @ dequantize(w)^T.
+
+  compute_dtype: dot operand dtype (bfloat16 default; float16; float32 = TF32 on GPU tensor
+    cores). Codes q are exact in all three; x is rounded to it. Scales apply in float32.
+  tiles: TileConfig (default `default_tiles`). interpret: run the kernel with the Pallas
+    interpreter (CPU tests). poison_output: start the output buffer as NaN (tests).
+  Raises ValueError for a format without a kernel, a K/N that does not tile, or a shape mismatch.
+  """
+  if w.fmt not in KERNEL_FORMATS:
+    raise ValueError(f"dequant_matmul: no kernel for format {w.fmt!r}; kernels: {KERNEL_FORMATS}")
+  n, k = w.shape
+  if x.ndim != 2 or x.shape[1] != k:
+    raise ValueError(f"dequant_matmul: x shape {x.shape} does not match weight [N={n}, K={k}]")
+  tiles = tiles or default_tiles(x.shape[0], n, k, w.fmt)
+  blk = BLOCK_FORMATS[w.fmt][0]
+  if (k // blk) % tiles.k_splits or n % tiles.bn or tiles.bm < 16:
+    raise ValueError(f"dequant_matmul: tiles {tiles} do not fit N={n}, K={k} ({w.fmt})")
+  return _dequant_matmul(x, w.data, fmt_shape=(w.fmt, (n, k)), tiles=tiles,
+                         compute_dtype=jnp.dtype(compute_dtype).name, interpret=interpret,
+                         poison=poison_output)

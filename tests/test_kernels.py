@@ -1,0 +1,232 @@
+"""Pallas kernels (Triton lowering): numerics in interpret mode on CPU, and deviceless lowering
+for an H100 at the tile configurations the model uses.
+
+Tolerance norm: relative Frobenius error ||y - ref||_F / ||ref||_F against a float64 numpy
+reference (gguf-py's `gguf.quants.dequantize` for the weights).
+  * float32 operands: < 1e-5 (interpret mode computes exact f32 products; on an H100 the same
+    call runs TF32 tensor cores, expected ~1e-3, checked only where a GPU is lent).
+  * bfloat16 operands: the codes q are exact in bf16 and scales apply in f32 after each
+    sub-block dot, so the only rounding is x -> bf16: compared against the float64 product of
+    bf16-rounded x, < 1e-5; against unrounded x the error is the bf16 rounding (< 1e-2).
+Inputs are fresh random bytes every run (the seed is printed on failure); outputs start as NaN
+(`poison_output`) so an element the kernel never writes fails the test.
+"""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+from gguf import quants as gq
+
+from dflash_jax.quants import BLOCK_FORMATS, QuantWeight
+from pallas_kernels import dequant_matmul as dm
+from pallas_kernels import tree_gdn as tg
+from test_quants import _random_blocks
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
+
+H100 = "NVIDIA H100 80GB HBM3"
+# Qwen3.5-27B matrix shapes [N, K] (GGUF [out, in]) from the kernels issue, and SmolLM2-135M's.
+QWEN27B_SHAPES = [(5120, 17408), (17408, 5120), (5120, 10240), (6144, 5120), (5120, 12288),
+                  (248320, 5120)]
+SMOL_SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
+
+
+def _fresh_rng():
+  seed = int(np.random.SeedSequence().entropy % (2**32))
+  return np.random.default_rng(seed), seed
+
+
+def _rel(y, ref):
+  y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
+  return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+
+
+def _lower_for_h100(fn, *specs) -> str:
+  dev = jax.sharding.AbstractDevice(H100, 1, "cuda")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,),
+                                   abstract_device=dev)
+  with jax.sharding.use_abstract_mesh(mesh):
+    return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+# ----------------------------------------------------------------------------- dequant matmul
+
+@pytest.mark.parametrize("fmt", dm.KERNEL_FORMATS)
+@pytest.mark.parametrize("m,tiles", [(1, None), (23, dm.TileConfig(bm=16, bn=32, k_splits=2))])
+def test_dequant_matmul_interpret_vs_gguf(fmt, m, tiles):
+  rng, seed = _fresh_rng()
+  n, k = 64, 512
+  blk = BLOCK_FORMATS[fmt][0]
+  raw = _random_blocks(rng, fmt, n, k // blk)
+  w64 = gq.dequantize(raw, QT[fmt.upper()]).astype(np.float64)          # [N, K]
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  w = QuantWeight(jnp.asarray(raw), fmt, (n, k))
+  y32 = dm.dequant_matmul(jnp.asarray(x), w, compute_dtype=jnp.float32, tiles=tiles,
+                          interpret=True, poison_output=True)
+  ybf = dm.dequant_matmul(jnp.asarray(x), w, compute_dtype=jnp.bfloat16, tiles=tiles,
+                          interpret=True, poison_output=True)
+  ref = x.astype(np.float64) @ w64.T
+  xbf = x.astype(ml_dtypes.bfloat16).astype(np.float64)
+  assert y32.shape == ybf.shape == (m, n)
+  assert np.isfinite(np.asarray(y32)).all() and np.isfinite(np.asarray(ybf)).all(), f"seed {seed}"
+  assert _rel(y32, ref) < 1e-5, f"seed {seed}"
+  assert _rel(ybf, xbf @ w64.T) < 1e-5, f"seed {seed}"
+  assert _rel(ybf, ref) < 1e-2, f"seed {seed}"
+  # and against the model's pure-JAX reference path
+  yr = dm.dequant_matmul_reference(jnp.asarray(x), w, jnp.float32)
+  assert _rel(y32, yr) < 1e-5, f"seed {seed}"
+
+
+def test_dequant_matmul_smollm2_q4_1_tensor(smol):
+  """A real GGUF tensor (SmolLM2 Q4_1 ffn_down: K = 1536, 48 blocks per row) through the
+  kernel's default tiles, vs gguf-py's dequantize."""
+  w = smol.params.layers[0].ffn.down
+  assert w.fmt in dm.KERNEL_FORMATS
+  rng, seed = _fresh_rng()
+  x = rng.standard_normal((3, w.shape[1])).astype(np.float32)
+  w64 = gq.dequantize(np.asarray(w.data), QT[w.fmt.upper()]).astype(np.float64)
+  y = dm.dequant_matmul(jnp.asarray(x), w, compute_dtype=jnp.float32, interpret=True,
+                        poison_output=True)
+  assert _rel(y, x.astype(np.float64) @ w64.T) < 1e-5, f"seed {seed}"
+
+
+def test_dequant_matmul_rejects_bad_input():
+  w16 = QuantWeight(jnp.zeros((64, 64), jnp.float16), "f16", (64, 64))
+  with pytest.raises(ValueError, match="no kernel for format 'f16'"):
+    dm.dequant_matmul(jnp.zeros((1, 64)), w16)
+  w = QuantWeight(jnp.zeros((64, 2 * 34), jnp.uint8), "q8_0", (64, 64))
+  with pytest.raises(ValueError, match="does not match"):
+    dm.dequant_matmul(jnp.zeros((1, 32)), w)
+  with pytest.raises(ValueError, match="do not fit"):
+    dm.dequant_matmul(jnp.zeros((1, 64)), w, tiles=dm.TileConfig(bn=128))
+  with pytest.raises(ValueError, match="no power-of-2 tile"):
+    dm.default_tiles(1, 24, 64, "q8_0")
+  assert not dm.supports(QuantWeight(jnp.zeros((4, 34), jnp.uint8), "q8_0", (4, 32)))
+
+
+@pytest.mark.parametrize("fmt", dm.KERNEL_FORMATS)
+def test_dequant_matmul_lowers_for_h100(fmt):
+  """Every format at the model's default tiles for the Qwen3.5-27B shapes (decode M=1, chain
+  verify M=16, tree verify M=23 and 32, prefill tile M=64), and for SmolLM2's shapes where the
+  format tiles them; the real Pallas -> Triton IR lowering, on a CPU-only jaxlib."""
+  blk, size = BLOCK_FORMATS[fmt]
+  shapes = list(QWEN27B_SHAPES) + [s for s in SMOL_SHAPES if s[1] % blk == 0]
+  seen = set()
+  for n, k in shapes:
+    for m in (1, 16, 23, 32, 64):
+      tiles = dm.default_tiles(m, n, k, fmt)
+      key = (tiles, k // blk // tiles.k_splits, m)
+      if key in seen:
+        continue
+      seen.add(key)
+
+      def f(x, data, n=n, k=k, tiles=tiles):
+        return dm.dequant_matmul(x, QuantWeight(data, fmt, (n, k)), tiles=tiles)
+
+      txt = _lower_for_h100(f, jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+                            jax.ShapeDtypeStruct((n, k // blk * size), jnp.uint8))
+      assert "__gpu$xla.gpu.triton" in txt, (fmt, n, k, m, tiles)
+
+
+def test_lowering_check_catches_non_power_of_two_tiles():
+  """The lowering test can fail: a 48-row tile is rejected by the Triton lowering."""
+  def f(x, data):
+    return dm.dequant_matmul(x, QuantWeight(data, "q8_0", (96, 64)),
+                             tiles=dm.TileConfig(bm=16, bn=48))
+  with pytest.raises(ValueError, match="power of 2"):
+    _lower_for_h100(f, jax.ShapeDtypeStruct((16, 64), jnp.bfloat16),
+                    jax.ShapeDtypeStruct((96, 68), jnp.uint8))
+
+
+# ----------------------------------------------------------------------------- tree GDN
+
+def _gdn_inputs(rng, n, hv, dk, dv):
+  q = rng.standard_normal((n, hv, dk)).astype(np.float32)
+  q /= np.linalg.norm(q, axis=-1, keepdims=True) * np.sqrt(dk)
+  k = rng.standard_normal((n, hv, dk)).astype(np.float32)
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  v = rng.standard_normal((n, hv, dv)).astype(np.float32)
+  g = (-np.abs(rng.standard_normal((n, hv))) * 0.3).astype(np.float32)
+  beta = rng.uniform(0, 1, (n, hv)).astype(np.float32)
+  s0 = (rng.standard_normal((hv, dk, dv)) * 0.2).astype(np.float32)
+  return q, k, v, g, beta, s0
+
+
+def _chain_np(q, k, v, g, beta, s0, path):
+  """float64 numpy recurrence along `path` (node ids, root first): states after each node."""
+  s = s0.astype(np.float64)
+  outs, states = [], []
+  for i in path:
+    s = s * np.exp(g[i])[:, None, None]
+    kv = np.einsum("hk,hkv->hv", k[i], s)
+    s = s + k[i][:, :, None] * ((v[i] - kv) * beta[i][:, None])[:, None, :]
+    outs.append(np.einsum("hk,hkv->hv", q[i], s))
+    states.append(s)
+  return outs, states
+
+
+@pytest.mark.parametrize("n,hv,dk,dv,bv", [(16, 3, 32, 32, None), (23, 2, 64, 64, 32)])
+def test_tree_gdn_interpret_vs_reference(n, hv, dk, dv, bv):
+  rng, seed = _fresh_rng()
+  parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, n)], np.int32)
+  args = _gdn_inputs(rng, n, hv, dk, dv)
+  o, st = tg.tree_gdn(*map(jnp.asarray, args), jnp.asarray(parents), bv=bv, interpret=True,
+                      poison_outputs=True)
+  o_ref, st_ref = tg.tree_gdn_reference(*map(jnp.asarray, args), jnp.asarray(parents))
+  assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(st)).all(), f"seed {seed}"
+  assert _rel(o, o_ref) < 1e-5 and _rel(st, st_ref) < 1e-5, f"seed {seed}"
+  # every node == the float64 chain recurrence along its root path
+  for i in range(n):
+    path, j = [], i
+    while j >= 0:
+      path.append(j)
+      j = int(parents[j])
+    outs, states = _chain_np(*args, path[::-1])
+    assert _rel(o[i], outs[-1]) < 1e-5 and _rel(st[i], states[-1]) < 1e-5, f"seed {seed} node {i}"
+
+
+def test_tree_gdn_rejects_untileable_heads():
+  z = jnp.zeros
+  with pytest.raises(ValueError, match="do not tile"):
+    tg.tree_gdn(z((4, 2, 24)), z((4, 2, 24)), z((4, 2, 32)), z((4, 2)), z((4, 2)),
+                z((2, 24, 32)), jnp.array([-1, 0, 1, 2], jnp.int32))
+
+
+@pytest.mark.parametrize("n", [16, 23])
+def test_tree_gdn_lowers_for_h100(n):
+  """Qwen3.5-27B GDN shapes: 48 V heads, Dk = Dv = 128, trees of 16 and 23 nodes."""
+  S = jax.ShapeDtypeStruct
+  f32 = jnp.float32
+  txt = _lower_for_h100(lambda *a: tg.tree_gdn(*a), S((n, 48, 128), f32), S((n, 48, 128), f32),
+                        S((n, 48, 128), f32), S((n, 48), f32), S((n, 48), f32),
+                        S((48, 128, 128), f32), S((n,), jnp.int32))
+  assert "__gpu$xla.gpu.triton" in txt
+
+
+# ----------------------------------------------------------------------------- in the model
+
+def test_model_with_pallas_kernels_matches_reference():
+  """The tiny Qwen3.5 hybrid (Q4_K_M: Q4_K, Q6_K and Q8_0... tensors) through forward with
+  kernels="pallas_interpret" vs "reference": logits to 1e-5, and DDTree decoding (tree GDN
+  kernel) token-identical."""
+  import os
+  import dflash_jax as dj
+  from conftest import QWEN, DRAFT
+  path = os.path.join(QWEN, "model-q4_k_m.gguf")
+  ref = dj.load_target(path, kernels="reference")
+  ker = dj.load_target(path, kernels="pallas_interpret")
+  assert ker.config.kernels == "pallas_interpret"
+  ids = [1, 5, 9, 33, 100, 7, 2, 64, 80]
+  lr = np.asarray(dj.forward_logits(ref, ids))
+  lk = np.asarray(dj.forward_logits(ker, ids))
+  assert _rel(lk, lr) < 1e-5
+  draft = dj.load_draft(DRAFT, ref)
+  a = dj.generate(ref, draft, ids, max_new_tokens=6, mode="ddtree", budget=6, max_ctx=64)
+  b = dj.generate(ker, dj.load_draft(DRAFT, ker), ids, max_new_tokens=6, mode="ddtree", budget=6,
+                  max_ctx=64)
+  assert a.tokens == b.tokens
