@@ -195,6 +195,8 @@ def save_shard(path: str, seqs: list[dict]):
 def load_shards(data_dir: str) -> list[dict]:
   seqs = []
   for path in sorted(glob.glob(os.path.join(data_dir, "shard_*.npz"))):
+    if path.endswith(".tmp.npz"):   # an interrupted write
+      continue
     z = np.load(path)
     t0 = f0 = 0
     for n, fn, p in zip(z["lens"], z["flens"], z["prompt_lens"]):

@@ -37,6 +37,9 @@ _BUDGETS = flags.DEFINE_list("budgets", ["22"], "DDTree budgets (one column each
 _TOP_K = flags.DEFINE_integer("top_k", 8, "DDTree candidates per depth.")
 _MAX_CTX = flags.DEFINE_integer("max_ctx", 1024, "Context capacity.")
 _WEIGHTS = flags.DEFINE_enum("weights", "quantized", ["quantized", "f32", "bf16"], "Weights on device.")
+_KERNELS = flags.DEFINE_enum("kernels", "auto", ["auto", "pallas", "reference"],
+                             "Matmul / tree-GDN implementation: 'auto' = Pallas kernels on GPU, "
+                             "pure JAX elsewhere.")
 _DTYPE = flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
 _JSON = flags.DEFINE_string("json_out", None, "Write results JSON here.")
 
@@ -107,7 +110,8 @@ def main(argv):
   from dflash_jax import cli
 
   path = _TARGET.value or cli.default_target_path()
-  target = dj.load_target(path, weights=_WEIGHTS.value, compute_dtype=_DTYPE.value)
+  target = dj.load_target(path, weights=_WEIGHTS.value, compute_dtype=_DTYPE.value,
+                            kernels=_KERNELS.value)
   draft_dir = _DRAFT.value or cli.find_draft_dir(target) or "random"
   draft = random_draft(target) if draft_dir == "random" else dj.load_draft(draft_dir, target)
   if _DATASET.value == "humaneval":

@@ -41,6 +41,9 @@ _BLOCK = flags.DEFINE_integer("block_size", None, "Draft block size L (must equa
 _MAX_CTX = flags.DEFINE_integer("max_ctx", 2048, "Context capacity in tokens (prompt + output).")
 _WEIGHTS = flags.DEFINE_enum("weights", "quantized", ["quantized", "f32", "bf16"],
                              "Keep GGUF blocks packed on device, or dequantize at load.")
+_KERNELS = flags.DEFINE_enum("kernels", "auto", ["auto", "pallas", "reference"],
+                             "Matmul / tree-GDN implementation: 'auto' = Pallas kernels on GPU, "
+                             "pure JAX elsewhere.")
 _DTYPE = flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"],
                            "Activation / matmul operand dtype.")
 _STREAM = flags.DEFINE_boolean("stream", True, "Print text as tokens are committed.")
@@ -56,7 +59,8 @@ def _load():
   with tqdm(total=2, desc="loading", unit="model", file=sys.stderr) as bar:
     path = _TARGET.value or cli.default_target_path()
     bar.set_postfix_str(os.path.basename(path))
-    target = dj.load_target(path, weights=_WEIGHTS.value, compute_dtype=_DTYPE.value)
+    target = dj.load_target(path, weights=_WEIGHTS.value, compute_dtype=_DTYPE.value,
+                            kernels=_KERNELS.value)
     bar.update()
     draft_dir = _DRAFT.value
     if draft_dir is None:

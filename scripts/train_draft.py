@@ -28,6 +28,9 @@ _N_CHAT = flags.DEFINE_integer("n_chat", 256, "Chat prompts (pydoc_data topics, 
 _N_EVAL = flags.DEFINE_integer("n_eval", 4, "Held-out prompts for acceptance-length evaluation.")
 _N_GEN = flags.DEFINE_integer("n_gen", 160, "Response tokens generated per prompt.")
 _MAX_PROMPT = flags.DEFINE_integer("max_prompt", 192, "Skip prompts longer than this (tokens).")
+_MAX_SHARDS = flags.DEFINE_integer("max_shards", 0, "Generate (and train on) only the first N "
+                                   "shards of --gen_batch prompts (0: all). Lets a run stop data "
+                                   "generation early and train on what is cached.")
 _GEN_BATCH = flags.DEFINE_integer("gen_batch", 32, "Prompts per batched generation call.")
 _SAMPLE = flags.DEFINE_float("sample_fraction", 0.0, "Fraction of prompts answered by sampling "
                              "(at --sample_temp) instead of greedily.")
@@ -80,6 +83,8 @@ def _generate_data(target, corpus, feature_layers, data_dir):
       ids.append(x)
   bsz = _GEN_BATCH.value
   n_shards = -(-len(ids) // bsz)
+  if _MAX_SHARDS.value:
+    n_shards = min(n_shards, _MAX_SHARDS.value)
   os.makedirs(data_dir, exist_ok=True)
   meta_path = os.path.join(data_dir, "meta.json")
   meta = {"target": os.path.basename(target.path), "feature_layers": list(feature_layers),

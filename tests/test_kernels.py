@@ -30,8 +30,9 @@ from test_quants import _random_blocks
 pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
 
 H100 = "NVIDIA H100 80GB HBM3"
-# Qwen3.5-27B matrix shapes [N, K] (GGUF [out, in]) from the kernels issue, and SmolLM2-135M's.
-QWEN27B_SHAPES = [(5120, 17408), (17408, 5120), (5120, 10240), (6144, 5120), (5120, 12288),
+# Qwen3.5-27B matrix shapes [N, K] (GGUF [out, in]): ffn_gate/up, ffn_down, GDN attn_qkv,
+# ssm_out / attn_output, attn_q (+gate), output; and SmolLM2-135M's.
+QWEN27B_SHAPES = [(17408, 5120), (5120, 17408), (10240, 5120), (5120, 6144), (12288, 5120),
                   (248320, 5120)]
 SMOL_SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
 

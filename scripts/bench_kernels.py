@@ -1,0 +1,260 @@
+"""GPU kernel benchmark: copy bandwidth, Pallas dequantizing matmul vs XLA dequantize-then-dot,
+tree Gated DeltaNet, and an end-to-end Qwen3.5-27B-shaped random model (Q4_K_M type mix).
+
+Prints one JSON object and a table. Times are medians over --repeats calls of compiled
+functions (block_until_ready). GB/s = bytes of the packed weight / kernel time; ratio = that /
+measured copy bandwidth (a read+write copy: 2 * bytes / time).
+
+  python scripts/bench_kernels.py --json_out bench_out/kernels.json         # on a GPU
+  python scripts/bench_kernels.py --sizes=small --interpret --repeats=2     # CPU smoke run
+
+Shapes (numpy [N, K] = GGUF [out, in]) at --sizes=qwen27b: ffn_gate/up 17408x5120, ffn_down
+5120x17408, GDN attn_qkv 10240x5120, ssm_out / attn_output 5120x6144, attn_q 12288x5120,
+output 248320x5120; M = 1 (decode), 16 (chain verify), 23 (tree verify, budget 22), 32.
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from absl import app, flags  # noqa: E402
+
+_SIZES = flags.DEFINE_enum("sizes", "qwen27b", ["qwen27b", "small"], "Real Qwen3.5-27B shapes, or "
+                           "small ones for a CPU smoke run.")
+_FORMATS = flags.DEFINE_list("formats", ["q4_k", "q6_k", "q8_0"], "Quant types for the matmul table.")
+_MS = flags.DEFINE_list("ms", ["1", "16", "23", "32"], "Rows of x (tokens per call).")
+_REPEATS = flags.DEFINE_integer("repeats", 20, "Timed calls per configuration (median).")
+_INTERPRET = flags.DEFINE_boolean("interpret", False, "Pallas interpreter (CPU smoke runs).")
+_E2E = flags.DEFINE_boolean("e2e", True, "Also time the 27B-shaped random model (needs ~17 GB).")
+_JSON = flags.DEFINE_string("json_out", None, "Write the JSON here as well.")
+
+QWEN27B = dict(shapes=[("ffn_gate/up", 17408, 5120), ("ffn_down", 5120, 17408),
+                       ("gdn_qkv", 10240, 5120), ("ssm_out", 5120, 6144), ("attn_q", 12288, 5120),
+                       ("output", 248320, 5120)],
+               gdn=dict(hv=48, dk=128, dv=128), n_layer=64, d=5120, d_ff=17408, vocab=248320,
+               n_head=24, n_kv=4, head_dim=256, n_k=16, copy_mb=2048)
+SMALL = dict(shapes=[("ffn_gate/up", 512, 256), ("ffn_down", 256, 512), ("output", 1024, 256)],
+             gdn=dict(hv=8, dk=32, dv=32), n_layer=4, d=256, d_ff=512, vocab=1024, n_head=4,
+             n_kv=2, head_dim=64, n_k=2, copy_mb=16)
+
+
+def _median_ms(fn, *args, repeats):
+  import jax
+  jax.block_until_ready(fn(*args))          # compile + warm
+  ts = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    ts.append((time.perf_counter() - t0) * 1e3)
+  return statistics.median(ts)
+
+
+def _random_blocks(rng, fmt, n, k):
+  """Random GGUF block bytes [N, row_bytes] with finite, small f16 scale fields."""
+  import numpy as np
+  from dflash_jax.quants import BLOCK_FORMATS
+  blk, size = BLOCK_FORMATS[fmt]
+  b = rng.integers(0, 256, size=(n, k // blk, size), dtype=np.uint8)
+  f16 = {"q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2], "q8_0": [0], "q4_k": [0, 2],
+         "q5_k": [0, 2], "q6_k": [208]}[fmt]
+  for off in f16:
+    h = (rng.standard_normal((n, k // blk)) * 0.01).astype(np.float16)
+    b[..., off:off + 2] = h.view(np.uint8).reshape(n, k // blk, 2)
+  return b.reshape(n, -1)
+
+
+def _copy_bandwidth(mb, repeats):
+  import jax
+  import jax.numpy as jnp
+  x = jnp.ones((mb * 2**20 // 4,), jnp.float32)
+  f = jax.jit(lambda a: a * 1.0 + 0.0)
+  ms = _median_ms(f, x, repeats=repeats)
+  return 2 * x.nbytes / (ms * 1e-3) / 1e9
+
+
+def _e2e(sz, copy_gbs, repeats, kernels):
+  """Qwen3.5-27B-shaped random model in the real Q4_K_M mix: Q6_K output and about half of
+  ffn_down / attn_qkv / attn_v (llama.cpp's use_more_bits layers), Q4_K elsewhere, F32 norms."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from dflash_jax import target as target_lib
+  from dflash_jax.config import TargetConfig
+  from dflash_jax.gguf_io import GGUFFile, GGUFTensor
+
+  n_layer, d = sz["n_layer"], sz["d"]
+  g = sz["gdn"]
+  cfg = TargetConfig(arch="qwen35", n_layer=n_layer, d_model=d, d_ff=sz["d_ff"], n_vocab=sz["vocab"],
+                     n_head=sz["n_head"], n_kv_head=sz["n_kv"], head_dim=sz["head_dim"],
+                     v_head_dim=sz["head_dim"], rope_dim=64, rope_theta=1e7, rope_style="neox",
+                     rms_eps=1e-6, qk_norm=True, attn_gate=True,
+                     recurrent=tuple((i + 1) % 4 != 0 for i in range(n_layer)),
+                     gdn_n_k_head=sz["n_k"], gdn_n_v_head=g["hv"], gdn_d_k=g["dk"], gdn_d_v=g["dv"],
+                     conv_kernel=4, kernels=kernels)
+  rng = np.random.default_rng(0)
+
+  def more_bits(i):  # llama.cpp use_more_bits(i, n): first/last eighth and every third layer
+    return i < n_layer // 8 or i >= 7 * n_layer // 8 or (i - n_layer // 8) % 3 == 2
+
+  tensors = {}
+
+  def mat(name, n, k, fmt):
+    data = _random_blocks(rng, fmt, n, k)
+    tensors[name] = GGUFTensor(name, fmt, (n, k), data, data.nbytes)
+
+  def vec(name, n, value=1.0):
+    tensors[name] = GGUFTensor(name, "f32", (n,), np.full((n,), value, np.float32), 4 * n)
+
+  mat("token_embd.weight", sz["vocab"], d, "q4_k")
+  mat("output.weight", sz["vocab"], d, "q6_k")
+  vec("output_norm.weight", d)
+  hv, dk, dv = g["hv"], g["dk"], g["dv"]
+  for i in range(n_layer):
+    p = f"blk.{i}."
+    hi = "q6_k" if more_bits(i) else "q4_k"
+    vec(p + "attn_norm.weight", d)
+    vec(p + "post_attention_norm.weight", d)
+    mat(p + "ffn_gate.weight", sz["d_ff"], d, "q4_k")
+    mat(p + "ffn_up.weight", sz["d_ff"], d, "q4_k")
+    mat(p + "ffn_down.weight", d, sz["d_ff"], hi)
+    if cfg.recurrent[i]:
+      c = 2 * cfg.gdn_n_k_head * dk + hv * dv
+      mat(p + "attn_qkv.weight", c, d, hi)
+      mat(p + "attn_gate.weight", hv * dv, d, "q4_k")
+      mat(p + "ssm_beta.weight", hv, d, "q4_k")
+      mat(p + "ssm_alpha.weight", hv, d, "q4_k")
+      tensors[p + "ssm_conv1d.weight"] = GGUFTensor(
+          p + "ssm_conv1d.weight", "f32", (c, 4), (rng.standard_normal((c, 4)) * 0.1).astype(np.float32), 16 * c)
+      vec(p + "ssm_dt.bias", hv, 0.0)
+      vec(p + "ssm_a", hv, -1.0)
+      vec(p + "ssm_norm.weight", dv)
+      mat(p + "ssm_out.weight", d, hv * dv, "q4_k")
+    else:
+      h, hkv, dh = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+      mat(p + "attn_q.weight", 2 * h * dh, d, "q4_k")
+      mat(p + "attn_k.weight", hkv * dh, d, "q4_k")
+      mat(p + "attn_v.weight", hkv * dh, d, hi)
+      mat(p + "attn_output.weight", d, h * dh, "q4_k")
+      vec(p + "attn_q_norm.weight", dh)
+      vec(p + "attn_k_norm.weight", dh)
+  f = GGUFFile("random-qwen35-27b-shaped", {}, tensors)
+  # bytes read per token: every matrix except the embedding (one row is gathered)
+  model_bytes = f.n_tensor_bytes - tensors["token_embd.weight"].n_bytes
+  params = jax.device_put(target_lib.load_params(f, cfg))
+  del tensors, f
+  ctx, n_tree = 512, 23
+  cache = target_lib.init_cache(cfg, ctx + 64)
+  cdt = "bfloat16"
+
+  @jax.jit
+  def ar_step(params, cache, tok):
+    logits, _, c, steps = target_lib.forward(params, cfg, tok, jnp.int32(ctx), cache, mode="verify",
+                                             compute_dtype=cdt)
+    return jnp.argmax(logits, -1), target_lib.commit(c, steps, jnp.int32(1))
+
+  parents = jnp.asarray([-1] + [max(0, (i - 1) // 2) for i in range(1, n_tree)], jnp.int32)
+  depths = np.zeros(n_tree, np.int32)
+  for i in range(1, n_tree):
+    depths[i] = depths[int(parents[i])] + 1
+
+  @jax.jit
+  def tree_step(params, cache, toks):
+    logits, _, c, steps = target_lib.forward(params, cfg, toks, jnp.int32(ctx), cache, mode="tree",
+                                             tree_parents=parents, tree_depths=jnp.asarray(depths),
+                                             compute_dtype=cdt)
+    path = jnp.arange(n_tree, dtype=jnp.int32)
+    return jnp.argmax(logits, -1), target_lib.commit_path(c, steps, jnp.int32(ctx), path, jnp.int32(3))
+
+  ar_ms = _median_ms(ar_step, params, cache, jnp.zeros((1,), jnp.int32), repeats=repeats)
+  tree_ms = _median_ms(tree_step, params, cache, jnp.zeros((n_tree,), jnp.int32), repeats=repeats)
+  floor_ms = model_bytes / (copy_gbs * 1e9) * 1e3
+  return {"model_bytes": model_bytes, "floor_ms": floor_ms, "ar_ms": ar_ms,
+          "ar_fraction_of_floor": floor_ms / ar_ms, "tree23_verify_ms": tree_ms,
+          "tree23_over_ar": tree_ms / ar_ms}
+
+
+def main(argv):
+  del argv
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from dflash_jax.quants import QuantWeight
+  from pallas_kernels import dequant_matmul as dm
+  from pallas_kernels import tree_gdn as tg
+
+  sz = QWEN27B if _SIZES.value == "qwen27b" else SMALL
+  reps = _REPEATS.value
+  res = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
+         "sizes": _SIZES.value, "interpret": _INTERPRET.value, "repeats": reps}
+  res["copy_gbs"] = copy_gbs = _copy_bandwidth(sz["copy_mb"], reps)
+  rng = np.random.default_rng(0)
+  rows = []
+  for fmt in _FORMATS.value:
+    for name, n, k in sz["shapes"]:
+      w = QuantWeight(jnp.asarray(_random_blocks(rng, fmt, n, k)), fmt, (n, k))
+      kern = jax.jit(lambda x, w: dm.dequant_matmul(x, w, compute_dtype=jnp.bfloat16,
+                                                    interpret=_INTERPRET.value))
+      xla = jax.jit(lambda x, w: dm.dequant_matmul_reference(x, w, jnp.bfloat16))
+      for m in (int(v) for v in _MS.value):
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+        ms = _median_ms(kern, x, w, repeats=reps)
+        ms_xla = _median_ms(xla, x, w, repeats=reps)
+        gbs = w.nbytes / (ms * 1e-3) / 1e9
+        rows.append({"fmt": fmt, "matrix": name, "N": n, "K": k, "M": m,
+                     "tiles": str(dm.default_tiles(m, n, k, fmt)), "kernel_ms": ms,
+                     "kernel_gbs": gbs, "fraction_of_copy": gbs / copy_gbs, "xla_ms": ms_xla,
+                     "speedup_vs_xla": ms_xla / ms})
+  res["matmul"] = rows
+  g = sz["gdn"]
+  gdn_rows = []
+  for n_nodes in (16, 23):
+    parents = jnp.asarray([-1] + [max(0, (i - 1) // 2) for i in range(1, n_nodes)], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((n_nodes, g["hv"], g["dk"])) * 0.05, jnp.float32)
+    v = jnp.asarray(rng.standard_normal((n_nodes, g["hv"], g["dv"])), jnp.float32)
+    gg = jnp.full((n_nodes, g["hv"]), -0.1, jnp.float32)
+    b = jnp.full((n_nodes, g["hv"]), 0.5, jnp.float32)
+    s0 = jnp.zeros((g["hv"], g["dk"], g["dv"]), jnp.float32)
+    kern = jax.jit(lambda *a: tg.tree_gdn(*a, interpret=_INTERPRET.value))
+    ref = jax.jit(tg.tree_gdn_reference)
+    us = _median_ms(kern, q, q, v, gg, b, s0, parents, repeats=reps) * 1e3
+    us_ref = _median_ms(ref, q, q, v, gg, b, s0, parents, repeats=reps) * 1e3
+    gdn_rows.append({"nodes": n_nodes, "kernel_us_per_layer": us, "reference_us_per_layer": us_ref})
+  res["tree_gdn"] = gdn_rows
+  if _E2E.value:
+    res["e2e"] = _e2e(sz, copy_gbs, reps,
+                      "pallas_interpret" if _INTERPRET.value else "pallas")
+    if not _INTERPRET.value:
+      res["e2e_reference_kernels"] = _e2e(sz, copy_gbs, reps, "reference")
+
+  print(json.dumps(res, indent=1))
+  print(f"\ndevice {res['device']} ({res['backend']}), copy bandwidth {copy_gbs:.0f} GB/s")
+  print(f"{'fmt':5} {'matrix':12} {'N':>7} {'K':>6} {'M':>3} {'kernel ms':>10} {'GB/s':>7} "
+        f"{'of copy':>8} {'XLA ms':>8} {'x XLA':>6}")
+  for r in rows:
+    print(f"{r['fmt']:5} {r['matrix']:12} {r['N']:7d} {r['K']:6d} {r['M']:3d} {r['kernel_ms']:10.3f} "
+          f"{r['kernel_gbs']:7.0f} {r['fraction_of_copy']:8.2f} {r['xla_ms']:8.3f} "
+          f"{r['speedup_vs_xla']:6.2f}")
+  for r in gdn_rows:
+    print(f"tree GDN {r['nodes']} nodes: kernel {r['kernel_us_per_layer']:.1f} us/layer, "
+          f"reference {r['reference_us_per_layer']:.1f} us/layer")
+  for key in ("e2e", "e2e_reference_kernels"):
+    if key in res:
+      e = res[key]
+      print(f"{key}: AR {e['ar_ms']:.2f} ms/token (floor {e['floor_ms']:.2f} ms, "
+            f"{e['ar_fraction_of_floor']:.2f} of floor); 23-node tree verify {e['tree23_verify_ms']:.2f} ms "
+            f"({e['tree23_over_ar']:.2f}x AR)")
+  if _JSON.value:
+    os.makedirs(os.path.dirname(os.path.abspath(_JSON.value)), exist_ok=True)
+    with open(_JSON.value, "w") as fh:
+      json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+  import jax
+  jax.config.config_with_absl()
+  app.run(main)
