@@ -248,11 +248,12 @@ def load_shards(data_dir: str) -> list[dict]:
   for path in sorted(glob.glob(os.path.join(data_dir, "shard_*.npz"))):
     if path.endswith(".tmp.npz"):   # an interrupted write
       continue
-    z = np.load(path)
+    with np.load(path) as z:   # each z[key] re-reads the file: read every array once
+      toks, feats = z["tokens"], z["feats"]
+      lens, flens, plens = z["lens"], z["flens"], z["prompt_lens"]
     t0 = f0 = 0
-    for n, fn, p in zip(z["lens"], z["flens"], z["prompt_lens"]):
-      seqs.append({"tokens": z["tokens"][t0:t0 + n], "feats": z["feats"][f0:f0 + fn],
-                   "prompt_len": int(p)})
+    for n, fn, p in zip(lens, flens, plens):
+      seqs.append({"tokens": toks[t0:t0 + n], "feats": feats[f0:f0 + fn], "prompt_len": int(p)})
       t0 += n
       f0 += fn
   return seqs
