@@ -53,7 +53,8 @@ class Draft:
 
 
 def load_target(gguf_path: str, *, weights: str = "quantized", compute_dtype: str = "float32",
-                tokenizer: bool = True, kernels: str = "auto") -> Target:
+                tokenizer: bool = True, kernels: str = "auto",
+                fuse_projections: bool = True) -> Target:
   """Load a GGUF target (`qwen35`, `llama`, `qwen3`).
 
   weights: "quantized" (default) keeps GGUF blocks packed on device and dequantizes inside the
@@ -63,6 +64,8 @@ def load_target(gguf_path: str, *, weights: str = "quantized", compute_dtype: st
   kernels: "auto" (Pallas kernels on GPU, the pure-JAX reference elsewhere), "pallas",
     "reference", or "pallas_interpret" (Pallas interpreter; slow, for tests). The Pallas
     dequantizing matmul needs weights="quantized" (float weights always use XLA's dot).
+  fuse_projections: stack the packed rows of same-format projections of one input (q/k/v, ffn
+    gate/up, Gated DeltaNet qkv/z/beta/alpha) at load so each group is one matmul.
   Raises FileNotFoundError, ValueError (unknown architecture or quant type, truncated file,
   tensor shape mismatch) or NotImplementedError (unsupported tokenizer kind), naming the file.
   """
@@ -82,7 +85,8 @@ def load_target(gguf_path: str, *, weights: str = "quantized", compute_dtype: st
   cfg = TargetConfig.from_gguf(f.meta, n_vocab=f.tensors["token_embd.weight"].shape[0],
                                path=f.path, has_rope_freqs="rope_freqs.weight" in f.tensors)
   cfg = dataclasses.replace(cfg, kernels=kernels)
-  params = jax.device_put(target_lib.load_params(f, cfg, weights=weights))
+  params = jax.device_put(target_lib.load_params(f, cfg, weights=weights,
+                                                          fuse=fuse_projections))
   tok = GGUFTokenizer(f.meta, path=f.path) if tokenizer else None
   return Target(cfg, params, tok, f.path, weights, compute_dtype, f.n_tensor_bytes,
                 str(f.meta.get("general.name", "")))

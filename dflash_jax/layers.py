@@ -7,8 +7,12 @@ Hk/Hv GDN key/value heads, Dk/Dv GDN head dims, C conv channels, K conv kernel.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Sequence
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dflash_jax.quants import QuantWeight
 
@@ -34,6 +38,82 @@ def linear(x: jax.Array, w: QuantWeight, compute_dtype=jnp.float32,
   else:
     y = dm.dequant_matmul_reference(x2, w, compute_dtype)
   return y.reshape(*lead, w.shape[0])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Projections:
+  """Several projections of the same input (q/k/v, ffn gate/up, the Gated DeltaNet inputs), with
+  the members of equal quant format concatenated along N at load so one matmul reads x once and
+  one kernel launch covers them (the "fused QKV / gate-up" variant: the packed GGUF rows of the
+  members are simply stacked, so every kernel and the reference run unchanged).
+
+  Attributes:
+    groups: QuantWeights, each the row-concatenation of one or more members ([sum N_i, K]).
+    members: static; per group, the (member index, rows) of its members in row order.
+  """
+
+  groups: tuple
+  members: tuple = dataclasses.field(metadata=dict(static=True))
+
+
+def _pow2_tile(n: int) -> int:
+  """Largest power of 2 <= 128 dividing n (the N tile the dequant_matmul kernel would use)."""
+  t = 1
+  while t < 128 and n % (2 * t) == 0:
+    t *= 2
+  return t
+
+
+def fuse_projections(ws: Sequence[QuantWeight], fuse: bool = True) -> Projections:
+  """Group projections of one input for a fused matmul (host side, at load).
+
+  ws: member weights, logical [N_i, K] each, host (numpy) data. Members with the same format,
+  K and storage dtype are concatenated when `fuse`, except that a member is left out of a group
+  when adding it would shrink the group's power-of-2 N tile (e.g. 48-row ssm_alpha/ssm_beta
+  next to a 16384-row block: they form their own group instead). With fuse=False every member
+  is its own group. Returns a Projections; `project` undoes the grouping.
+  """
+  order = sorted(range(len(ws)), key=lambda i: -ws[i].shape[0])
+  groups: list[list[int]] = []
+  for i in order:
+    w = ws[i]
+    for g in groups if fuse else ():
+      head = ws[g[0]]
+      n = sum(ws[j].shape[0] for j in g) + w.shape[0]
+      if ((head.fmt, head.shape[1], np.asarray(head.data).dtype)
+          == (w.fmt, w.shape[1], np.asarray(w.data).dtype)
+          and _pow2_tile(n) >= min(_pow2_tile(ws[j].shape[0]) for j in g)):
+        g.append(i)
+        break
+    else:
+      groups.append([i])
+  out, members = [], []
+  for g in sorted((sorted(g) for g in groups), key=lambda g: g[0]):
+    if len(g) == 1:
+      out.append(ws[g[0]])
+    else:
+      data = np.concatenate([np.asarray(ws[j].data) for j in g], axis=0)
+      out.append(QuantWeight(data, ws[g[0]].fmt,
+                             (sum(ws[j].shape[0] for j in g), ws[g[0]].shape[1])))
+    members.append(tuple((j, ws[j].shape[0]) for j in g))
+  return Projections(tuple(out), tuple(members))
+
+
+def project(x: jax.Array, p: Projections, compute_dtype=jnp.float32,
+            kernels: str = "reference") -> tuple[jax.Array, ...]:
+  """All member projections of x: x [..., K] -> tuple of [..., N_i] float32, in member order.
+
+  One `linear` per group (see `fuse_projections`), then the group output is split by rows.
+  """
+  outs = {}
+  for w, mem in zip(p.groups, p.members):
+    y = linear(x, w, compute_dtype, kernels)
+    off = 0
+    for j, n in mem:
+      outs[j] = y[..., off:off + n]
+      off += n
+  return tuple(outs[j] for j in range(len(outs)))
 
 
 def rms_norm(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:

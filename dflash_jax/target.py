@@ -25,8 +25,7 @@ from dflash_jax.quants import QuantWeight, from_numpy, take_rows, to_dtype
 @dataclasses.dataclass(frozen=True)
 class FFNParams:
   norm: jax.Array          # [D] f32 (pre-FFN RMSNorm weight)
-  gate: QuantWeight        # [F, D]
-  up: QuantWeight          # [F, D]
+  gate_up: layers.Projections  # ffn_gate [F, D], ffn_up [F, D]
   down: QuantWeight        # [D, F]
 
 
@@ -34,9 +33,8 @@ class FFNParams:
 @dataclasses.dataclass(frozen=True)
 class AttnParams:
   norm: jax.Array          # [D] f32
-  wq: QuantWeight          # [H*Dh, D], or [H*2*Dh, D] per-head [query | gate] when attn_gate
-  wk: QuantWeight          # [Hkv*Dh, D]
-  wv: QuantWeight          # [Hkv*Dv, D]
+  qkv: layers.Projections  # attn_q [H*Dh, D] (or [H*2*Dh, D] per-head [query | gate] when
+                           # attn_gate), attn_k [Hkv*Dh, D], attn_v [Hkv*Dv, D]
   wo: QuantWeight          # [D, H*Dv]
   q_norm: Optional[jax.Array]  # [Dh] f32 or None
   k_norm: Optional[jax.Array]
@@ -47,10 +45,9 @@ class AttnParams:
 @dataclasses.dataclass(frozen=True)
 class GDNParams:
   norm: jax.Array          # [D] f32
-  w_qkv: QuantWeight       # [C, D]  C = 2*Hk*Dk + Hv*Dv (V rows in llama.cpp's tiled head order)
-  w_z: QuantWeight         # [Hv*Dv, D] (GGUF attn_gate)
-  w_beta: QuantWeight      # [Hv, D]
-  w_alpha: QuantWeight     # [Hv, D]
+  in_proj: layers.Projections  # attn_qkv [C, D] (C = 2*Hk*Dk + Hv*Dv, V rows in llama.cpp's
+                               # tiled head order), attn_gate (z) [Hv*Dv, D], ssm_beta [Hv, D],
+                               # ssm_alpha [Hv, D]
   conv: jax.Array          # [C, K] f32 (ssm_conv1d)
   dt_bias: jax.Array       # [Hv] f32 (ssm_dt.bias)
   ssm_a: jax.Array         # [Hv] f32 (= -exp(A_log))
@@ -175,11 +172,14 @@ def _mat(f: GGUFFile, name: str, shape: tuple[int, int], weights: str) -> QuantW
   return w if weights == "quantized" else to_dtype(w, weights)
 
 
-def load_params(f: GGUFFile, cfg: TargetConfig, *, weights: str = "quantized") -> TargetParams:
+def load_params(f: GGUFFile, cfg: TargetConfig, *, weights: str = "quantized",
+                fuse: bool = True) -> TargetParams:
   """Read every tensor the forward needs, check its shape against cfg.
 
   weights: "quantized" keeps GGUF blocks packed (dequantized inside the jitted forward);
     "f32" / "bf16" dequantize at load.
+  fuse: concatenate same-format projections of one input at load (q/k/v, ffn gate/up, the Gated
+    DeltaNet qkv/z/beta/alpha; see layers.fuse_projections) so each runs as one matmul.
   Returns host (numpy) arrays; device_put the result. Raises ValueError naming the tensor.
   """
   if weights not in ("quantized", "f32", "bf16"):
@@ -192,17 +192,19 @@ def load_params(f: GGUFFile, cfg: TargetConfig, *, weights: str = "quantized") -
   for i in range(cfg.n_layer):
     p = f"blk.{i}."
     ffn = FFNParams(norm=_vec(f, p + ffn_norm_name + ".weight", d),
-                    gate=_mat(f, p + "ffn_gate.weight", (cfg.d_ff, d), weights),
-                    up=_mat(f, p + "ffn_up.weight", (cfg.d_ff, d), weights),
+                    gate_up=layers.fuse_projections(
+                        [_mat(f, p + "ffn_gate.weight", (cfg.d_ff, d), weights),
+                         _mat(f, p + "ffn_up.weight", (cfg.d_ff, d), weights)], fuse),
                     down=_mat(f, p + "ffn_down.weight", (d, cfg.d_ff), weights))
     norm = _vec(f, p + "attn_norm.weight", d)
     if cfg.recurrent[i]:
       hv, dv, c = cfg.gdn_n_v_head, cfg.gdn_d_v, cfg.conv_dim
       out.append(GDNParams(
-          norm=norm, w_qkv=_mat(f, p + "attn_qkv.weight", (c, d), weights),
-          w_z=_mat(f, p + "attn_gate.weight", (hv * dv, d), weights),
-          w_beta=_mat(f, p + "ssm_beta.weight", (hv, d), weights),
-          w_alpha=_mat(f, p + "ssm_alpha.weight", (hv, d), weights),
+          norm=norm, in_proj=layers.fuse_projections(
+              [_mat(f, p + "attn_qkv.weight", (c, d), weights),
+               _mat(f, p + "attn_gate.weight", (hv * dv, d), weights),
+               _mat(f, p + "ssm_beta.weight", (hv, d), weights),
+               _mat(f, p + "ssm_alpha.weight", (hv, d), weights)], fuse),
           conv=np.asarray(_expect(f, p + "ssm_conv1d.weight", (c, cfg.conv_kernel)).data, np.float32),
           dt_bias=_vec(f, p + "ssm_dt.bias", hv), ssm_a=_vec(f, p + "ssm_a", hv),
           ssm_norm=_vec(f, p + "ssm_norm.weight", dv),
@@ -211,9 +213,10 @@ def load_params(f: GGUFFile, cfg: TargetConfig, *, weights: str = "quantized") -
       h, hkv, dh, dvh = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.v_head_dim
       q_rows = h * dh * (2 if cfg.attn_gate else 1)
       out.append(AttnParams(
-          norm=norm, wq=_mat(f, p + "attn_q.weight", (q_rows, d), weights),
-          wk=_mat(f, p + "attn_k.weight", (hkv * dh, d), weights),
-          wv=_mat(f, p + "attn_v.weight", (hkv * dvh, d), weights),
+          norm=norm, qkv=layers.fuse_projections(
+              [_mat(f, p + "attn_q.weight", (q_rows, d), weights),
+               _mat(f, p + "attn_k.weight", (hkv * dh, d), weights),
+               _mat(f, p + "attn_v.weight", (hkv * dvh, d), weights)], fuse),
           wo=_mat(f, p + "attn_output.weight", (d, h * dvh), weights),
           q_norm=_vec(f, p + "attn_q_norm.weight", dh) if cfg.qk_norm else None,
           k_norm=_vec(f, p + "attn_k_norm.weight", dh) if cfg.qk_norm else None, ffn=ffn))
@@ -226,7 +229,8 @@ def load_params(f: GGUFFile, cfg: TargetConfig, *, weights: str = "quantized") -
 
 def _ffn(x, p: FFNParams, cfg: TargetConfig, cdt):
   y = layers.rms_norm(x, p.norm, cfg.rms_eps)
-  h = jax.nn.silu(layers.linear(y, p.gate, cdt, cfg.kernels)) * layers.linear(y, p.up, cdt, cfg.kernels)
+  gate, up = layers.project(y, p.gate_up, cdt, cfg.kernels)
+  h = jax.nn.silu(gate) * up
   return layers.linear(h, p.down, cdt, cfg.kernels)
 
 
@@ -239,14 +243,14 @@ def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_cache, v_cache, start, po
   t = x.shape[0]
   h, hkv, dh, dv = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.v_head_dim
   y = layers.rms_norm(x, p.norm, cfg.rms_eps)
-  q = layers.linear(y, p.wq, cdt, cfg.kernels)
+  q, k, v = layers.project(y, p.qkv, cdt, cfg.kernels)
   gate = None
   if cfg.attn_gate:  # per head [query Dh | gate Dh] (llama.cpp qwen35.cpp)
     q = q.reshape(t, h, 2 * dh)
     q, gate = q[..., :dh], q[..., dh:].reshape(t, h * dh)
   q = q.reshape(t, h, dh)
-  k = layers.linear(y, p.wk, cdt, cfg.kernels).reshape(t, hkv, dh)
-  v = layers.linear(y, p.wv, cdt, cfg.kernels).reshape(t, hkv, dv)
+  k = k.reshape(t, hkv, dh)
+  v = v.reshape(t, hkv, dv)
   if cfg.qk_norm:
     q = layers.rms_norm(q, p.q_norm, cfg.rms_eps)
     k = layers.rms_norm(k, p.k_norm, cfg.rms_eps)
@@ -281,10 +285,10 @@ def _gdn_layer(x, p: GDNParams, cfg: TargetConfig, ssm, conv, n_valid, mode, cdt
   t = x.shape[0]
   hk, hv, dk, dv = cfg.gdn_n_k_head, cfg.gdn_n_v_head, cfg.gdn_d_k, cfg.gdn_d_v
   y = layers.rms_norm(x, p.norm, cfg.rms_eps)
-  xin = layers.linear(y, p.w_qkv, cdt, cfg.kernels)                       # [T, C] pre-conv
-  z = layers.linear(y, p.w_z, cdt, cfg.kernels).reshape(t, hv, dv)
-  beta = jax.nn.sigmoid(layers.linear(y, p.w_beta, cdt, cfg.kernels))    # [T, Hv]
-  g = p.ssm_a * jax.nn.softplus(layers.linear(y, p.w_alpha, cdt, cfg.kernels) + p.dt_bias)  # [T, Hv] log decay
+  xin, z, beta, alpha = layers.project(y, p.in_proj, cdt, cfg.kernels)  # xin: [T, C] pre-conv
+  z = z.reshape(t, hv, dv)
+  beta = jax.nn.sigmoid(beta)                                            # [T, Hv]
+  g = p.ssm_a * jax.nn.softplus(alpha + p.dt_bias)                       # [T, Hv] log decay
   if mode == "tree":
     parents, depths, anc = tree
     mixed = jax.nn.silu(layers.causal_conv_tree(xin, conv, p.conv, anc, depths))

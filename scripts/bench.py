@@ -40,6 +40,8 @@ _WEIGHTS = flags.DEFINE_enum("weights", "quantized", ["quantized", "f32", "bf16"
 _KERNELS = flags.DEFINE_enum("kernels", "auto", ["auto", "pallas", "reference"],
                              "Matmul / tree-GDN implementation: 'auto' = Pallas kernels on GPU, "
                              "pure JAX elsewhere.")
+_FUSE = flags.DEFINE_boolean("fuse_projections", True, "Stack same-format projections of "
+                            "one input (q/k/v, gate/up, GDN inputs) into one matmul at load.")
 _DTYPE = flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
 _JSON = flags.DEFINE_string("json_out", None, "Write results JSON here.")
 
@@ -111,7 +113,7 @@ def main(argv):
 
   path = _TARGET.value or cli.default_target_path()
   target = dj.load_target(path, weights=_WEIGHTS.value, compute_dtype=_DTYPE.value,
-                            kernels=_KERNELS.value)
+                            kernels=_KERNELS.value, fuse_projections=_FUSE.value)
   draft_dir = _DRAFT.value or cli.find_draft_dir(target) or "random"
   draft = random_draft(target) if draft_dir == "random" else dj.load_draft(draft_dir, target)
   if _DATASET.value == "humaneval":

@@ -10,7 +10,8 @@ measured copy bandwidth (a read+write copy: 2 * bytes / time).
 
 Shapes (numpy [N, K] = GGUF [out, in]) at --sizes=qwen27b: ffn_gate/up 17408x5120, ffn_down
 5120x17408, GDN attn_qkv 10240x5120, ssm_out / attn_output 5120x6144, attn_q 12288x5120,
-output 248320x5120; M = 1 (decode), 16 (chain verify), 23 (tree verify, budget 22), 32.
+output 248320x5120, and the loader's fused projections gate|up 34816x5120 and GDN attn_qkv|attn_gate
+16384x5120; M = 1 (decode), 16 (chain verify), 23 (tree verify, budget 22), 32.
 """
 
 import json
@@ -35,7 +36,8 @@ _JSON = flags.DEFINE_string("json_out", None, "Write the JSON here as well.")
 
 QWEN27B = dict(shapes=[("ffn_gate/up", 17408, 5120), ("ffn_down", 5120, 17408),
                        ("gdn_qkv", 10240, 5120), ("ssm_out", 5120, 6144), ("attn_q", 12288, 5120),
-                       ("output", 248320, 5120)],
+                       ("output", 248320, 5120), ("fused gate|up", 34816, 5120),
+                       ("fused gdn qkv|z", 16384, 5120)],
                gdn=dict(hv=48, dk=128, dv=128), n_layer=64, d=5120, d_ff=17408, vocab=248320,
                n_head=24, n_kv=4, head_dim=256, n_k=16, copy_mb=2048)
 SMALL = dict(shapes=[("ffn_gate/up", 512, 256), ("ffn_down", 256, 512), ("output", 1024, 256)],
@@ -77,9 +79,10 @@ def _copy_bandwidth(mb, repeats):
   return 2 * x.nbytes / (ms * 1e-3) / 1e9
 
 
-def _e2e(sz, copy_gbs, repeats, kernels):
+def _e2e(sz, copy_gbs, repeats, kernels, fuse=True):
   """Qwen3.5-27B-shaped random model in the real Q4_K_M mix: Q6_K output and about half of
-  ffn_down / attn_qkv / attn_v (llama.cpp's use_more_bits layers), Q4_K elsewhere, F32 norms."""
+  ffn_down / attn_qkv / attn_v (llama.cpp's use_more_bits layers), Q4_K elsewhere, F32 norms.
+  fuse: load with fused projections (the default) or one matmul per GGUF tensor."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -145,7 +148,7 @@ def _e2e(sz, copy_gbs, repeats, kernels):
   f = GGUFFile("random-qwen35-27b-shaped", {}, tensors)
   # bytes read per token: every matrix except the embedding (one row is gathered)
   model_bytes = f.n_tensor_bytes - tensors["token_embd.weight"].n_bytes
-  params = jax.device_put(target_lib.load_params(f, cfg))
+  params = jax.device_put(target_lib.load_params(f, cfg, fuse=fuse))
   del tensors, f
   ctx, n_tree = 512, 23
   cache = target_lib.init_cache(cfg, ctx + 64)
@@ -229,6 +232,7 @@ def main(argv):
     res["e2e"] = _e2e(sz, copy_gbs, reps,
                       "pallas_interpret" if _INTERPRET.value else "pallas")
     if not _INTERPRET.value:
+      res["e2e_unfused"] = _e2e(sz, copy_gbs, reps, "pallas", fuse=False)
       res["e2e_reference_kernels"] = _e2e(sz, copy_gbs, reps, "reference")
 
   print(json.dumps(res, indent=1))
@@ -242,7 +246,7 @@ def main(argv):
   for r in gdn_rows:
     print(f"tree GDN {r['nodes']} nodes: kernel {r['kernel_us_per_layer']:.1f} us/layer, "
           f"reference {r['reference_us_per_layer']:.1f} us/layer")
-  for key in ("e2e", "e2e_reference_kernels"):
+  for key in ("e2e", "e2e_unfused", "e2e_reference_kernels"):
     if key in res:
       e = res[key]
       print(f"{key}: AR {e['ar_ms']:.2f} ms/token (floor {e['floor_ms']:.2f} ms, "

@@ -44,6 +44,8 @@ _WEIGHTS = flags.DEFINE_enum("weights", "quantized", ["quantized", "f32", "bf16"
 _KERNELS = flags.DEFINE_enum("kernels", "auto", ["auto", "pallas", "reference"],
                              "Matmul / tree-GDN implementation: 'auto' = Pallas kernels on GPU, "
                              "pure JAX elsewhere.")
+_FUSE = flags.DEFINE_boolean("fuse_projections", True, "Stack same-format projections of "
+                            "one input (q/k/v, gate/up, GDN inputs) into one matmul at load.")
 _DTYPE = flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"],
                            "Activation / matmul operand dtype.")
 _STREAM = flags.DEFINE_boolean("stream", True, "Print text as tokens are committed.")
@@ -60,7 +62,7 @@ def _load():
     path = _TARGET.value or cli.default_target_path()
     bar.set_postfix_str(os.path.basename(path))
     target = dj.load_target(path, weights=_WEIGHTS.value, compute_dtype=_DTYPE.value,
-                            kernels=_KERNELS.value)
+                            kernels=_KERNELS.value, fuse_projections=_FUSE.value)
     bar.update()
     draft_dir = _DRAFT.value
     if draft_dir is None:

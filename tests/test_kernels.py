@@ -31,10 +31,14 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is depre
 
 H100 = "NVIDIA H100 80GB HBM3"
 # Qwen3.5-27B matrix shapes [N, K] (GGUF [out, in]): ffn_gate/up, ffn_down, GDN attn_qkv,
-# ssm_out / attn_output, attn_q (+gate), output; and SmolLM2-135M's.
+# ssm_out / attn_output, attn_q (+gate), output, then the fused projections the loader builds
+# (layers.fuse_projections): gate|up, attn_qkv|attn_gate, ssm_beta|ssm_alpha, q|k, q|k|v, k/v;
+# and SmolLM2-135M's (q|k|v 960, gate|up 3072 fused).
 QWEN27B_SHAPES = [(17408, 5120), (5120, 17408), (10240, 5120), (5120, 6144), (12288, 5120),
-                  (248320, 5120)]
-SMOL_SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
+                  (248320, 5120), (34816, 5120), (16384, 5120), (96, 5120), (13312, 5120),
+                  (14336, 5120), (1024, 5120)]
+SMOL_SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576), (960, 576),
+               (3072, 576)]
 
 
 def _fresh_rng():

@@ -149,3 +149,45 @@ def test_bf16_compute_and_dequantized_weights_options(qwen_f32_path, qwen_ref):
   assert rel_err(dj.forward_logits(bf, toks), ref) < 0.05
   q = dj.load_target(os.path.join(QWEN, "model-q4_k_m.gguf"), weights="f32", tokenizer=False)
   assert np.abs(dj.forward_logits(q, toks) - qwen_ref["hf_dequant_logits_q4_k_m"][0]).max() < 2e-5
+
+
+def _qw(n, k, fmt, rng):
+  blk, size = {"q4_k": (256, 144), "q6_k": (256, 210), "q8_0": (32, 34)}[fmt]
+  return dj.quants.QuantWeight(rng.integers(0, 255, (n, k // blk * size), dtype=np.uint8), fmt, (n, k))
+
+
+def test_fuse_projections_groups_by_format_and_keeps_large_tiles():
+  """Hand-computed grouping (Qwen3.5-27B Gated DeltaNet inputs, scaled down): attn_qkv and
+  attn_gate share a format and fuse; the 48-row ssm_beta/ssm_alpha would shrink the 128-row
+  tile of that group (1024+512+48 rows has a 16-row power-of-2 tile), so they fuse with each
+  other (96 rows, a 32-row tile); a different format never fuses; fuse=False keeps each apart.
+  project() returns each member's rows in member order."""
+  rng = np.random.default_rng(0)
+  ws = [_qw(1024, 256, "q4_k", rng), _qw(512, 256, "q4_k", rng), _qw(48, 256, "q4_k", rng),
+        _qw(48, 256, "q4_k", rng), _qw(256, 256, "q6_k", rng)]
+  p = layers.fuse_projections(ws)
+  assert p.members == (((0, 1024), (1, 512)), ((2, 48), (3, 48)), ((4, 256),))
+  assert [g.shape for g in p.groups] == [(1536, 256), (96, 256), (256, 256)]
+  np.testing.assert_array_equal(p.groups[0].data[1024:], ws[1].data)
+  assert layers.fuse_projections(ws, fuse=False).members == tuple(((i, w.shape[0]),)
+                                                                  for i, w in enumerate(ws))
+  x = jnp.asarray(rng.standard_normal((3, 256)), jnp.float32)
+  for y, w in zip(layers.project(x, p), ws):
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(layers.linear(x, w)))
+
+
+@pytest.mark.parametrize("q", ["q8_0", "q4_k_m"])
+def test_fused_projections_match_unfused(qwen_q, qwen_ref, q):
+  """Loading with fuse_projections=True (default) stacks projections (checked: fewer groups than
+  members somewhere) and gives the same logits as separate matmuls (max abs < 1e-5)."""
+  fused = qwen_q[q]
+  sep = dj.load_target(os.path.join(QWEN, f"model-{q}.gguf"), fuse_projections=False)
+  lay = fused.params.layers
+  assert any(len(l.in_proj.groups) < 4 for l in lay if hasattr(l, "in_proj"))
+  assert any(len(l.qkv.groups) < 3 for l in lay if hasattr(l, "qkv"))
+  assert all(len(l.ffn.gate_up.groups) == 1 for l in lay)
+  assert all(len(l.ffn.gate_up.groups) == 2 for l in sep.params.layers)
+  for r in range(2):
+    a = dj.forward_logits(fused, qwen_ref["tokens"][r])
+    b = dj.forward_logits(sep, qwen_ref["tokens"][r])
+    assert np.abs(a - b).max() < 1e-5
