@@ -85,8 +85,7 @@ def load_target(gguf_path: str, *, weights: str = "quantized", compute_dtype: st
   cfg = TargetConfig.from_gguf(f.meta, n_vocab=f.tensors["token_embd.weight"].shape[0],
                                path=f.path, has_rope_freqs="rope_freqs.weight" in f.tensors)
   cfg = dataclasses.replace(cfg, kernels=kernels)
-  params = jax.device_put(target_lib.load_params(f, cfg, weights=weights,
-                                                          fuse=fuse_projections))
+  params = jax.device_put(target_lib.load_params(f, cfg, weights=weights, fuse=fuse_projections))
   tok = GGUFTokenizer(f.meta, path=f.path) if tokenizer else None
   return Target(cfg, params, tok, f.path, weights, compute_dtype, f.n_tensor_bytes,
                 str(f.meta.get("general.name", "")))

@@ -57,14 +57,6 @@ class Projections:
   members: tuple = dataclasses.field(metadata=dict(static=True))
 
 
-def _pow2_tile(n: int) -> int:
-  """Largest power of 2 <= 128 dividing n (the N tile the dequant_matmul kernel would use)."""
-  t = 1
-  while t < 128 and n % (2 * t) == 0:
-    t *= 2
-  return t
-
-
 def fuse_projections(ws: Sequence[QuantWeight], fuse: bool = True) -> Projections:
   """Group projections of one input for a fused matmul (host side, at load).
 
@@ -74,6 +66,7 @@ def fuse_projections(ws: Sequence[QuantWeight], fuse: bool = True) -> Projection
   next to a 16384-row block: they form their own group instead). With fuse=False every member
   is its own group. Returns a Projections; `project` undoes the grouping.
   """
+  from pallas_kernels.dequant_matmul import n_tile
   order = sorted(range(len(ws)), key=lambda i: -ws[i].shape[0])
   groups: list[list[int]] = []
   for i in order:
@@ -83,7 +76,7 @@ def fuse_projections(ws: Sequence[QuantWeight], fuse: bool = True) -> Projection
       n = sum(ws[j].shape[0] for j in g) + w.shape[0]
       if ((head.fmt, head.shape[1], np.asarray(head.data).dtype)
           == (w.fmt, w.shape[1], np.asarray(w.data).dtype)
-          and _pow2_tile(n) >= min(_pow2_tile(ws[j].shape[0]) for j in g)):
+          and n_tile(n) >= min(n_tile(ws[j].shape[0]) for j in g)):
         g.append(i)
         break
     else:

@@ -75,6 +75,11 @@ def _pow2_divisor(n: int, cap: int) -> int:
   return b
 
 
+def n_tile(n: int) -> int:
+  """The N tile `default_tiles` uses for N = n rows: the largest power of 2 <= 128 dividing n."""
+  return _pow2_divisor(n, 128)
+
+
 def default_tiles(m: int, n: int, k: int, fmt: str, *, n_sm: int = 132) -> TileConfig:
   """Tile choice used by the model: bm = M rounded up to a power of 2 in [16, 64]; bn the largest
   power of 2 <= 128 dividing N (>= 16); split K while the N tiles cannot fill `n_sm` SMs and each
@@ -82,7 +87,7 @@ def default_tiles(m: int, n: int, k: int, fmt: str, *, n_sm: int = 132) -> TileC
   bm = 16
   while bm < min(m, 64):
     bm *= 2
-  bn = _pow2_divisor(n, 128)
+  bn = n_tile(n)
   if bn < 16:
     raise ValueError(f"dequant_matmul: N={n} has no power-of-2 tile >= 16")
   blk = BLOCK_FORMATS[fmt][0]
@@ -95,7 +100,7 @@ def default_tiles(m: int, n: int, k: int, fmt: str, *, n_sm: int = 132) -> TileC
 
 def supports(w: QuantWeight) -> bool:
   """True when `dequant_matmul` has a kernel for this weight (format and N tileable)."""
-  return w.fmt in KERNEL_FORMATS and _pow2_divisor(w.shape[0], 128) >= 16
+  return w.fmt in KERNEL_FORMATS and n_tile(w.shape[0]) >= 16
 
 
 # ----------------------------------------------------------------------------- block decoding

@@ -152,7 +152,7 @@ def test_bf16_compute_and_dequantized_weights_options(qwen_f32_path, qwen_ref):
 
 
 def _qw(n, k, fmt, rng):
-  blk, size = {"q4_k": (256, 144), "q6_k": (256, 210), "q8_0": (32, 34)}[fmt]
+  blk, size = dj.quants.BLOCK_FORMATS[fmt]
   return dj.quants.QuantWeight(rng.integers(0, 255, (n, k // blk * size), dtype=np.uint8), fmt, (n, k))
 
 
