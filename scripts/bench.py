@@ -23,7 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-_TARGET = flags.DEFINE_string("target", None, "Target GGUF (default: SmolLM2-135M-Instruct Q4_1).")
+from dflash_jax import target_flags  # noqa: E402
+
+_TF = target_flags.define()
+flags.adopt_module_key_flags(target_flags)  # list them in --help
 _DRAFT = flags.DEFINE_string("draft", None, "Draft directory; default: the matching checkpoint, "
                              "else 'random' (an untrained 1-layer draft: a lower bound).")
 _DATASET = flags.DEFINE_enum("dataset", "humaneval", ["humaneval", "chat"], "Prompt set.")
@@ -36,13 +39,6 @@ _BUDGETS = flags.DEFINE_list("budgets", ["22"], "DDTree budgets (one column each
                              "--modes has ddtree.")
 _TOP_K = flags.DEFINE_integer("top_k", 8, "DDTree candidates per depth.")
 _MAX_CTX = flags.DEFINE_integer("max_ctx", 1024, "Context capacity.")
-_WEIGHTS = flags.DEFINE_enum("weights", "quantized", ["quantized", "f32", "bf16"], "Weights on device.")
-_KERNELS = flags.DEFINE_enum("kernels", "auto", ["auto", "pallas", "reference"],
-                             "Matmul / tree-GDN implementation: 'auto' = Pallas kernels on GPU, "
-                             "pure JAX elsewhere.")
-_FUSE = flags.DEFINE_boolean("fuse_projections", True, "Stack same-format projections of "
-                            "one input (q/k/v, gate/up, GDN inputs) into one matmul at load.")
-_DTYPE = flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
 _JSON = flags.DEFINE_string("json_out", None, "Write results JSON here.")
 
 
@@ -111,9 +107,8 @@ def main(argv):
   import dflash_jax as dj
   from dflash_jax import cli
 
-  path = _TARGET.value or cli.default_target_path()
-  target = dj.load_target(path, weights=_WEIGHTS.value, compute_dtype=_DTYPE.value,
-                            kernels=_KERNELS.value, fuse_projections=_FUSE.value)
+  path = target_flags.target_path(_TF)
+  target = target_flags.load(_TF)
   draft_dir = _DRAFT.value or cli.find_draft_dir(target) or "random"
   draft = random_draft(target) if draft_dir == "random" else dj.load_draft(draft_dir, target)
   if _DATASET.value == "humaneval":
@@ -172,8 +167,8 @@ def main(argv):
   result = {
       "dataset": _DATASET.value, "target": os.path.basename(path), "draft": draft_dir,
       "n_prompts": len(rows),
-      "n_gen": _N_GEN.value, "repeats": _REPEATS.value, "weights": _WEIGHTS.value,
-      "compute_dtype": _DTYPE.value, "device": str(jax.devices()[0]),
+      "n_gen": _N_GEN.value, "repeats": _REPEATS.value, "weights": _TF.weights.value,
+      "compute_dtype": _TF.compute_dtype.value, "device": str(jax.devices()[0]),
       "all_outputs_identical": all(r["outputs_identical"] for r in rows),
       "summary": summary, "per_prompt": rows, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
   hdr = f"{'task':<14}" + "".join(f"{m + ' tok/s':>14}{m + ' AL':>10}{m + ' steps':>12}"

