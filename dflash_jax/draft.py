@@ -195,14 +195,14 @@ def ingest(params: DraftParams, cfg: DraftConfig, feats: jax.Array, start: jax.A
   w = feats.shape[0]
   pos = start + jnp.arange(w, dtype=jnp.int32)
   c = layers.rms_norm(layers.linear(feats, params.fc, cdt), params.hidden_norm, cfg.rms_eps)
-  ks, vs = [], []
+  k_all, v_all = cache.k, cache.v
   for i, lay in enumerate(params.layers):
     k = layers.rms_norm(layers.linear(c, lay.wk, cdt).reshape(w, cfg.n_kv_head, cfg.head_dim),
                         lay.k_norm, cfg.rms_eps)
     v = layers.linear(c, lay.wv, cdt).reshape(w, cfg.n_kv_head, cfg.head_dim)
-    ks.append(jax.lax.dynamic_update_slice_in_dim(cache.k[i], _rope(k, pos, cfg), start, axis=0))
-    vs.append(jax.lax.dynamic_update_slice_in_dim(cache.v[i], v, start, axis=0))
-  return DraftCache(jnp.stack(ks), jnp.stack(vs))
+    k_all = layers.write_rows(k_all, i, start, _rope(k, pos, cfg))
+    v_all = layers.write_rows(v_all, i, start, v)
+  return DraftCache(k_all, v_all)
 
 
 def propose(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: QuantWeight,
@@ -222,7 +222,7 @@ def propose(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: 
   h = take_rows(embed, ids)
   key_pos = jnp.arange(cache.k.shape[1], dtype=jnp.int32)
   full_mask = jnp.broadcast_to(key_pos[None, :] < start + L, (L, key_pos.shape[0]))
-  ks, vs = [], []
+  k_all, v_all = cache.k, cache.v
   for i, lay in enumerate(params.layers):
     x = layers.rms_norm(h, lay.in_norm, cfg.rms_eps)
     q = layers.rms_norm(layers.linear(x, lay.wq, cdt).reshape(L, cfg.n_head, cfg.head_dim),
@@ -231,9 +231,9 @@ def propose(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: 
                         lay.k_norm, cfg.rms_eps)
     v = layers.linear(x, lay.wv, cdt).reshape(L, cfg.n_kv_head, cfg.head_dim)
     q, k = _rope(q, pos, cfg), _rope(k, pos, cfg)
-    kc = jax.lax.dynamic_update_slice_in_dim(cache.k[i], k, start, axis=0)
-    vc = jax.lax.dynamic_update_slice_in_dim(cache.v[i], v, start, axis=0)
-    ks.append(kc), vs.append(vc)
+    k_all = layers.write_rows(k_all, i, start, k)
+    v_all = layers.write_rows(v_all, i, start, v)
+    kc, vc = k_all[i], v_all[i]
     if cfg.sliding[i]:
       mask = ((key_pos[None, :] <= pos[:, None])
               & (pos[:, None] - key_pos[None, :] < cfg.sliding_window))
@@ -246,7 +246,7 @@ def propose(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: 
                           lay.down, cdt)
   h = layers.rms_norm(h, params.norm, cfg.rms_eps)
   logits = layers.linear(h[1:], lm_head, cdt)
-  return logits, DraftCache(jnp.stack(ks), jnp.stack(vs))
+  return logits, DraftCache(k_all, v_all)
 
 
 def block_masks(anchors: jax.Array, n_ctx: int, cfg: DraftConfig, sliding: bool):

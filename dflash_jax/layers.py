@@ -151,6 +151,17 @@ def rope(x: jax.Array, pos: jax.Array, *, rot_dim: int, theta: float, style: str
   return jnp.concatenate([out, rest], axis=-1)
 
 
+def write_rows(cache: jax.Array, layer: int, start: jax.Array, rows: jax.Array) -> jax.Array:
+  """cache: [n_layer, S, ...] (KV cache of all layers); rows: [T, ...] -> cache with
+  cache[layer, start:start+T] = rows (cast to cache.dtype).
+
+  One dynamic-update-slice on the stacked buffer, which XLA does in place on a donated or
+  loop-carried cache; slicing each layer out and re-stacking would copy the whole cache every step.
+  """
+  idx = (jnp.int32(layer), jnp.asarray(start, jnp.int32)) + (jnp.int32(0),) * (cache.ndim - 2)
+  return jax.lax.dynamic_update_slice(cache, rows[None].astype(cache.dtype), idx)
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
   """Softmax attention with GQA, float32.
 

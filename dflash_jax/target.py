@@ -234,12 +234,13 @@ def _ffn(x, p: FFNParams, cfg: TargetConfig, cdt):
   return layers.linear(h, p.down, cdt, cfg.kernels)
 
 
-def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_cache, v_cache, start, pos, cdt, rope_freqs,
-                tree_anc=None):
-  """x: [T, D]; k_cache/v_cache: [S, Hkv, Dh]; start: [] first cache row written; pos: [T] int32
-  RoPE positions. Writes this call's K/V at rows start..start+T-1. Mask: chain/prefill -> keys
-  at rows <= pos (causal); tree -> rows < start (committed past) plus the node's ancestors
-  (tree_anc: [T, T] bool)."""
+def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_all, v_all, li: int, start, pos, cdt,
+                rope_freqs, tree_anc=None):
+  """x: [T, D]; k_all/v_all: [n_attn, S, Hkv, Dh] the whole KV cache; li: this layer's row in it;
+  start: [] first cache row written; pos: [T] int32 RoPE positions. Writes this call's K/V at
+  rows start..start+T-1 of layer li (in place) and returns (out [T, D], k_all, v_all).
+  Mask: chain/prefill -> keys at rows <= pos (causal); tree -> rows < start (committed past)
+  plus the node's ancestors (tree_anc: [T, T] bool)."""
   t = x.shape[0]
   h, hkv, dh, dv = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.v_head_dim
   y = layers.rms_norm(x, p.norm, cfg.rms_eps)
@@ -257,8 +258,9 @@ def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_cache, v_cache, start, po
   rope = functools.partial(layers.rope, pos=pos, rot_dim=cfg.rope_dim, theta=cfg.rope_theta,
                            style=cfg.rope_style, freq_factors=rope_freqs)
   q, k = rope(q), rope(k)
-  k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), start, axis=0)
-  v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, axis=0)
+  k_all = layers.write_rows(k_all, li, start, k)
+  v_all = layers.write_rows(v_all, li, start, v)
+  k_cache, v_cache = k_all[li], v_all[li]
   key_pos = jnp.arange(k_cache.shape[0], dtype=jnp.int32)
   if tree_anc is None:
     mask = key_pos[None, :] <= pos[:, None]
@@ -270,7 +272,7 @@ def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_cache, v_cache, start, po
   o = o.reshape(t, h * dv)
   if gate is not None:
     o = o * jax.nn.sigmoid(gate)
-  return layers.linear(o, p.wo, cdt, cfg.kernels), k_cache, v_cache
+  return layers.linear(o, p.wo, cdt, cfg.kernels), k_all, v_all
 
 
 def _gdn_layer(x, p: GDNParams, cfg: TargetConfig, ssm, conv, n_valid, mode, cdt, tree=None):
@@ -352,28 +354,29 @@ def forward(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, start: j
     pos = start + jnp.arange(t, dtype=jnp.int32)
   x = take_rows(params.embed, tokens)
   feats = {}
-  ks, vs, ssms, convs, st_ssm, st_x = [], [], [], [], [], []
+  # The cache arrays are updated in place layer by layer (no per-layer slices re-stacked: that
+  # copies the whole KV / SSM cache every step). verify/tree leave SSM and conv state alone.
+  k_all, v_all, ssm_all, conv_all = cache.k, cache.v, cache.ssm, cache.conv
+  st_ssm, st_x = [], []
   ia = ig = 0
   for i, p in enumerate(params.layers):
     if cfg.recurrent[i]:
-      o, s_new, c_new, st, xin = _gdn_layer(x, p, cfg, cache.ssm[ig], cache.conv[ig], n_valid,
+      o, s_new, c_new, st, xin = _gdn_layer(x, p, cfg, ssm_all[ig], conv_all[ig], n_valid,
                                             mode, cdt, tree)
-      ssms.append(s_new), convs.append(c_new)
+      if mode == "prefill":
+        ssm_all, conv_all = ssm_all.at[ig].set(s_new), conv_all.at[ig].set(c_new)
       if st is not None:
         st_ssm.append(st), st_x.append(xin)
       ig += 1
     else:
-      o, kc, vc = _attn_layer(x, p, cfg, cache.k[ia], cache.v[ia], start, pos, cdt,
-                              params.rope_freqs, tree_anc)
-      ks.append(kc), vs.append(vc)
+      o, k_all, v_all = _attn_layer(x, p, cfg, k_all, v_all, ia, start, pos, cdt,
+                                    params.rope_freqs, tree_anc)
       ia += 1
     x = x + o
     x = x + _ffn(x, p.ffn, cfg, cdt)
     if i in feature_layers:
       feats[i] = x
-  new_cache = TargetCache(
-      k=jnp.stack(ks) if ks else cache.k, v=jnp.stack(vs) if vs else cache.v,
-      ssm=jnp.stack(ssms) if ssms else cache.ssm, conv=jnp.stack(convs) if convs else cache.conv)
+  new_cache = TargetCache(k=k_all, v=v_all, ssm=ssm_all, conv=conv_all)
   steps = None
   if mode in ("verify", "tree") and st_ssm:
     steps = GDNSteps(ssm=jnp.stack(st_ssm), xin=jnp.stack(st_x))
