@@ -42,6 +42,24 @@ def _paths(tree):
   return out
 
 
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_top_k_rows_matches_numpy_stable_sort(k):
+  rng = np.random.default_rng(k)
+  x = rng.normal(size=(5, 300)).astype(np.float32)
+  x[0, [7, 9, 200]] = 5.0                                   # ties: lower index first
+  x[1, :] = np.round(x[1, :])                               # many ties
+  x[2, :298] = -np.inf                                      # 2 finite entries: k > 2 reaches -inf
+  vals, ids = jax.jit(lambda a: tree_lib.top_k_rows(a, k))(jnp.asarray(x))
+  order = np.argsort(-x, axis=1, kind="stable")[:, :k]      # independent reference
+  np.testing.assert_array_equal(np.asarray(ids), order)
+  ref = np.take_along_axis(x, order, axis=1)
+  ref = np.maximum(ref, np.finfo(np.float32).min)
+  np.testing.assert_array_equal(np.asarray(vals), ref)
+  assert all(len(set(r)) == k for r in np.asarray(ids).tolist())
+  with pytest.raises(ValueError, match="k=301"):
+    tree_lib.top_k_rows(jnp.asarray(x), 301)
+
+
 def test_build_tree_hand_computed():
   # depth 1: token 2 (-0.1), token 0 (-0.5); depth 2: token 1 (-0.2), token 3 (-0.3)
   logp = jnp.log(jnp.array([[0.2, 0.05, 0.7, 0.05], [0.05, 0.6, 0.05, 0.3]]))
