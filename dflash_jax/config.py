@@ -269,6 +269,13 @@ class DecodeConfig:
   draft_temp: float = 1.0
 
   @property
+  def draft_depth(self) -> int:
+    """Draft rows (depths) the step uses: L-1 (chain); min(budget, L-1) (ddtree: a tree of
+    `budget` nodes below the root is never deeper than that); 0 (autoregressive)."""
+    return {"ar": 0, "chain": self.block_size - 1,
+            "ddtree": min(self.budget, self.block_size - 1)}[self.mode]
+
+  @property
   def verify_len(self) -> int:
     """Tokens per verify forward: L (chain), 1 + budget (ddtree), 1 (autoregressive)."""
     return {"ar": 1, "chain": self.block_size, "ddtree": self.budget + 1}[self.mode]

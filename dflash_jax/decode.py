@@ -108,13 +108,14 @@ def dflash_proposer(tparams, dparams, s: DecodeState, *, dcfg: DraftConfig, dec:
                     compute_dtype: str = "float32"):
   """The DFlash draft as proposer: ingest pending target features, draft one block.
 
-  Returns (logits [L-1, V] float32 for positions pos+1.., new DraftCache). A proposer is any
-  function with this signature (tests pass an oracle); chain mode takes the argmax per row,
-  DDTree builds a tree from the rows' log-probabilities.
+  Returns (logits [D, V] float32 for positions pos+1..pos+D, new DraftCache), D =
+  dec.draft_depth (L-1 for chain; min(budget, L-1) for DDTree). A proposer is any function with
+  this signature (tests pass an oracle; it may return up to L-1 rows); chain mode takes the
+  argmax per row, DDTree builds a tree from the rows' log-probabilities.
   """
   dcache = draft_lib.ingest(dparams, dcfg, s.pending, s.pos - s.n_pending, s.draft, compute_dtype)
   return draft_lib.propose(dparams, dcfg, tparams.embed, tparams.lm_head, s.bonus, s.pos, dcache,
-                           compute_dtype)
+                           compute_dtype, n_logits=dec.draft_depth)
 
 
 def _step(tparams, dparams, s: DecodeState, max_new, eog_ids, *, tcfg, dcfg, dec, compute_dtype,

@@ -207,15 +207,23 @@ def ingest(params: DraftParams, cfg: DraftConfig, feats: jax.Array, start: jax.A
 
 def propose(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: QuantWeight,
             bonus: jax.Array, start: jax.Array, cache: DraftCache,
-            compute_dtype: str = "float32") -> tuple[jax.Array, DraftCache]:
+            compute_dtype: str = "float32", n_logits: int | None = None
+            ) -> tuple[jax.Array, DraftCache]:
   """One draft block at positions start..start+L-1 (context = cache rows < start).
 
   bonus: [] int32 the last committed token (at position `start`); embed/lm_head: the target's.
-  Returns (logits [L-1, V] float32, row j predicting position start+1+j; cache with the block's
-  K/V written at start.., which later `ingest` calls overwrite).
+  n_logits: static, 1..L-1 (default L-1): logits only for the first n_logits block offsets (the
+  block itself is still the full L positions, so those rows are unchanged; a small DDTree budget
+  needs only that many depths and skips the rest of the vocabulary-sized lm_head matmul).
+  Returns (logits [n_logits, V] float32, row j predicting position start+1+j; cache with the
+  block's K/V written at start.., which later `ingest` calls overwrite).
+  Raises ValueError for n_logits outside 1..L-1.
   """
   cdt = jnp.dtype(compute_dtype)
   L = cfg.block_size
+  n_logits = L - 1 if n_logits is None else n_logits
+  if not 1 <= n_logits <= L - 1:
+    raise ValueError(f"n_logits={n_logits} must be in [1, block_size-1={L - 1}]")
   ids = jnp.concatenate([bonus[None].astype(jnp.int32),
                          jnp.full((L - 1,), cfg.mask_token_id, jnp.int32)])
   pos = start + jnp.arange(L, dtype=jnp.int32)
@@ -245,7 +253,7 @@ def propose(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: 
     h = h + layers.linear(jax.nn.silu(layers.linear(y, lay.gate, cdt)) * layers.linear(y, lay.up, cdt),
                           lay.down, cdt)
   h = layers.rms_norm(h, params.norm, cfg.rms_eps)
-  logits = layers.linear(h[1:], lm_head, cdt)
+  logits = layers.linear(h[1:1 + n_logits], lm_head, cdt)
   return logits, DraftCache(k_all, v_all)
 
 

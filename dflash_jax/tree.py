@@ -58,7 +58,8 @@ def build_tree(logp: jax.Array, root_token: jax.Array, *, budget: int, top_k: in
                chain_seed: bool = True) -> Tree:
   """Best-first tree from per-depth draft log-probs.
 
-  logp: [D, V] float32 log-probabilities, row d for depth d+1 (D = block_size - 1).
+  logp: [D, V] float32 log-probabilities, row d for depth d+1 (D <= block_size - 1; the
+    tree is at most D deep).
   root_token: [] int32. budget: nodes besides the root. top_k: candidates per depth (<= budget).
   chain_seed: insert the top-1 chain (depths 1..min(D, budget)) before the best-first expansion.
   """

@@ -80,6 +80,13 @@ def test_train_forward_equals_decode_path(qwen_f32, qwen_draft, draft_ref):
     ref, _ = draft_lib.propose(qwen_draft.params, cfg, qwen_f32.params.embed,
                                qwen_f32.params.lm_head, jnp.int32(seq[a]), jnp.int32(a), cache)
     assert np.abs(np.asarray(ref) - got[i]).max() < 1e-5
+    few, _ = draft_lib.propose(qwen_draft.params, cfg, qwen_f32.params.embed,
+                               qwen_f32.params.lm_head, jnp.int32(seq[a]), jnp.int32(a), cache,
+                               n_logits=4)
+    assert few.shape == (4, ref.shape[1]) and np.abs(np.asarray(few) - np.asarray(ref)[:4]).max() < 1e-5
+  with pytest.raises(ValueError, match="n_logits=0"):
+    draft_lib.propose(qwen_draft.params, cfg, qwen_f32.params.embed, qwen_f32.params.lm_head,
+                      jnp.int32(seq[0]), jnp.int32(1), cache, n_logits=0)
 
 
 @pytest.fixture(scope="module")

@@ -157,6 +157,10 @@ def test_chain_shaped_tree_reproduces_chain(qwen_f32, qwen_draft, draft_ref, smo
   tr = dj.generate(qwen_f32, qwen_draft, p, max_new_tokens=40, mode="ddtree", max_ctx=256,
                    budget=15, top_k=1)
   assert tr.tokens == ch.tokens and tr.accept_lens == ch.accept_lens
+  # a budget below L-1: the draft computes logits for 4 depths only; still lossless, <= 4 + bonus
+  tr = dj.generate(qwen_f32, qwen_draft, p, max_new_tokens=40, mode="ddtree", max_ctx=256,
+                   budget=4, top_k=2)
+  assert tr.tokens == ch.tokens and max(tr.accept_lens) <= 5
   d = _random_draft(smol)
   ids = smol_prompts[4]["prompt_ids"]
   ch = dj.generate(smol, d, ids, max_new_tokens=32, mode="chain", max_ctx=512)
