@@ -43,6 +43,8 @@ warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated
 
 # Formats with a Pallas kernel (the issue's list plus Q5_0/Q5_1/Q5_K, same machinery).
 KERNEL_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
+# Formats with the folded-scale path (TileConfig.fold_scales): the bulk of a Q4_K_M file.
+FOLD_FORMATS = ("q4_k", "q6_k")
 
 
 def dequant_matmul_reference(x: jax.Array, w: QuantWeight, compute_dtype=jnp.float32) -> jax.Array:
@@ -60,12 +62,16 @@ def dequant_matmul_reference(x: jax.Array, w: QuantWeight, compute_dtype=jnp.flo
 class TileConfig:
   """Static tiling of one kernel call. bm: rows of x per program (>= 16, power of 2);
   bn: weight rows per program (power of 2); k_splits: programs along K (divides n_blocks);
-  num_warps / num_stages: Triton launch parameters."""
+  num_warps / num_stages: Triton launch parameters. fold_scales: for FOLD_FORMATS, dequantize
+  64 weights at a time (scales folded in, in float32, then rounded to the operand dtype) and run
+  one K=64 dot per piece instead of one K=16/32 dot per sub-block with the scale applied after
+  it (exact in bf16, but ~4x the dots, each with its own register-layout conversion)."""
   bm: int = 16
   bn: int = 64
   k_splits: int = 1
   num_warps: int = 4
-  num_stages: int = 2
+  num_stages: int = 3
+  fold_scales: bool = True
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -82,18 +88,21 @@ def n_tile(n: int) -> int:
 
 def default_tiles(m: int, n: int, k: int, fmt: str, *, n_sm: int = 132) -> TileConfig:
   """Tile choice used by the model: bm = M rounded up to a power of 2 in [16, 64]; bn the largest
-  power of 2 <= 128 dividing N (>= 16); split K while the N tiles cannot fill `n_sm` SMs and each
-  split keeps >= 4 blocks. Raises ValueError when N has no power-of-2 divisor >= 16."""
+  power of 2 <= 64 dividing N (>= 16); split K while the programs number fewer than 8 per SM
+  (`n_sm` SMs) and each split keeps >= 4 blocks. From the H100 tile sweep in bench_out/
+  (scripts/bench_kernels.py --tables=tiles). Raises ValueError when N has no power-of-2 divisor
+  >= 16."""
   bm = 16
   while bm < min(m, 64):
     bm *= 2
-  bn = n_tile(n)
+  bn = min(64, n_tile(n))
   if bn < 16:
     raise ValueError(f"dequant_matmul: N={n} has no power-of-2 tile >= 16")
   blk = BLOCK_FORMATS[fmt][0]
   n_blocks = k // blk
   splits = 1
-  while (n // bn) * splits < n_sm and n_blocks % (splits * 2) == 0 and n_blocks // (splits * 2) >= 4:
+  while ((n // bn) * splits < 8 * n_sm and n_blocks % (splits * 2) == 0
+         and n_blocks // (splits * 2) >= 4):
     splits *= 2
   return TileConfig(bm=bm, bn=bn, k_splits=splits)
 
@@ -187,8 +196,61 @@ def _sub_blocks(fmt: str, w_ref, blk):
   return out
 
 
+def _folded_pieces(fmt: str, w_ref, blk, cdt):
+  """GGUF block `blk` as 4 pieces (x offset within the block, 64, w [bn, 64] in `cdt`) with the
+  scales folded in: each piece is 64 consecutive weights of the block, decoded as a
+  [bn, 2, 32] / [bn, 2, 2, 16] tile so each sub-block's scale broadcasts over its codes."""
+  def byte(i):
+    return w_ref[:, blk, i]
+
+  def bytes_(start, n):
+    return w_ref[:, blk, pl.ds(start, n)]
+
+  pieces = []
+  if fmt == "q4_k":
+    # weights 64c + 32h + i (c < 4, h < 2, i < 32) = nibble h of qs[32c + i], sub-block j = 2c + h
+    d = _f16(byte(0), byte(1))
+    dmin = _f16(byte(2), byte(3))
+    s = [byte(4 + i).astype(jnp.int32) for i in range(12)]
+    sc, mn = [], []
+    for j in range(8):
+      if j < 4:
+        sc.append(s[j] & 63)
+        mn.append(s[j + 4] & 63)
+      else:
+        sc.append((s[j + 4] & 15) | ((s[j - 4] >> 6) << 4))
+        mn.append((s[j + 4] >> 4) | ((s[j] >> 6) << 4))
+    h = jax.lax.broadcasted_iota(jnp.int32, (1, 2, 1), 1)
+    for c in range(4):
+      qs = bytes_(16 + 32 * c, 32).astype(jnp.int32)[:, None, :]            # [bn, 1, 32]
+      q = ((qs >> (4 * h)) & 15).astype(jnp.float32)                         # [bn, 2, 32]
+      scale = jnp.where(h == 0, sc[2 * c][:, None, None], sc[2 * c + 1][:, None, None])
+      mins = jnp.where(h == 0, mn[2 * c][:, None, None], mn[2 * c + 1][:, None, None])
+      w = q * (d[:, None, None] * scale.astype(jnp.float32)) - dmin[:, None, None] * mins.astype(jnp.float32)
+      pieces.append((64 * c, 64, w.reshape(w.shape[0], 64).astype(cdt)))
+  elif fmt == "q6_k":
+    # weights 128n + 32r + l: ql[64n + 32(r%2) + l] nibble r//2, qh[32n + l] bits 2r, scale
+    # 8n + 2r + l//16. For fixed (n, h = r//2) the 64 weights r%2 = a, l are consecutive.
+    d = _f16(byte(208), byte(209))
+    a = jax.lax.broadcasted_iota(jnp.int32, (1, 2, 1, 1), 1)
+    l16 = jax.lax.broadcasted_iota(jnp.int32, (1, 2, 2, 1), 2)
+    for n in range(2):
+      qh = bytes_(128 + 32 * n, 32).astype(jnp.int32).reshape(-1, 1, 2, 16)  # [bn, 1, 2, 16]
+      for hh in range(2):
+        ql = bytes_(64 * n, 64).astype(jnp.int32).reshape(-1, 2, 2, 16)     # [bn, a, l16, 16]
+        nib = (ql >> (4 * hh)) & 15
+        hi = (qh >> (2 * (2 * hh + a))) & 3                                   # [bn, 2, 2, 16]
+        q = ((nib | (hi << 4)) - 32).astype(jnp.float32)
+        scb = _i8(bytes_(192 + 8 * n + 4 * hh, 4)).astype(jnp.float32).reshape(-1, 2, 2, 1)
+        w = q * (d[:, None, None, None] * scb)
+        pieces.append((128 * n + 64 * hh, 64, w.reshape(w.shape[0], 64).astype(cdt)))
+  else:
+    raise ValueError(f"dequant_matmul: no folded path for format {fmt!r}; {FOLD_FORMATS}")
+  return pieces
+
+
 def _kernel(x_ref, w_ref, *rest, fmt: str, blk_elems: int, blocks_per_split: int,
-            group: int, cdt):
+            group: int, cdt, fold: bool):
   """One [bm, bn] output tile over `blocks_per_split` GGUF blocks (a K split)."""
   o_ref = rest[-1]   # rest = ([aliased poison buffer,] output)
   bm = x_ref.shape[0]
@@ -197,6 +259,12 @@ def _kernel(x_ref, w_ref, *rest, fmt: str, blk_elems: int, blocks_per_split: int
   def body(g, acc):
     for b in range(group):
       blk = g * group + b
+      if fold:
+        for off, width, w in _folded_pieces(fmt, w_ref, blk, cdt):
+          xs = x_ref[:, pl.ds(blk * blk_elems + off, width)].astype(cdt)    # [bm, 64]
+          acc = acc + jax.lax.dot_general(xs, w, (((1,), (1,)), ((), ())),
+                                          preferred_element_type=jnp.float32)
+        continue
       for off, width, q, scale, bias in _sub_blocks(fmt, w_ref, blk):
         xs = x_ref[:, pl.ds(blk * blk_elems + off, width)].astype(cdt)      # [bm, width]
         y = jax.lax.dot_general(xs, q.astype(cdt), (((1,), (1,)), ((), ())),
@@ -226,7 +294,8 @@ def _dequant_matmul(x, data, *, fmt_shape, tiles: TileConfig, compute_dtype, int
   w3 = data.reshape(n, n_blocks, type_size)
   from jax.experimental.pallas import triton as plgpu_triton
   kernel = functools.partial(_kernel, fmt=fmt, blk_elems=blk_elems, blocks_per_split=bps,
-                             group=group, cdt=jnp.dtype(compute_dtype))
+                             group=group, cdt=jnp.dtype(compute_dtype),
+                             fold=tiles.fold_scales and fmt in FOLD_FORMATS)
   out_spec = pl.BlockSpec((None, bm, bn), lambda i, j, t: (t, i, j))
   in_specs = [pl.BlockSpec((bm, bps * blk_elems), lambda i, j, t: (i, t)),
               pl.BlockSpec((bn, bps, type_size), lambda i, j, t: (j, t, 0))]
@@ -257,7 +326,10 @@ def dequant_matmul(x: jax.Array, w: QuantWeight, *, compute_dtype=jnp.bfloat16,
   KERNEL_FORMATS; returns y [M, N] float32 = x @ dequantize(w)^T.
 
   compute_dtype: dot operand dtype (bfloat16 default; float16; float32 = TF32 on GPU tensor
-    cores). Codes q are exact in all three; x is rounded to it. Scales apply in float32.
+    cores). Codes q are exact in all three; x is rounded to it. Scales apply in float32 after
+    each sub-block dot, except on the folded path (FOLD_FORMATS with tiles.fold_scales, the
+    default), where each weight is dequantized in float32 and rounded to compute_dtype, the
+    same rounding as dequant_matmul_reference(x, w, compute_dtype).
   tiles: TileConfig (default `default_tiles`). interpret: run the kernel with the Pallas
     interpreter (CPU tests). poison_output: start the output buffer as NaN (tests).
   Raises ValueError for a format without a kernel, a K/N that does not tile, or a shape mismatch.

@@ -29,9 +29,19 @@ _SIZES = flags.DEFINE_enum("sizes", "qwen27b", ["qwen27b", "small"], "Real Qwen3
                            "small ones for a CPU smoke run.")
 _FORMATS = flags.DEFINE_list("formats", ["q4_k", "q6_k", "q8_0"], "Quant types for the matmul table.")
 _MS = flags.DEFINE_list("ms", ["1", "16", "23", "32"], "Rows of x (tokens per call).")
+_ROTATE_MB = flags.DEFINE_integer("rotate_mb", 512, "Distinct weight copies per timed matmul "
+                                  "call add up to at least this many MiB (defeats L2 reuse).")
 _REPEATS = flags.DEFINE_integer("repeats", 20, "Timed calls per configuration (median).")
 _INTERPRET = flags.DEFINE_boolean("interpret", False, "Pallas interpreter (CPU smoke runs).")
-_E2E = flags.DEFINE_boolean("e2e", True, "Also time the 27B-shaped random model (needs ~17 GB).")
+_E2E = flags.DEFINE_list("e2e", ["pallas", "pallas_unfused", "reference"],
+                        "End-to-end variants of the 27B-shaped random model (~17 GB each) to time: "
+                        "pallas (fused projections), pallas_unfused, reference (XLA dequantize + "
+                        "dot); empty for none.")
+_TABLES = flags.DEFINE_list("tables", ["matmul", "tree_gdn"], "Kernel tables to run: matmul, "
+                            "tree_gdn, tiles (a TileConfig sweep over --sweep).")
+_SWEEP = flags.DEFINE_list("sweep", ["q4_k:17408:5120", "q6_k:5120:17408"],
+                           "fmt:N:K matrices for the tiles table.")
+_SWEEP_MS = flags.DEFINE_list("sweep_ms", ["1", "23"], "Rows of x for the tiles table.")
 _JSON = flags.DEFINE_string("json_out", None, "Write the JSON here as well.")
 
 QWEN27B = dict(shapes=[("ffn_gate/up", 17408, 5120), ("ffn_down", 5120, 17408),
@@ -43,6 +53,18 @@ QWEN27B = dict(shapes=[("ffn_gate/up", 17408, 5120), ("ffn_down", 5120, 17408),
 SMALL = dict(shapes=[("ffn_gate/up", 512, 256), ("ffn_down", 256, 512), ("output", 1024, 256)],
              gdn=dict(hv=8, dk=32, dv=32), n_layer=4, d=256, d_ff=512, vocab=1024, n_head=4,
              n_kv=2, head_dim=64, n_k=2, copy_mb=16)
+
+
+def _dump(res):
+  """Write the results so far to --json_out (partial results survive a run cut off later)."""
+  if _JSON.value:
+    os.makedirs(os.path.dirname(os.path.abspath(_JSON.value)), exist_ok=True)
+    with open(_JSON.value, "w") as fh:
+      json.dump(res, fh, indent=1)
+
+
+def _log(msg):
+  print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def _median_ms(fn, *args, repeats):
@@ -61,7 +83,7 @@ def _random_blocks(rng, fmt, n, k):
   import numpy as np
   from dflash_jax.quants import BLOCK_FORMATS
   blk, size = BLOCK_FORMATS[fmt]
-  b = rng.integers(0, 256, size=(n, k // blk, size), dtype=np.uint8)
+  b = np.frombuffer(rng.bytes(n * (k // blk) * size), np.uint8).reshape(n, k // blk, size).copy()
   f16 = {"q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2], "q8_0": [0], "q4_k": [0, 2],
          "q5_k": [0, 2], "q6_k": [208]}[fmt]
   for off in f16:
@@ -173,12 +195,63 @@ def _e2e(sz, copy_gbs, repeats, kernels, fuse=True):
     path = jnp.arange(n_tree, dtype=jnp.int32)
     return jnp.argmax(logits, -1), target_lib.commit_path(c, steps, jnp.int32(ctx), path, jnp.int32(3))
 
+  _log(f"e2e {kernels} fuse={fuse}: params on device ({model_bytes / 1e9:.2f} GB read per token)")
+  t0 = time.perf_counter()
+  jax.block_until_ready(ar_step(params, cache, jnp.zeros((1,), jnp.int32)))
+  ar_compile_s = time.perf_counter() - t0
   ar_ms = _median_ms(ar_step, params, cache, jnp.zeros((1,), jnp.int32), repeats=repeats)
+  _log(f"e2e AR {ar_ms:.2f} ms (first call incl. compile {ar_compile_s:.0f} s)")
   tree_ms = _median_ms(tree_step, params, cache, jnp.zeros((n_tree,), jnp.int32), repeats=repeats)
+  _log(f"e2e tree-23 verify {tree_ms:.2f} ms")
   floor_ms = model_bytes / (copy_gbs * 1e9) * 1e3
   return {"model_bytes": model_bytes, "floor_ms": floor_ms, "ar_ms": ar_ms,
+          "ar_first_call_s": ar_compile_s,
           "ar_fraction_of_floor": floor_ms / ar_ms, "tree23_verify_ms": tree_ms,
           "tree23_over_ar": tree_ms / ar_ms}
+
+
+def _tile_sweep(res, rng, copy_gbs, reps):
+  """Time every TileConfig in a small grid for each --sweep matrix and --sweep_ms row count."""
+  import itertools
+  import jax
+  import jax.numpy as jnp
+  from dflash_jax.quants import QuantWeight
+  from pallas_kernels import dequant_matmul as dm
+  out = []
+  for spec in _SWEEP.value:
+    fmt, n, k = spec.split(":")
+    n, k = int(n), int(k)
+    nbytes = _random_blocks(rng, fmt, 1, k).nbytes * n
+    r_w = max(1, min(16, -(-_ROTATE_MB.value * 2**20 // nbytes)))
+    ws = [QuantWeight(jnp.asarray(_random_blocks(rng, fmt, n, k)), fmt, (n, k)) for _ in range(r_w)]
+    for m in (int(v) for v in _SWEEP_MS.value):
+      xs = [jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16) for _ in range(2)]
+      bm = dm.default_tiles(m, n, k, fmt).bm
+      for bn, splits, warps, stages in itertools.product((16, 32, 64), (1, 2, 4, 8), (4,), (1, 3)):
+        t = dm.TileConfig(bm=bm, bn=bn, k_splits=splits, num_warps=warps, num_stages=stages)
+        f = jax.jit(lambda xs, ws, t=t: [dm.dequant_matmul(x, w, tiles=t, interpret=_INTERPRET.value)
+                                                        for x in xs for w in ws])
+        try:
+          ms = _median_ms(f, xs, ws, repeats=reps) / (r_w * len(xs))
+        except Exception as e:  # noqa: BLE001  (a config that does not compile is reported)
+          _log(f"tiles {fmt} {n}x{k} M={m} {t}: failed {type(e).__name__}: {str(e)[:200]}")
+          continue
+        gbs = nbytes / (ms * 1e-3) / 1e9
+        out.append({"fmt": fmt, "N": n, "K": k, "M": m, "bm": bm, "bn": bn, "k_splits": splits,
+                    "num_warps": warps, "num_stages": stages, "ms": ms, "gbs": gbs,
+                    "fraction_of_copy": gbs / copy_gbs})
+        _dump(res | {"tiles": out})
+        _log(f"tiles {fmt} {n}x{k} M={m} bn={bn} splits={splits} warps={warps} "
+             f"stages={stages}: {ms:.4f} ms {gbs:.0f} GB/s ({gbs / copy_gbs:.2f})")
+    del ws
+  for spec in _SWEEP.value:
+    fmt = spec.split(":")[0]
+    for m in (int(v) for v in _SWEEP_MS.value):
+      best = sorted((r for r in out if r["fmt"] == fmt and r["M"] == m), key=lambda r: r["ms"])[:3]
+      for r in best:
+        _log(f"best {fmt} M={m}: bn={r['bn']} splits={r['k_splits']} stages={r['num_stages']} "
+             f"{r['ms']:.4f} ms ({r['fraction_of_copy']:.2f} of copy)")
+  return out
 
 
 def main(argv):
@@ -196,53 +269,91 @@ def main(argv):
          "sizes": _SIZES.value, "interpret": _INTERPRET.value, "repeats": reps}
   res["copy_gbs"] = copy_gbs = _copy_bandwidth(sz["copy_mb"], reps)
   rng = np.random.default_rng(0)
+  _log(f"{res['device']}: copy bandwidth {copy_gbs:.0f} GB/s")
   rows = []
-  for fmt in _FORMATS.value:
+  # Each timed call runs the kernel on R distinct weight copies (R * bytes >= --rotate_mb, so the
+  # 50 MB L2 cannot serve a re-read) times T distinct x, all in one jitted function: the time
+  # per kernel is the call's median / (R * T), which also amortizes the host dispatch.
+  for fmt in (_FORMATS.value if "matmul" in _TABLES.value else []):
     for name, n, k in sz["shapes"]:
-      w = QuantWeight(jnp.asarray(_random_blocks(rng, fmt, n, k)), fmt, (n, k))
-      kern = jax.jit(lambda x, w: dm.dequant_matmul(x, w, compute_dtype=jnp.bfloat16,
-                                                    interpret=_INTERPRET.value))
-      xla = jax.jit(lambda x, w: dm.dequant_matmul_reference(x, w, jnp.bfloat16))
+      nbytes = _random_blocks(rng, fmt, 1, k).nbytes * n
+      r_w = max(1, min(16, -(-_ROTATE_MB.value * 2**20 // nbytes)))
+      ws = [QuantWeight(jnp.asarray(_random_blocks(rng, fmt, n, k)), fmt, (n, k))
+            for _ in range(r_w)]
+      n_x = 4
+      kern = jax.jit(lambda xs, ws: [dm.dequant_matmul(x, w, compute_dtype=jnp.bfloat16,
+                                                       interpret=_INTERPRET.value)
+                                     for x in xs for w in ws])
+      xla = jax.jit(lambda xs, ws: [dm.dequant_matmul_reference(x, w, jnp.bfloat16)
+                                    for x in xs for w in ws])
       for m in (int(v) for v in _MS.value):
-        x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-        ms = _median_ms(kern, x, w, repeats=reps)
-        ms_xla = _median_ms(xla, x, w, repeats=reps)
-        gbs = w.nbytes / (ms * 1e-3) / 1e9
+        xs = [jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16) for _ in range(n_x)]
+        ms = _median_ms(kern, xs, ws, repeats=reps) / (r_w * n_x)
+        ms_xla = _median_ms(xla, xs, ws, repeats=reps) / (r_w * n_x)
+        y = np.asarray(kern(xs[:1], ws[:1])[0], np.float64)
+        y_ref = np.asarray(xla(xs[:1], ws[:1])[0], np.float64)
+        err = float(np.linalg.norm(y - y_ref) / np.linalg.norm(y_ref))
+        gbs = nbytes / (ms * 1e-3) / 1e9
         rows.append({"fmt": fmt, "matrix": name, "N": n, "K": k, "M": m,
-                     "tiles": str(dm.default_tiles(m, n, k, fmt)), "kernel_ms": ms,
-                     "kernel_gbs": gbs, "fraction_of_copy": gbs / copy_gbs, "xla_ms": ms_xla,
-                     "speedup_vs_xla": ms_xla / ms})
+                     "tiles": str(dm.default_tiles(m, n, k, fmt)), "weight_copies": r_w,
+                     "kernel_ms": ms, "kernel_gbs": gbs, "fraction_of_copy": gbs / copy_gbs,
+                     "xla_ms": ms_xla, "speedup_vs_xla": ms_xla / ms, "rel_err_vs_xla": err})
+        _dump(res | {"matmul": rows})
+        _log(f"{fmt} {name} M={m}: {ms:.4f} ms {gbs:.0f} GB/s ({gbs / copy_gbs:.2f} of copy), "
+             f"XLA {ms_xla:.4f} ms, rel err {err:.1e}")
+      del ws
   res["matmul"] = rows
+  if "tiles" in _TABLES.value:
+    res["tiles"] = _tile_sweep(res, rng, copy_gbs, reps)
   g = sz["gdn"]
   gdn_rows = []
-  for n_nodes in (16, 23):
+  n_layers = 8   # distinct layers' inputs per timed call (one jitted call runs all of them)
+  for n_nodes in ((16, 23) if "tree_gdn" in _TABLES.value else ()):
     parents = jnp.asarray([-1] + [max(0, (i - 1) // 2) for i in range(1, n_nodes)], jnp.int32)
-    q = jnp.asarray(rng.standard_normal((n_nodes, g["hv"], g["dk"])) * 0.05, jnp.float32)
-    v = jnp.asarray(rng.standard_normal((n_nodes, g["hv"], g["dv"])), jnp.float32)
-    gg = jnp.full((n_nodes, g["hv"]), -0.1, jnp.float32)
-    b = jnp.full((n_nodes, g["hv"]), 0.5, jnp.float32)
-    s0 = jnp.zeros((g["hv"], g["dk"], g["dv"]), jnp.float32)
-    kern = jax.jit(lambda *a: tg.tree_gdn(*a, interpret=_INTERPRET.value))
-    ref = jax.jit(tg.tree_gdn_reference)
-    us = _median_ms(kern, q, q, v, gg, b, s0, parents, repeats=reps) * 1e3
-    us_ref = _median_ms(ref, q, q, v, gg, b, s0, parents, repeats=reps) * 1e3
-    gdn_rows.append({"nodes": n_nodes, "kernel_us_per_layer": us, "reference_us_per_layer": us_ref})
+    hv, dk, dv = g["hv"], g["dk"], g["dv"]
+
+    def layer_inputs():
+      q = rng.standard_normal((n_nodes, hv, dk)).astype(np.float32)
+      q /= np.linalg.norm(q, axis=-1, keepdims=True) * np.sqrt(dk)
+      kk = rng.standard_normal((n_nodes, hv, dk)).astype(np.float32)
+      kk /= np.linalg.norm(kk, axis=-1, keepdims=True)
+      v = rng.standard_normal((n_nodes, hv, dv)).astype(np.float32)
+      gg = (-np.abs(rng.standard_normal((n_nodes, hv))) * 0.3).astype(np.float32)
+      b = rng.uniform(0, 1, (n_nodes, hv)).astype(np.float32)
+      s0 = (rng.standard_normal((hv, dk, dv)) * 0.2).astype(np.float32)
+      return tuple(map(jnp.asarray, (q, kk, v, gg, b, s0)))
+
+    inputs = [layer_inputs() for _ in range(n_layers)]
+    kern = jax.jit(lambda ins: [tg.tree_gdn(*a, parents, interpret=_INTERPRET.value) for a in ins])
+    ref = jax.jit(lambda ins: [tg.tree_gdn_reference(*a, parents) for a in ins])
+    us = _median_ms(kern, inputs, repeats=reps) * 1e3 / n_layers
+    us_ref = _median_ms(ref, inputs, repeats=reps) * 1e3 / n_layers
+    (o, st), (o_r, st_r) = kern(inputs[:1])[0], ref(inputs[:1])[0]
+    err = max(float(jnp.linalg.norm(o - o_r) / jnp.linalg.norm(o_r)),
+              float(jnp.linalg.norm(st - st_r) / jnp.linalg.norm(st_r)))
+    gdn_rows.append({"nodes": n_nodes, "kernel_us_per_layer": us, "reference_us_per_layer": us_ref,
+                     "rel_err_vs_reference": err})
+    _dump(res | {"tree_gdn": gdn_rows})
+    _log(f"tree GDN {n_nodes} nodes: {us:.1f} us/layer, reference {us_ref:.1f}, rel err {err:.1e}")
   res["tree_gdn"] = gdn_rows
-  if _E2E.value:
-    res["e2e"] = _e2e(sz, copy_gbs, reps,
-                      "pallas_interpret" if _INTERPRET.value else "pallas")
-    if not _INTERPRET.value:
-      res["e2e_unfused"] = _e2e(sz, copy_gbs, reps, "pallas", fuse=False)
-      res["e2e_reference_kernels"] = _e2e(sz, copy_gbs, reps, "reference")
+  pallas = "pallas_interpret" if _INTERPRET.value else "pallas"
+  variants = {"pallas": ("e2e", pallas, True), "pallas_unfused": ("e2e_unfused", pallas, False),
+              "reference": ("e2e_reference_kernels", "reference", True)}
+  for v in _E2E.value:
+    if v not in variants:
+      raise app.UsageError(f"--e2e: unknown variant {v!r}; expected some of {list(variants)}")
+    key, kernels, fuse = variants[v]
+    res[key] = _e2e(sz, copy_gbs, reps, kernels, fuse=fuse)
+    _dump(res)
 
   print(json.dumps(res, indent=1))
   print(f"\ndevice {res['device']} ({res['backend']}), copy bandwidth {copy_gbs:.0f} GB/s")
   print(f"{'fmt':5} {'matrix':12} {'N':>7} {'K':>6} {'M':>3} {'kernel ms':>10} {'GB/s':>7} "
-        f"{'of copy':>8} {'XLA ms':>8} {'x XLA':>6}")
+        f"{'of copy':>8} {'XLA ms':>8} {'x XLA':>6} {'rel err':>8}")
   for r in rows:
     print(f"{r['fmt']:5} {r['matrix']:12} {r['N']:7d} {r['K']:6d} {r['M']:3d} {r['kernel_ms']:10.3f} "
           f"{r['kernel_gbs']:7.0f} {r['fraction_of_copy']:8.2f} {r['xla_ms']:8.3f} "
-          f"{r['speedup_vs_xla']:6.2f}")
+          f"{r['speedup_vs_xla']:6.2f} {r['rel_err_vs_xla']:8.1e}")
   for r in gdn_rows:
     print(f"tree GDN {r['nodes']} nodes: kernel {r['kernel_us_per_layer']:.1f} us/layer, "
           f"reference {r['reference_us_per_layer']:.1f} us/layer")

@@ -1,13 +1,15 @@
-"""Pallas kernels (Triton lowering): numerics in interpret mode on CPU, and deviceless lowering
-for an H100 at the tile configurations the model uses.
+"""Pallas kernels (Triton lowering): numerics in interpret mode on CPU (the compiled kernels
+where a GPU is the default backend), and deviceless lowering for an H100 at the tile
+configurations the model uses.
 
 Tolerance norm: relative Frobenius error ||y - ref||_F / ||ref||_F against a float64 numpy
 reference (gguf-py's `gguf.quants.dequantize` for the weights).
-  * float32 operands: < 1e-5 (interpret mode computes exact f32 products; on an H100 the same
-    call runs TF32 tensor cores, expected ~1e-3, checked only where a GPU is lent).
+  * float32 operands: < 1e-5 in interpret mode (exact f32 products); on a GPU the same call
+    runs TF32 tensor cores (x rounded to a 10-bit mantissa): < 3e-3.
   * bfloat16 operands: the codes q are exact in bf16 and scales apply in f32 after each
     sub-block dot, so the only rounding is x -> bf16: compared against the float64 product of
-    bf16-rounded x, < 1e-5; against unrounded x the error is the bf16 rounding (< 1e-2).
+    bf16-rounded x, < 1e-5 (< 1e-4 on a GPU: tensor-core f32 accumulation order); against
+    unrounded x the error is the bf16 rounding (< 1e-2).
 Inputs are fresh random bytes every run (the seed is printed on failure); outputs start as NaN
 (`poison_output`) so an element the kernel never writes fails the test.
 """
@@ -28,6 +30,12 @@ from pallas_kernels import tree_gdn as tg
 from test_quants import _random_blocks
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
+
+# Where a GPU is the default backend the same tests run the compiled kernels.
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU
+F32_TOL = 3e-3 if ON_GPU else 1e-5     # TF32 tensor cores on GPU
+EXACT_TOL = 1e-4 if ON_GPU else 1e-5   # bf16 operands vs the f64 product of bf16-rounded x
 
 H100 = "NVIDIA H100 80GB HBM3"
 # Qwen3.5-27B matrix shapes [N, K] (GGUF [out, in]): ffn_gate/up, ffn_down, GDN attn_qkv,
@@ -62,8 +70,12 @@ def _lower_for_h100(fn, *specs) -> str:
 # ----------------------------------------------------------------------------- dequant matmul
 
 @pytest.mark.parametrize("fmt", dm.KERNEL_FORMATS)
-@pytest.mark.parametrize("m,tiles", [(1, None), (23, dm.TileConfig(bm=16, bn=32, k_splits=2))])
+@pytest.mark.parametrize("m,tiles", [(1, None), (23, dm.TileConfig(bm=16, bn=32, k_splits=2)),
+                                     (5, dm.TileConfig(bm=16, bn=32, fold_scales=False))])
 def test_dequant_matmul_interpret_vs_gguf(fmt, m, tiles):
+  """Both kernel paths: scales after each sub-block dot (exact in bf16 up to x's rounding), and
+  the folded path (FOLD_FORMATS by default), whose weights are rounded to the operand dtype
+  exactly as the XLA reference path dequantize(w, bf16) rounds them."""
   rng, seed = _fresh_rng()
   n, k = 64, 512
   blk = BLOCK_FORMATS[fmt][0]
@@ -72,19 +84,24 @@ def test_dequant_matmul_interpret_vs_gguf(fmt, m, tiles):
   x = rng.standard_normal((m, k)).astype(np.float32)
   w = QuantWeight(jnp.asarray(raw), fmt, (n, k))
   y32 = dm.dequant_matmul(jnp.asarray(x), w, compute_dtype=jnp.float32, tiles=tiles,
-                          interpret=True, poison_output=True)
+                          interpret=INTERPRET, poison_output=True)
   ybf = dm.dequant_matmul(jnp.asarray(x), w, compute_dtype=jnp.bfloat16, tiles=tiles,
-                          interpret=True, poison_output=True)
+                          interpret=INTERPRET, poison_output=True)
   ref = x.astype(np.float64) @ w64.T
   xbf = x.astype(ml_dtypes.bfloat16).astype(np.float64)
   assert y32.shape == ybf.shape == (m, n)
   assert np.isfinite(np.asarray(y32)).all() and np.isfinite(np.asarray(ybf)).all(), f"seed {seed}"
-  assert _rel(y32, ref) < 1e-5, f"seed {seed}"
-  assert _rel(ybf, xbf @ w64.T) < 1e-5, f"seed {seed}"
+  assert _rel(y32, ref) < F32_TOL, f"seed {seed}"
   assert _rel(ybf, ref) < 1e-2, f"seed {seed}"
+  folded = fmt in dm.FOLD_FORMATS and (tiles or dm.TileConfig()).fold_scales
+  if folded:
+    ybf_ref = dm.dequant_matmul_reference(jnp.asarray(x), w, jnp.bfloat16)
+    assert _rel(ybf, ybf_ref) < 1e-4, f"seed {seed}"
+  else:
+    assert _rel(ybf, xbf @ w64.T) < EXACT_TOL, f"seed {seed}"
   # and against the model's pure-JAX reference path
   yr = dm.dequant_matmul_reference(jnp.asarray(x), w, jnp.float32)
-  assert _rel(y32, yr) < 1e-5, f"seed {seed}"
+  assert _rel(y32, yr) < F32_TOL, f"seed {seed}"
 
 
 def test_dequant_matmul_smollm2_q4_1_tensor(smol):
@@ -95,9 +112,9 @@ def test_dequant_matmul_smollm2_q4_1_tensor(smol):
   rng, seed = _fresh_rng()
   x = rng.standard_normal((3, w.shape[1])).astype(np.float32)
   w64 = gq.dequantize(np.asarray(w.data), QT[w.fmt.upper()]).astype(np.float64)
-  y = dm.dequant_matmul(jnp.asarray(x), w, compute_dtype=jnp.float32, interpret=True,
+  y = dm.dequant_matmul(jnp.asarray(x), w, compute_dtype=jnp.float32, interpret=INTERPRET,
                         poison_output=True)
-  assert _rel(y, x.astype(np.float64) @ w64.T) < 1e-5, f"seed {seed}"
+  assert _rel(y, x.astype(np.float64) @ w64.T) < F32_TOL, f"seed {seed}"
 
 
 def test_dequant_matmul_rejects_bad_input():
@@ -180,7 +197,7 @@ def test_tree_gdn_interpret_vs_reference(n, hv, dk, dv, bv):
   rng, seed = _fresh_rng()
   parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, n)], np.int32)
   args = _gdn_inputs(rng, n, hv, dk, dv)
-  o, st = tg.tree_gdn(*map(jnp.asarray, args), jnp.asarray(parents), bv=bv, interpret=True,
+  o, st = tg.tree_gdn(*map(jnp.asarray, args), jnp.asarray(parents), bv=bv, interpret=INTERPRET,
                       poison_outputs=True)
   o_ref, st_ref = tg.tree_gdn_reference(*map(jnp.asarray, args), jnp.asarray(parents))
   assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(st)).all(), f"seed {seed}"
@@ -224,12 +241,13 @@ def test_model_with_pallas_kernels_matches_reference():
   from conftest import QWEN, DRAFT
   path = os.path.join(QWEN, "model-q4_k_m.gguf")
   ref = dj.load_target(path, kernels="reference")
-  ker = dj.load_target(path, kernels="pallas_interpret")
-  assert ker.config.kernels == "pallas_interpret"
+  kind = "pallas" if ON_GPU else "pallas_interpret"
+  ker = dj.load_target(path, kernels=kind)
+  assert ker.config.kernels == kind
   ids = [1, 5, 9, 33, 100, 7, 2, 64, 80]
   lr = np.asarray(dj.forward_logits(ref, ids))
   lk = np.asarray(dj.forward_logits(ker, ids))
-  assert _rel(lk, lr) < 1e-5
+  assert _rel(lk, lr) < F32_TOL
   draft = dj.load_draft(DRAFT, ref)
   a = dj.generate(ref, draft, ids, max_new_tokens=6, mode="ddtree", budget=6, max_ctx=64)
   b = dj.generate(ker, dj.load_draft(DRAFT, ker), ids, max_new_tokens=6, mode="ddtree", budget=6,
