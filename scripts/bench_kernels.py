@@ -312,18 +312,8 @@ def main(argv):
     parents = jnp.asarray([-1] + [max(0, (i - 1) // 2) for i in range(1, n_nodes)], jnp.int32)
     hv, dk, dv = g["hv"], g["dk"], g["dv"]
 
-    def layer_inputs():
-      q = rng.standard_normal((n_nodes, hv, dk)).astype(np.float32)
-      q /= np.linalg.norm(q, axis=-1, keepdims=True) * np.sqrt(dk)
-      kk = rng.standard_normal((n_nodes, hv, dk)).astype(np.float32)
-      kk /= np.linalg.norm(kk, axis=-1, keepdims=True)
-      v = rng.standard_normal((n_nodes, hv, dv)).astype(np.float32)
-      gg = (-np.abs(rng.standard_normal((n_nodes, hv))) * 0.3).astype(np.float32)
-      b = rng.uniform(0, 1, (n_nodes, hv)).astype(np.float32)
-      s0 = (rng.standard_normal((hv, dk, dv)) * 0.2).astype(np.float32)
-      return tuple(map(jnp.asarray, (q, kk, v, gg, b, s0)))
-
-    inputs = [layer_inputs() for _ in range(n_layers)]
+    inputs = [tuple(map(jnp.asarray, tg.random_inputs(rng, n_nodes, hv, dk, dv)))
+              for _ in range(n_layers)]
     kern = jax.jit(lambda ins: [tg.tree_gdn(*a, parents, interpret=_INTERPRET.value) for a in ins])
     ref = jax.jit(lambda ins: [tg.tree_gdn_reference(*a, parents) for a in ins])
     us = _median_ms(kern, inputs, repeats=reps) * 1e3 / n_layers

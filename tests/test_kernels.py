@@ -167,18 +167,6 @@ def test_lowering_check_catches_non_power_of_two_tiles():
 
 # ----------------------------------------------------------------------------- tree GDN
 
-def _gdn_inputs(rng, n, hv, dk, dv):
-  q = rng.standard_normal((n, hv, dk)).astype(np.float32)
-  q /= np.linalg.norm(q, axis=-1, keepdims=True) * np.sqrt(dk)
-  k = rng.standard_normal((n, hv, dk)).astype(np.float32)
-  k /= np.linalg.norm(k, axis=-1, keepdims=True)
-  v = rng.standard_normal((n, hv, dv)).astype(np.float32)
-  g = (-np.abs(rng.standard_normal((n, hv))) * 0.3).astype(np.float32)
-  beta = rng.uniform(0, 1, (n, hv)).astype(np.float32)
-  s0 = (rng.standard_normal((hv, dk, dv)) * 0.2).astype(np.float32)
-  return q, k, v, g, beta, s0
-
-
 def _chain_np(q, k, v, g, beta, s0, path):
   """float64 numpy recurrence along `path` (node ids, root first): states after each node."""
   s = s0.astype(np.float64)
@@ -196,7 +184,7 @@ def _chain_np(q, k, v, g, beta, s0, path):
 def test_tree_gdn_interpret_vs_reference(n, hv, dk, dv, bv):
   rng, seed = _fresh_rng()
   parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, n)], np.int32)
-  args = _gdn_inputs(rng, n, hv, dk, dv)
+  args = tg.random_inputs(rng, n, hv, dk, dv)
   o, st = tg.tree_gdn(*map(jnp.asarray, args), jnp.asarray(parents), bv=bv, interpret=INTERPRET,
                       poison_outputs=True)
   o_ref, st_ref = tg.tree_gdn_reference(*map(jnp.asarray, args), jnp.asarray(parents))
