@@ -38,7 +38,8 @@ _E2E = flags.DEFINE_list("e2e", ["pallas", "pallas_unfused", "reference"],
                         "pallas (fused projections), pallas_unfused, reference (XLA dequantize + "
                         "dot); empty for none.")
 _TABLES = flags.DEFINE_list("tables", ["matmul", "tree_gdn"], "Kernel tables to run: matmul, "
-                            "tree_gdn, tiles (a TileConfig sweep over --sweep).")
+                            "tree_gdn, tiles (a TileConfig sweep over --sweep), variants (kernel "
+                            "variants at default tiles over --sweep).")
 _SWEEP = flags.DEFINE_list("sweep", ["q4_k:17408:5120", "q6_k:5120:17408"],
                            "fmt:N:K matrices for the tiles table.")
 _SWEEP_MS = flags.DEFINE_list("sweep_ms", ["1", "23"], "Rows of x for the tiles table.")
@@ -254,6 +255,62 @@ def _tile_sweep(res, rng, copy_gbs, reps):
   return out
 
 
+def _variants(m: int, base, fmt: str):
+  """(label, TileConfig) kernel variants compared by the variants table, for M = m rows (the
+  32-bit-word variants only for Q4_K, the only format that reads them)."""
+  import dataclasses
+  r = dataclasses.replace
+  w = fmt == "q4_k"
+  out = [("default", base), ("warps8", r(base, num_warps=8))]
+  if w:
+    out += [("words", r(base, words=True)), ("words_warps8", r(base, words=True, num_warps=8))]
+  if m <= 4:
+    g = r(base, bm=1 if m == 1 else 4, gemv=True)
+    g32 = r(g, bn=min(32, g.bn))
+    out += [("gemv", g), ("gemv_bn32", g32)]
+    if w:
+      out += [("gemv_words", r(g, words=True)), ("gemv_words_bn32", r(g32, words=True))]
+  return out
+
+
+def _variant_table(res, rng, copy_gbs, reps):
+  """Time the kernel variants of `_variants` for each --sweep matrix and --sweep_ms row count,
+  with the relative error of each against XLA's bf16 dequantize-then-dot."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from dflash_jax.quants import QuantWeight
+  from pallas_kernels import dequant_matmul as dm
+  out = []
+  for spec in _SWEEP.value:
+    fmt, n, k = spec.split(":")
+    n, k = int(n), int(k)
+    nbytes = _random_blocks(rng, fmt, 1, k).nbytes * n
+    r_w = max(1, min(16, -(-_ROTATE_MB.value * 2**20 // nbytes)))
+    ws = [QuantWeight(jnp.asarray(_random_blocks(rng, fmt, n, k)), fmt, (n, k)) for _ in range(r_w)]
+    for m in (int(v) for v in _SWEEP_MS.value):
+      xs = [jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16) for _ in range(2)]
+      y_ref = np.asarray(dm.dequant_matmul_reference(xs[0], ws[0], jnp.bfloat16), np.float64)
+      for label, t in _variants(m, dm.default_tiles(m, n, k, fmt), fmt):
+        f = jax.jit(lambda xs, ws, t=t: [dm.dequant_matmul(x, w, tiles=t, interpret=_INTERPRET.value)
+                                         for x in xs for w in ws])
+        try:
+          ms = _median_ms(f, xs, ws, repeats=reps) / (r_w * len(xs))
+          y = np.asarray(f(xs[:1], ws[:1])[0], np.float64)
+        except Exception as e:  # noqa: BLE001  (a variant that does not compile is reported)
+          _log(f"variant {label} {fmt} {n}x{k} M={m}: failed {type(e).__name__}: {str(e)[:300]}")
+          continue
+        err = float(np.linalg.norm(y - y_ref) / np.linalg.norm(y_ref))
+        gbs = nbytes / (ms * 1e-3) / 1e9
+        out.append({"variant": label, "fmt": fmt, "N": n, "K": k, "M": m, "tiles": str(t),
+                    "ms": ms, "gbs": gbs, "fraction_of_copy": gbs / copy_gbs, "rel_err_vs_xla": err})
+        _dump(res | {"variants": out})
+        _log(f"variant {label:16} {fmt} {n}x{k} M={m}: {ms * 1e3:.1f} us {gbs:.0f} GB/s "
+             f"({gbs / copy_gbs:.2f} of copy), rel err vs XLA {err:.1e}")
+    del ws
+  return out
+
+
 def main(argv):
   del argv
   import jax
@@ -305,6 +362,8 @@ def main(argv):
   res["matmul"] = rows
   if "tiles" in _TABLES.value:
     res["tiles"] = _tile_sweep(res, rng, copy_gbs, reps)
+  if "variants" in _TABLES.value:
+    res["variants"] = _variant_table(res, rng, copy_gbs, reps)
   g = sz["gdn"]
   gdn_rows = []
   n_layers = 8   # distinct layers' inputs per timed call (one jitted call runs all of them)

@@ -70,12 +70,17 @@ def _lower_for_h100(fn, *specs) -> str:
 # ----------------------------------------------------------------------------- dequant matmul
 
 @pytest.mark.parametrize("fmt", dm.KERNEL_FORMATS)
-@pytest.mark.parametrize("m,tiles", [(1, None), (23, dm.TileConfig(bm=16, bn=32, k_splits=2)),
-                                     (5, dm.TileConfig(bm=16, bn=32, fold_scales=False))])
+@pytest.mark.parametrize("m,tiles", [
+    (1, None), (23, dm.TileConfig(bm=16, bn=32, k_splits=2, words=False)),
+    (5, dm.TileConfig(bm=16, bn=32, fold_scales=False)),
+    (23, dm.TileConfig(bm=32, bn=32, words=True)),
+    (1, dm.TileConfig(bm=1, bn=32, gemv=True)),
+    (3, dm.TileConfig(bm=4, bn=16, k_splits=2, gemv=True, words=True))])
 def test_dequant_matmul_interpret_vs_gguf(fmt, m, tiles):
-  """Both kernel paths: scales after each sub-block dot (exact in bf16 up to x's rounding), and
-  the folded path (FOLD_FORMATS by default), whose weights are rounded to the operand dtype
-  exactly as the XLA reference path dequantize(w, bf16) rounds them."""
+  """Every kernel path: scales after each sub-block dot (exact in bf16 up to x's rounding); the
+  folded path (FOLD_FORMATS by default, Q4_K also from 32-bit words), whose weights are rounded
+  to the operand dtype exactly as the XLA reference path dequantize(w, bf16) rounds them; and
+  gemv (no tensor-core dot, float32 weights: exact up to x's rounding)."""
   rng, seed = _fresh_rng()
   n, k = 64, 512
   blk = BLOCK_FORMATS[fmt][0]
@@ -93,8 +98,9 @@ def test_dequant_matmul_interpret_vs_gguf(fmt, m, tiles):
   assert np.isfinite(np.asarray(y32)).all() and np.isfinite(np.asarray(ybf)).all(), f"seed {seed}"
   assert _rel(y32, ref) < F32_TOL, f"seed {seed}"
   assert _rel(ybf, ref) < 1e-2, f"seed {seed}"
-  folded = fmt in dm.FOLD_FORMATS and (tiles or dm.TileConfig()).fold_scales
-  if folded:
+  t = tiles or dm.TileConfig()
+  rounds_w = fmt in dm.FOLD_FORMATS and t.fold_scales and not t.gemv
+  if rounds_w:
     ybf_ref = dm.dequant_matmul_reference(jnp.asarray(x), w, jnp.bfloat16)
     assert _rel(ybf, ybf_ref) < 1e-4, f"seed {seed}"
   else:
@@ -153,6 +159,24 @@ def test_dequant_matmul_lowers_for_h100(fmt):
       txt = _lower_for_h100(f, jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
                             jax.ShapeDtypeStruct((n, k // blk * size), jnp.uint8))
       assert "__gpu$xla.gpu.triton" in txt, (fmt, n, k, m, tiles)
+
+
+@pytest.mark.parametrize("fmt,n,k,m,tiles", [
+    ("q4_k", 17408, 5120, 23, dm.TileConfig(bm=32, bn=64, k_splits=4, words=True)),
+    ("q4_k", 17408, 5120, 1, dm.TileConfig(bm=1, bn=64, k_splits=4, gemv=True, words=True)),
+    ("q4_k", 5120, 17408, 1, dm.TileConfig(bm=1, bn=32, k_splits=4, gemv=True)),
+    ("q6_k", 5120, 17408, 1, dm.TileConfig(bm=1, bn=32, k_splits=4, gemv=True)),
+    ("q8_0", 17408, 5120, 1, dm.TileConfig(bm=1, bn=64, k_splits=4, gemv=True))])
+def test_dequant_matmul_variants_lower_for_h100(fmt, n, k, m, tiles):
+  """The 32-bit-word and gemv variants at Qwen3.5-27B shapes lower for an H100."""
+  blk, size = BLOCK_FORMATS[fmt]
+
+  def f(x, data):
+    return dm.dequant_matmul(x, QuantWeight(data, fmt, (n, k)), tiles=tiles)
+
+  txt = _lower_for_h100(f, jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+                        jax.ShapeDtypeStruct((n, k // blk * size), jnp.uint8))
+  assert "__gpu$xla.gpu.triton" in txt
 
 
 def test_lowering_check_catches_non_power_of_two_tiles():
