@@ -211,20 +211,29 @@ def _e2e(sz, copy_gbs, repeats, kernels, fuse=True):
           "tree23_over_ar": tree_ms / ar_ms}
 
 
+def _weight_copies(rng, fmt, n, k):
+  """(bytes of one weight, distinct random QuantWeight copies adding up to >= --rotate_mb MiB,
+  at most 16): timed calls rotate over them so the L2 cannot serve a re-read."""
+  import jax.numpy as jnp
+  from dflash_jax.quants import QuantWeight
+  nbytes = _random_blocks(rng, fmt, 1, k).nbytes * n
+  r_w = max(1, min(16, -(-_ROTATE_MB.value * 2**20 // nbytes)))
+  return nbytes, [QuantWeight(jnp.asarray(_random_blocks(rng, fmt, n, k)), fmt, (n, k))
+                  for _ in range(r_w)]
+
+
 def _tile_sweep(res, rng, copy_gbs, reps):
   """Time every TileConfig in a small grid for each --sweep matrix and --sweep_ms row count."""
   import itertools
   import jax
   import jax.numpy as jnp
-  from dflash_jax.quants import QuantWeight
   from pallas_kernels import dequant_matmul as dm
   out = []
   for spec in _SWEEP.value:
     fmt, n, k = spec.split(":")
     n, k = int(n), int(k)
-    nbytes = _random_blocks(rng, fmt, 1, k).nbytes * n
-    r_w = max(1, min(16, -(-_ROTATE_MB.value * 2**20 // nbytes)))
-    ws = [QuantWeight(jnp.asarray(_random_blocks(rng, fmt, n, k)), fmt, (n, k)) for _ in range(r_w)]
+    nbytes, ws = _weight_copies(rng, fmt, n, k)
+    r_w = len(ws)
     for m in (int(v) for v in _SWEEP_MS.value):
       xs = [jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16) for _ in range(2)]
       bm = dm.default_tiles(m, n, k, fmt).bm
@@ -279,15 +288,13 @@ def _variant_table(res, rng, copy_gbs, reps):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from dflash_jax.quants import QuantWeight
   from pallas_kernels import dequant_matmul as dm
   out = []
   for spec in _SWEEP.value:
     fmt, n, k = spec.split(":")
     n, k = int(n), int(k)
-    nbytes = _random_blocks(rng, fmt, 1, k).nbytes * n
-    r_w = max(1, min(16, -(-_ROTATE_MB.value * 2**20 // nbytes)))
-    ws = [QuantWeight(jnp.asarray(_random_blocks(rng, fmt, n, k)), fmt, (n, k)) for _ in range(r_w)]
+    nbytes, ws = _weight_copies(rng, fmt, n, k)
+    r_w = len(ws)
     for m in (int(v) for v in _SWEEP_MS.value):
       xs = [jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16) for _ in range(2)]
       y_ref = np.asarray(dm.dequant_matmul_reference(xs[0], ws[0], jnp.bfloat16), np.float64)
@@ -316,7 +323,6 @@ def main(argv):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from dflash_jax.quants import QuantWeight
   from pallas_kernels import dequant_matmul as dm
   from pallas_kernels import tree_gdn as tg
 
@@ -333,10 +339,8 @@ def main(argv):
   # per kernel is the call's median / (R * T), which also amortizes the host dispatch.
   for fmt in (_FORMATS.value if "matmul" in _TABLES.value else []):
     for name, n, k in sz["shapes"]:
-      nbytes = _random_blocks(rng, fmt, 1, k).nbytes * n
-      r_w = max(1, min(16, -(-_ROTATE_MB.value * 2**20 // nbytes)))
-      ws = [QuantWeight(jnp.asarray(_random_blocks(rng, fmt, n, k)), fmt, (n, k))
-            for _ in range(r_w)]
+      nbytes, ws = _weight_copies(rng, fmt, n, k)
+      r_w = len(ws)
       n_x = 4
       kern = jax.jit(lambda xs, ws: [dm.dequant_matmul(x, w, compute_dtype=jnp.bfloat16,
                                                        interpret=_INTERPRET.value)
