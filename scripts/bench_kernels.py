@@ -222,38 +222,44 @@ def _weight_copies(rng, fmt, n, k):
                   for _ in range(r_w)]
 
 
-def _tile_sweep(res, rng, copy_gbs, reps):
-  """Time every TileConfig in a small grid for each --sweep matrix and --sweep_ms row count."""
-  import itertools
-  import jax
+def _sweep_cases(rng):
+  """Yields (fmt, N, K, bytes of one weight, weight copies, M, 2 distinct x [M, K] bf16) for each
+  --sweep matrix and --sweep_ms row count."""
   import jax.numpy as jnp
-  from pallas_kernels import dequant_matmul as dm
-  out = []
   for spec in _SWEEP.value:
     fmt, n, k = spec.split(":")
     n, k = int(n), int(k)
     nbytes, ws = _weight_copies(rng, fmt, n, k)
-    r_w = len(ws)
     for m in (int(v) for v in _SWEEP_MS.value):
       xs = [jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16) for _ in range(2)]
-      bm = dm.default_tiles(m, n, k, fmt).bm
-      for bn, splits, warps, stages in itertools.product((16, 32, 64), (1, 2, 4, 8), (4,), (1, 3)):
-        t = dm.TileConfig(bm=bm, bn=bn, k_splits=splits, num_warps=warps, num_stages=stages)
-        f = jax.jit(lambda xs, ws, t=t: [dm.dequant_matmul(x, w, tiles=t, interpret=_INTERPRET.value)
-                                                        for x in xs for w in ws])
-        try:
-          ms = _median_ms(f, xs, ws, repeats=reps) / (r_w * len(xs))
-        except Exception as e:  # noqa: BLE001  (a config that does not compile is reported)
-          _log(f"tiles {fmt} {n}x{k} M={m} {t}: failed {type(e).__name__}: {str(e)[:200]}")
-          continue
-        gbs = nbytes / (ms * 1e-3) / 1e9
-        out.append({"fmt": fmt, "N": n, "K": k, "M": m, "bm": bm, "bn": bn, "k_splits": splits,
-                    "num_warps": warps, "num_stages": stages, "ms": ms, "gbs": gbs,
-                    "fraction_of_copy": gbs / copy_gbs})
-        _dump(res | {"tiles": out})
-        _log(f"tiles {fmt} {n}x{k} M={m} bn={bn} splits={splits} warps={warps} "
-             f"stages={stages}: {ms:.4f} ms {gbs:.0f} GB/s ({gbs / copy_gbs:.2f})")
-    del ws
+      yield fmt, n, k, nbytes, ws, m, xs
+
+
+def _tile_sweep(res, rng, copy_gbs, reps):
+  """Time every TileConfig in a small grid for each --sweep matrix and --sweep_ms row count."""
+  import itertools
+  import jax
+  from pallas_kernels import dequant_matmul as dm
+  out = []
+  for fmt, n, k, nbytes, ws, m, xs in _sweep_cases(rng):
+    r_w = len(ws)
+    bm = dm.default_tiles(m, n, k, fmt).bm
+    for bn, splits, warps, stages in itertools.product((16, 32, 64), (1, 2, 4, 8), (4,), (1, 3)):
+      t = dm.TileConfig(bm=bm, bn=bn, k_splits=splits, num_warps=warps, num_stages=stages)
+      f = jax.jit(lambda xs, ws, t=t: [dm.dequant_matmul(x, w, tiles=t, interpret=_INTERPRET.value)
+                                                      for x in xs for w in ws])
+      try:
+        ms = _median_ms(f, xs, ws, repeats=reps) / (r_w * len(xs))
+      except Exception as e:  # noqa: BLE001  (a config that does not compile is reported)
+        _log(f"tiles {fmt} {n}x{k} M={m} {t}: failed {type(e).__name__}: {str(e)[:200]}")
+        continue
+      gbs = nbytes / (ms * 1e-3) / 1e9
+      out.append({"fmt": fmt, "N": n, "K": k, "M": m, "bm": bm, "bn": bn, "k_splits": splits,
+                  "num_warps": warps, "num_stages": stages, "ms": ms, "gbs": gbs,
+                  "fraction_of_copy": gbs / copy_gbs})
+      _dump(res | {"tiles": out})
+      _log(f"tiles {fmt} {n}x{k} M={m} bn={bn} splits={splits} warps={warps} "
+           f"stages={stages}: {ms:.4f} ms {gbs:.0f} GB/s ({gbs / copy_gbs:.2f})")
   for spec in _SWEEP.value:
     fmt = spec.split(":")[0]
     for m in (int(v) for v in _SWEEP_MS.value):
@@ -290,31 +296,25 @@ def _variant_table(res, rng, copy_gbs, reps):
   import numpy as np
   from pallas_kernels import dequant_matmul as dm
   out = []
-  for spec in _SWEEP.value:
-    fmt, n, k = spec.split(":")
-    n, k = int(n), int(k)
-    nbytes, ws = _weight_copies(rng, fmt, n, k)
+  for fmt, n, k, nbytes, ws, m, xs in _sweep_cases(rng):
     r_w = len(ws)
-    for m in (int(v) for v in _SWEEP_MS.value):
-      xs = [jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16) for _ in range(2)]
-      y_ref = np.asarray(dm.dequant_matmul_reference(xs[0], ws[0], jnp.bfloat16), np.float64)
-      for label, t in _variants(m, dm.default_tiles(m, n, k, fmt), fmt):
-        f = jax.jit(lambda xs, ws, t=t: [dm.dequant_matmul(x, w, tiles=t, interpret=_INTERPRET.value)
-                                         for x in xs for w in ws])
-        try:
-          ms = _median_ms(f, xs, ws, repeats=reps) / (r_w * len(xs))
-          y = np.asarray(f(xs[:1], ws[:1])[0], np.float64)
-        except Exception as e:  # noqa: BLE001  (a variant that does not compile is reported)
-          _log(f"variant {label} {fmt} {n}x{k} M={m}: failed {type(e).__name__}: {str(e)[:300]}")
-          continue
-        err = float(np.linalg.norm(y - y_ref) / np.linalg.norm(y_ref))
-        gbs = nbytes / (ms * 1e-3) / 1e9
-        out.append({"variant": label, "fmt": fmt, "N": n, "K": k, "M": m, "tiles": str(t),
-                    "ms": ms, "gbs": gbs, "fraction_of_copy": gbs / copy_gbs, "rel_err_vs_xla": err})
-        _dump(res | {"variants": out})
-        _log(f"variant {label:16} {fmt} {n}x{k} M={m}: {ms * 1e3:.1f} us {gbs:.0f} GB/s "
-             f"({gbs / copy_gbs:.2f} of copy), rel err vs XLA {err:.1e}")
-    del ws
+    y_ref = np.asarray(dm.dequant_matmul_reference(xs[0], ws[0], jnp.bfloat16), np.float64)
+    for label, t in _variants(m, dm.default_tiles(m, n, k, fmt), fmt):
+      f = jax.jit(lambda xs, ws, t=t: [dm.dequant_matmul(x, w, tiles=t, interpret=_INTERPRET.value)
+                                       for x in xs for w in ws])
+      try:
+        ms = _median_ms(f, xs, ws, repeats=reps) / (r_w * len(xs))
+        y = np.asarray(f(xs[:1], ws[:1])[0], np.float64)
+      except Exception as e:  # noqa: BLE001  (a variant that does not compile is reported)
+        _log(f"variant {label} {fmt} {n}x{k} M={m}: failed {type(e).__name__}: {str(e)[:300]}")
+        continue
+      err = float(np.linalg.norm(y - y_ref) / np.linalg.norm(y_ref))
+      gbs = nbytes / (ms * 1e-3) / 1e9
+      out.append({"variant": label, "fmt": fmt, "N": n, "K": k, "M": m, "tiles": str(t),
+                  "ms": ms, "gbs": gbs, "fraction_of_copy": gbs / copy_gbs, "rel_err_vs_xla": err})
+      _dump(res | {"variants": out})
+      _log(f"variant {label:16} {fmt} {n}x{k} M={m}: {ms * 1e3:.1f} us {gbs:.0f} GB/s "
+           f"({gbs / copy_gbs:.2f} of copy), rel err vs XLA {err:.1e}")
   return out
 
 
