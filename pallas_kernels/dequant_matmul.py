@@ -121,10 +121,14 @@ def supports(w: QuantWeight) -> bool:
 
 # ----------------------------------------------------------------------------- block decoding
 
+def _half(bits):
+  """[bn] unsigned integers holding IEEE half bits in their low 16 -> [bn] float32."""
+  return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+
+
 def _f16(lo, hi):
   """Two [bn] uint8 vectors (little endian) -> [bn] float32 via IEEE half."""
-  u = lo.astype(jnp.uint16) | (hi.astype(jnp.uint16) << 8)
-  return jax.lax.bitcast_convert_type(u, jnp.float16).astype(jnp.float32)
+  return _half(lo.astype(jnp.uint16) | (hi.astype(jnp.uint16) << 8))
 
 
 def _i8(b):
@@ -216,8 +220,7 @@ def _q4_k_word_pieces(w_ref, blk, wdt):
   << 16, words 1-3 = the 12 packed scale bytes, words 4-35 = qs. Same pieces as `_folded_pieces`
   (64 weights each, scales folded in float32, then cast to `wdt`)."""
   h0 = w_ref[:, blk, 0]
-  d = jax.lax.bitcast_convert_type((h0 & 0xFFFF).astype(jnp.uint16), jnp.float16).astype(jnp.float32)
-  dmin = jax.lax.bitcast_convert_type((h0 >> 16).astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+  d, dmin = _half(h0 & 0xFFFF), _half(h0 >> 16)
   sw = [w_ref[:, blk, 1 + i] for i in range(3)]
   s = [((sw[j // 4] >> (8 * (j % 4))) & 255).astype(jnp.int32) for j in range(12)]
   sc, mn = _q4_k_scales(s)
@@ -228,13 +231,19 @@ def _q4_k_word_pieces(w_ref, blk, wdt):
   for c in range(4):
     qw = w_ref[:, blk, pl.ds(4 + 8 * c, 8)]                                    # [bn, 8] words
     q = ((qw[:, None, :, None] >> shift) & 15).astype(jnp.float32)              # [bn, 2, 8, 4]
-    hi = h.astype(jnp.int32)
-    scale = jnp.where(hi == 0, sc[2 * c][:, None, None, None], sc[2 * c + 1][:, None, None, None])
-    mins = jnp.where(hi == 0, mn[2 * c][:, None, None, None], mn[2 * c + 1][:, None, None, None])
-    w = q * (d[:, None, None, None] * scale.astype(jnp.float32)) - (
-        dmin[:, None, None, None] * mins.astype(jnp.float32))
-    pieces.append((64 * c, 64, w.reshape(w.shape[0], 64).astype(wdt)))
+    pieces.append((64 * c, 64, _q4_k_piece(q, h, c, d, dmin, sc, mn, wdt)))
   return pieces
+
+
+def _q4_k_piece(q, h, c, d, dmin, sc, mn, wdt):
+  """Weights 64c..64c+63 of a Q4_K block: q [bn, 2, ...] float32 codes whose axis 1 is h, the
+  nibble (sub-block 2c + h); h an iota over that axis; d, dmin [bn] float32; sc, mn the 8 [bn]
+  6-bit scales / mins. Returns [bn, 64] `wdt` = d * sc * q - dmin * mn, in float32 then cast."""
+  col = (slice(None),) + (None,) * (q.ndim - 1)      # [bn] -> [bn, 1, ...]
+  scale = jnp.where(h == 0, sc[2 * c][col], sc[2 * c + 1][col]).astype(jnp.float32)
+  mins = jnp.where(h == 0, mn[2 * c][col], mn[2 * c + 1][col]).astype(jnp.float32)
+  w = q * (d[col] * scale) - dmin[col] * mins
+  return w.reshape(q.shape[0], 64).astype(wdt)
 
 
 def _q4_k_scales(s):
@@ -271,16 +280,12 @@ def _folded_pieces(fmt: str, w_ref, blk, cdt):
     for c in range(4):
       qs = bytes_(16 + 32 * c, 32).astype(jnp.int32)[:, None, :]            # [bn, 1, 32]
       q = ((qs >> (4 * h)) & 15).astype(jnp.float32)                         # [bn, 2, 32]
-      scale = jnp.where(h == 0, sc[2 * c][:, None, None], sc[2 * c + 1][:, None, None])
-      mins = jnp.where(h == 0, mn[2 * c][:, None, None], mn[2 * c + 1][:, None, None])
-      w = q * (d[:, None, None] * scale.astype(jnp.float32)) - dmin[:, None, None] * mins.astype(jnp.float32)
-      pieces.append((64 * c, 64, w.reshape(w.shape[0], 64).astype(cdt)))
+      pieces.append((64 * c, 64, _q4_k_piece(q, h, c, d, dmin, sc, mn, cdt)))
   elif fmt == "q6_k":
     # weights 128n + 32r + l: ql[64n + 32(r%2) + l] nibble r//2, qh[32n + l] bits 2r, scale
     # 8n + 2r + l//16. For fixed (n, h = r//2) the 64 weights r%2 = a, l are consecutive.
     d = _f16(byte(208), byte(209))
     a = jax.lax.broadcasted_iota(jnp.int32, (1, 2, 1, 1), 1)
-    l16 = jax.lax.broadcasted_iota(jnp.int32, (1, 2, 2, 1), 2)
     for n in range(2):
       qh = bytes_(128 + 32 * n, 32).astype(jnp.int32).reshape(-1, 1, 2, 16)  # [bn, 1, 2, 16]
       for hh in range(2):

@@ -271,20 +271,17 @@ def _tile_sweep(res, rng, copy_gbs, reps):
 
 
 def _variants(m: int, base, fmt: str):
-  """(label, TileConfig) kernel variants compared by the variants table, for M = m rows (the
-  32-bit-word variants only for Q4_K, the only format that reads them)."""
+  """(label, TileConfig) kernel variants compared by the variants table, for M = m rows: the
+  default tiles, 8 warps, and for m <= 4 gemv; for Q4_K (the only format that reads 32-bit
+  words) each of them also with words off ("bytes")."""
   import dataclasses
   r = dataclasses.replace
-  w = fmt == "q4_k"
   out = [("default", base), ("warps8", r(base, num_warps=8))]
-  if w:
-    out += [("words", r(base, words=True)), ("words_warps8", r(base, words=True, num_warps=8))]
   if m <= 4:
     g = r(base, bm=1 if m == 1 else 4, gemv=True)
-    g32 = r(g, bn=min(32, g.bn))
-    out += [("gemv", g), ("gemv_bn32", g32)]
-    if w:
-      out += [("gemv_words", r(g, words=True)), ("gemv_words_bn32", r(g32, words=True))]
+    out += [("gemv", g), ("gemv_bn32", r(g, bn=min(32, g.bn)))]
+  if fmt == "q4_k":
+    out += [(f"{label}_bytes", r(t, words=False)) for label, t in out]
   return out
 
 
@@ -374,7 +371,6 @@ def main(argv):
   for n_nodes in ((16, 23) if "tree_gdn" in _TABLES.value else ()):
     parents = jnp.asarray([-1] + [max(0, (i - 1) // 2) for i in range(1, n_nodes)], jnp.int32)
     hv, dk, dv = g["hv"], g["dk"], g["dv"]
-
     inputs = [tuple(map(jnp.asarray, tg.random_inputs(rng, n_nodes, hv, dk, dv)))
               for _ in range(n_layers)]
     kern = jax.jit(lambda ins: [tg.tree_gdn(*a, parents, interpret=_INTERPRET.value) for a in ins])
