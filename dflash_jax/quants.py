@@ -1,4 +1,5 @@
-"""GGUF block formats kept packed on device, and their pure-JAX dequantization.
+"""GGUF weights kept packed on device: `QuantWeight`, loading from GGUFReader data, embedding
+rows, dequantization at load.
 
 A `QuantWeight` holds one GGUF matrix exactly as the file stores it: for block formats, the raw
 bytes of each row (`[N, K // block_size * type_size] uint8`, row r = output channel r); for float
@@ -6,9 +7,8 @@ formats, the values (`[N, K]` float32 / float16 / bfloat16). `dequantize` turns 
 float32 with the same arithmetic, in the same order, as gguf-py's `gguf.quants.dequantize`
 (which is bit-identical to ggml's `dequantize_row_*`), so the result is bit-identical on CPU.
 
-Block layouts: ggml/src/ggml-common.h (block_q4_0, block_q4_1, block_q5_0, block_q5_1, block_q8_0,
-block_q4_K, block_q5_K, block_q6_K); the unpacking mirrors gguf-py/gguf/quants.py.
-Pallas kernels (pallas_kernels/dequant_matmul.py) read the same `[N, row_bytes] uint8` rows.
+The block tables and the pure-JAX dequantization live in pallas_kernels.gguf_blocks (the
+kernels' reference; that package imports nothing from dflash_jax). Pallas kernels (pallas_kernels/dequant_matmul.py) read the same `[N, row_bytes] uint8` rows.
 """
 
 from __future__ import annotations
@@ -19,21 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-QK_K = 256
-
-# name -> (elements per block, bytes per block); names are the GGML type names in lower case.
-BLOCK_FORMATS: dict[str, tuple[int, int]] = {
-    "q4_0": (32, 18),
-    "q4_1": (32, 20),
-    "q5_0": (32, 22),
-    "q5_1": (32, 24),
-    "q8_0": (32, 34),
-    "q4_k": (256, 144),
-    "q5_k": (256, 176),
-    "q6_k": (256, 210),
-}
-FLOAT_FORMATS = ("f32", "f16", "bf16")
-SUPPORTED_FORMATS = FLOAT_FORMATS + tuple(BLOCK_FORMATS)
+from pallas_kernels.gguf_blocks import (BLOCK_FORMATS, FLOAT_FORMATS, QK_K, SUPPORTED_FORMATS,  # noqa: F401
+                                         dequantize, dequantize_blocks)
 
 
 def _static(**kw):
@@ -59,100 +46,6 @@ class QuantWeight:
   @property
   def nbytes(self) -> int:
     return int(self.data.size * self.data.dtype.itemsize)
-
-
-def _f16(lo: jax.Array, hi: jax.Array) -> jax.Array:
-  """Two uint8 byte planes (little endian) -> float32 via IEEE half."""
-  u = lo.astype(jnp.uint16) | (hi.astype(jnp.uint16) << 8)
-  return jax.lax.bitcast_convert_type(u, jnp.float16).astype(jnp.float32)
-
-
-def _u32(b: jax.Array) -> jax.Array:
-  """[..., 4] uint8 little endian -> [...] uint32."""
-  b = b.astype(jnp.uint32)
-  return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
-
-
-def _nibbles(qs: jax.Array) -> jax.Array:
-  """[..., n] uint8 -> [..., 2n] uint8: low nibbles of all bytes, then high nibbles."""
-  return jnp.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-
-
-def _scale_min_k4(s: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Q4_K/Q5_K 12-byte packed 6-bit scales [..., 12] uint8 -> (sc, m) [..., 8] float32."""
-  d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
-  sc = jnp.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
-  mn = jnp.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
-  return sc.astype(jnp.float32), mn.astype(jnp.float32)
-
-
-def dequantize_blocks(b: jax.Array, fmt: str) -> jax.Array:
-  """Dequantize raw blocks.
-
-  b: [..., type_size] uint8, one GGUF block per row of the last axis.
-  Returns [..., block_size] float32, bit-identical to gguf.quants.dequantize on CPU.
-  Raises ValueError for an unknown fmt.
-  """
-  if fmt == "q8_0":
-    return b[..., 2:].view(jnp.int8).astype(jnp.float32) * _f16(b[..., 0], b[..., 1])[..., None]
-  if fmt == "q4_0":
-    d = _f16(b[..., 0], b[..., 1])[..., None]
-    q = _nibbles(b[..., 2:18]).astype(jnp.int8) - jnp.int8(8)
-    return d * q.astype(jnp.float32)
-  if fmt == "q4_1":
-    d = _f16(b[..., 0], b[..., 1])[..., None]
-    m = _f16(b[..., 2], b[..., 3])[..., None]
-    return d * _nibbles(b[..., 4:20]).astype(jnp.float32) + m
-  if fmt in ("q5_0", "q5_1"):
-    off = 2 if fmt == "q5_0" else 4
-    d = _f16(b[..., 0], b[..., 1])[..., None]
-    qh = _u32(b[..., off:off + 4])[..., None] >> jnp.arange(32, dtype=jnp.uint32)
-    qh = (qh & 1).astype(jnp.uint8)
-    q = _nibbles(b[..., off + 4:off + 20]) | (qh << 4)
-    if fmt == "q5_0":
-      return d * (q.astype(jnp.int8) - jnp.int8(16)).astype(jnp.float32)
-    return d * q.astype(jnp.float32) + _f16(b[..., 2], b[..., 3])[..., None]
-  if fmt in ("q4_k", "q5_k"):
-    lead = b.shape[:-1]
-    d = _f16(b[..., 0], b[..., 1])[..., None]
-    dmin = _f16(b[..., 2], b[..., 3])[..., None]
-    sc, mn = _scale_min_k4(b[..., 4:16])
-    dsc = (d * sc)[..., None]  # [..., 8, 1]
-    dm = (dmin * mn)[..., None]
-    if fmt == "q4_k":
-      qs = b[..., 16:144].reshape(*lead, 4, 1, 32)
-      q = jnp.concatenate([qs & 0x0F, qs >> 4], axis=-2).reshape(*lead, 8, 32)
-    else:
-      qh = b[..., 16:48].reshape(*lead, 1, 32)
-      qs = b[..., 48:176].reshape(*lead, 4, 1, 32)
-      ql = jnp.concatenate([qs & 0x0F, qs >> 4], axis=-2).reshape(*lead, 8, 32)
-      hb = (qh >> jnp.arange(8, dtype=jnp.uint8)[:, None]) & 1  # [..., 8, 32]
-      q = ql | (hb << 4)
-    return (dsc * q.astype(jnp.float32) - dm).reshape(*lead, QK_K)
-  if fmt == "q6_k":
-    lead = b.shape[:-1]
-    ql = b[..., 0:128].reshape(*lead, 2, 1, 64)
-    qh = b[..., 128:192].reshape(*lead, 2, 1, 32)
-    scales = b[..., 192:208].view(jnp.int8).astype(jnp.float32)
-    d = _f16(b[..., 208], b[..., 209])[..., None]
-    dsc = (d * scales).reshape(*lead, 16, 1)
-    ql = jnp.concatenate([ql & 0x0F, ql >> 4], axis=-2).reshape(*lead, 2, 4, 32)  # [.., half, quarter, 32]
-    qh = ((qh >> jnp.array([0, 2, 4, 6], jnp.uint8)[:, None]) & 3).reshape(*lead, 2, 4, 32)
-    q = (ql | (qh << 4)).astype(jnp.int8) - jnp.int8(32)
-    q = q.reshape(*lead, 16, 16).astype(jnp.float32)
-    return (dsc * q).reshape(*lead, QK_K)
-  raise ValueError(f"unsupported block format {fmt=}; supported: {SUPPORTED_FORMATS}")
-
-
-def dequantize(w: QuantWeight, dtype=jnp.float32) -> jax.Array:
-  """QuantWeight (logical [N, K]) -> [N, K] array of `dtype` (float32 default, exact)."""
-  if w.fmt in FLOAT_FORMATS:
-    return w.data.astype(dtype)
-  blk, size = BLOCK_FORMATS[w.fmt]
-  n, k = w.shape
-  lead = w.data.shape[:-1]
-  b = w.data.reshape(*lead, k // blk, size)
-  return dequantize_blocks(b, w.fmt).reshape(*lead, k).astype(dtype)
 
 
 def take_rows(w: QuantWeight, ids: jax.Array, dtype=jnp.float32) -> jax.Array:

@@ -1,8 +1,8 @@
 """Dequantizing matmul over packed GGUF rows: a Pallas (Triton lowering) kernel and its reference.
 
-Contract: y[M, N] = x[M, K] @ dequantize(W)[N, K]^T with float32 accumulation, W a
-`dflash_jax.quants.QuantWeight` holding the raw GGUF blocks `[N, K // block * type_size] uint8`
-exactly as the loader keeps them on device (no repacking: device bytes = file bytes).
+Contract: y[M, N] = x[M, K] @ dequantize(W)[N, K]^T with float32 accumulation, W a packed
+weight (gguf_blocks: `data`, `fmt`, `shape`; e.g. dflash_jax's QuantWeight) holding the raw GGUF
+blocks `[N, K // block * type_size] uint8` exactly as the loader keeps them on device (no repacking: device bytes = file bytes).
 
 Kernel design (`dequant_matmul`):
   * grid (M tiles, N tiles, K splits). Each program owns a [bm, bn] output tile and a contiguous
@@ -19,7 +19,7 @@ Kernel design (`dequant_matmul`):
     shapes whose N alone cannot fill the GPU.
   * M is padded to a multiple of bm (>= 16: tensor-core dots need M >= 16).
 
-Block layouts: ggml/src/ggml-common.h; decoding mirrors dflash_jax.quants.dequantize_blocks
+Block layouts: ggml/src/ggml-common.h; decoding mirrors gguf_blocks.dequantize_blocks
 (bit-identical to gguf-py's gguf.quants.dequantize), which is what the tests compare against.
 
 Uses `jax.experimental.pallas.triton` (deprecated since JAX 0.11 but shipped in 0.12; the only
@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dflash_jax.quants import BLOCK_FORMATS, QuantWeight, dequantize
+from pallas_kernels.gguf_blocks import BLOCK_FORMATS, dequantize
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 
@@ -47,11 +47,11 @@ KERNEL_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"
 FOLD_FORMATS = ("q4_k", "q6_k")
 
 
-def dequant_matmul_reference(x: jax.Array, w: QuantWeight, compute_dtype=jnp.float32) -> jax.Array:
+def dequant_matmul_reference(x: jax.Array, w, compute_dtype=jnp.float32) -> jax.Array:
   """Pure-JAX reference. x: [M, K] float; w: logical [N, K] packed; returns [M, N] float32.
 
   Dequantizes W to `compute_dtype` (exact for float32), then one matmul with float32 accumulation
-  (HIGHEST precision for float32 operands). Works for every QuantWeight format.
+  (HIGHEST precision for float32 operands). Works for every gguf_blocks format.
   """
   wd = dequantize(w, compute_dtype)
   prec = jax.lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
@@ -68,9 +68,8 @@ class TileConfig:
   it (exact in bf16, but ~4x the dots, each with its own register-layout conversion).
   words (default on): read Q4_K blocks as 36 little-endian 32-bit words (one [bn, 8] word load
   per 64 weights instead of byte loads; on an H100 1.7-1.85x faster than the byte path); other
-  formats ignore it (Q6_K's 210-byte blocks are not word-aligned). gemv (off: 2-5x slower on an
-  H100): no tensor-core dot, multiply and reduce in float32 registers (weights are not rounded
-  to the operand dtype), for decode (bm = 1 allowed; without gemv bm must be >= 16)."""
+  formats ignore it (Q6_K's 210-byte blocks are not word-aligned). (A no-tensor-core GEMV variant
+  for bm = 1 measured 2-5x slower on an H100 and was removed.)"""
   bm: int = 16
   bn: int = 64
   k_splits: int = 1
@@ -78,7 +77,6 @@ class TileConfig:
   num_stages: int = 3
   fold_scales: bool = True
   words: bool = True
-  gemv: bool = False
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -93,12 +91,20 @@ def n_tile(n: int) -> int:
   return _pow2_divisor(n, 128)
 
 
-def default_tiles(m: int, n: int, k: int, fmt: str, *, n_sm: int = 132) -> TileConfig:
+def device_sm_count(device=None) -> int:
+  """Streaming multiprocessors of `device` (default: the first JAX device), from the device's
+  `core_count`; 1 for devices that report none (CPU, interpret mode)."""
+  device = device or jax.devices()[0]
+  return int(getattr(device, "core_count", 0) or 1)
+
+
+def default_tiles(m: int, n: int, k: int, fmt: str, *, n_sm: int | None = None) -> TileConfig:
   """Tile choice used by the model: bm = M rounded up to a power of 2 in [16, 64]; bn the largest
   power of 2 <= 64 dividing N (>= 16); split K while the programs number fewer than 8 per SM
-  (`n_sm` SMs) and each split keeps >= 4 blocks. From the H100 tile sweep in bench_out/
-  (scripts/bench_kernels.py --tables=tiles). Raises ValueError when N has no power-of-2 divisor
-  >= 16."""
+  (`n_sm` SMs; default `device_sm_count()`) and each split keeps >= 4 blocks. From the H100 tile
+  sweep in bench_out/ (scripts/bench_kernels.py --tables=tiles). Raises ValueError when N has no
+  power-of-2 divisor >= 16."""
+  n_sm = device_sm_count() if n_sm is None else n_sm
   bm = 16
   while bm < min(m, 64):
     bm *= 2
@@ -114,7 +120,7 @@ def default_tiles(m: int, n: int, k: int, fmt: str, *, n_sm: int = 132) -> TileC
   return TileConfig(bm=bm, bn=bn, k_splits=splits)
 
 
-def supports(w: QuantWeight) -> bool:
+def supports(w) -> bool:
   """True when `dequant_matmul` has a kernel for this weight (format and N tileable)."""
   return w.fmt in KERNEL_FORMATS and n_tile(w.shape[0]) >= 16
 
@@ -207,11 +213,8 @@ def _sub_blocks(fmt: str, w_ref, blk):
   return out
 
 
-def _mm(a, b, gemv: bool):
-  """[bm, K] x [bn, K] -> [bm, bn] float32: a tensor-core dot (operands as given), or with gemv a
-  float32 multiply-and-reduce in registers."""
-  if gemv:
-    return jnp.sum(a.astype(jnp.float32)[:, None, :] * b.astype(jnp.float32)[None, :, :], axis=2)
+def _mm(a, b):
+  """[bm, K] x [bn, K] -> [bm, bn] float32: a tensor-core dot (operands as given)."""
   return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
@@ -301,27 +304,25 @@ def _folded_pieces(fmt: str, w_ref, blk, cdt):
   return pieces
 
 
-def _kernel(x_ref, w_ref, *rest, fmt: str, blk_elems: int, blocks_per_split: int,
-            group: int, cdt, fold: bool, words: bool, gemv: bool):
+def _kernel(x_ref, w_ref, o_ref, *, fmt: str, blk_elems: int, blocks_per_split: int,
+            group: int, cdt, fold: bool, words: bool):
   """One [bm, bn] output tile over `blocks_per_split` GGUF blocks (a K split)."""
-  o_ref = rest[-1]   # rest = ([aliased poison buffer,] output)
   bm = x_ref.shape[0]
   bn = w_ref.shape[0]
-  wdt = jnp.float32 if gemv else cdt    # gemv keeps the dequantized weights in float32
 
   def body(g, acc):
     for b in range(group):
       blk = g * group + b
       if fold:
-        pieces = (_q4_k_word_pieces(w_ref, blk, wdt) if words
-                  else _folded_pieces(fmt, w_ref, blk, wdt))
+        pieces = (_q4_k_word_pieces(w_ref, blk, cdt) if words
+                  else _folded_pieces(fmt, w_ref, blk, cdt))
         for off, width, w in pieces:
           xs = x_ref[:, pl.ds(blk * blk_elems + off, width)].astype(cdt)    # [bm, 64]
-          acc = acc + _mm(xs, w, gemv)
+          acc = acc + _mm(xs, w)
         continue
       for off, width, q, scale, bias in _sub_blocks(fmt, w_ref, blk):
         xs = x_ref[:, pl.ds(blk * blk_elems + off, width)].astype(cdt)      # [bm, width]
-        y = _mm(xs, q.astype(wdt), gemv)                                    # [bm, bn]
+        y = _mm(xs, q.astype(cdt))                                    # [bm, bn]
         acc = acc + y * scale[None, :]
         if bias is not None:
           acc = acc + jnp.sum(xs.astype(jnp.float32), axis=1)[:, None] * bias[None, :]
@@ -331,9 +332,8 @@ def _kernel(x_ref, w_ref, *rest, fmt: str, blk_elems: int, blocks_per_split: int
   o_ref[...] = acc
 
 
-@functools.partial(jax.jit, static_argnames=("fmt_shape", "tiles", "compute_dtype", "interpret",
-                                             "poison"))
-def _dequant_matmul(x, data, *, fmt_shape, tiles: TileConfig, compute_dtype, interpret, poison):
+@functools.partial(jax.jit, static_argnames=("fmt_shape", "tiles", "compute_dtype", "interpret"))
+def _dequant_matmul(x, data, *, fmt_shape, tiles: TileConfig, compute_dtype, interpret):
   fmt, (n, k) = fmt_shape
   blk_elems, type_size = BLOCK_FORMATS[fmt]
   n_blocks = k // blk_elems
@@ -352,35 +352,26 @@ def _dequant_matmul(x, data, *, fmt_shape, tiles: TileConfig, compute_dtype, int
     w3 = data.reshape(n, n_blocks, type_size)
   from jax.experimental.pallas import triton as plgpu_triton
   kernel = functools.partial(_kernel, fmt=fmt, blk_elems=blk_elems, blocks_per_split=bps,
-                             group=group, cdt=jnp.dtype(compute_dtype), fold=fold, words=words,
-                             gemv=tiles.gemv)
-  out_spec = pl.BlockSpec((None, bm, bn), lambda i, j, t: (t, i, j))
-  in_specs = [pl.BlockSpec((bm, bps * blk_elems), lambda i, j, t: (i, t)),
-              pl.BlockSpec((bn, bps, w3.shape[-1]), lambda i, j, t: (j, t, 0))]
-  args = [x, w3]
-  if poison:   # start the output as NaN: an element the kernel never writes stays NaN
-    args.append(jnp.full((s, mp, n), jnp.nan, jnp.float32))
-    in_specs.append(out_spec)
+                             group=group, cdt=jnp.dtype(compute_dtype), fold=fold, words=words)
   out = pl.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((s, mp, n), jnp.float32),
       grid=(mp // bm, n // bn, s),
-      in_specs=in_specs,
-      out_specs=out_spec,
-      input_output_aliases={2: 0} if poison else {},
+      in_specs=[pl.BlockSpec((bm, bps * blk_elems), lambda i, j, t: (i, t)),
+                pl.BlockSpec((bn, bps, w3.shape[-1]), lambda i, j, t: (j, t, 0))],
+      out_specs=pl.BlockSpec((None, bm, bn), lambda i, j, t: (t, i, j)),
       compiler_params=plgpu_triton.CompilerParams(num_warps=tiles.num_warps,
                                                   num_stages=tiles.num_stages),
       interpret=interpret,
       name=f"dequant_matmul_{fmt}",
-  )(*args)
+  )(x, w3)
   y = out[0] if s == 1 else jnp.sum(out, axis=0)
   return y[:m]
 
 
-def dequant_matmul(x: jax.Array, w: QuantWeight, *, compute_dtype=jnp.bfloat16,
-                   tiles: TileConfig | None = None, interpret: bool = False,
-                   poison_output: bool = False) -> jax.Array:
-  """Pallas dequantizing matmul. x: [M, K] float; w: packed QuantWeight, logical [N, K], fmt in
+def dequant_matmul(x: jax.Array, w, *, compute_dtype=jnp.bfloat16,
+                   tiles: TileConfig | None = None, interpret: bool = False) -> jax.Array:
+  """Pallas dequantizing matmul. x: [M, K] float; w: packed weight, logical [N, K], fmt in
   KERNEL_FORMATS; returns y [M, N] float32 = x @ dequantize(w)^T.
 
   compute_dtype: dot operand dtype (bfloat16 default; float16; float32 = TF32 on GPU tensor
@@ -389,7 +380,8 @@ def dequant_matmul(x: jax.Array, w: QuantWeight, *, compute_dtype=jnp.bfloat16,
     default), where each weight is dequantized in float32 and rounded to compute_dtype, the
     same rounding as dequant_matmul_reference(x, w, compute_dtype).
   tiles: TileConfig (default `default_tiles`). interpret: run the kernel with the Pallas
-    interpreter (CPU tests). poison_output: start the output buffer as NaN (tests).
+    interpreter (CPU tests; the interpreter starts outputs as NaN, so an
+    element the kernel never writes shows up in the result).
   Raises ValueError for a format without a kernel, a K/N that does not tile, or a shape mismatch.
   """
   if w.fmt not in KERNEL_FORMATS:
@@ -399,8 +391,7 @@ def dequant_matmul(x: jax.Array, w: QuantWeight, *, compute_dtype=jnp.bfloat16,
     raise ValueError(f"dequant_matmul: x shape {x.shape} does not match weight [N={n}, K={k}]")
   tiles = tiles or default_tiles(x.shape[0], n, k, w.fmt)
   blk = BLOCK_FORMATS[w.fmt][0]
-  if (k // blk) % tiles.k_splits or n % tiles.bn or tiles.bm < (1 if tiles.gemv else 16):
+  if (k // blk) % tiles.k_splits or n % tiles.bn or tiles.bm < 16:
     raise ValueError(f"dequant_matmul: tiles {tiles} do not fit N={n}, K={k} ({w.fmt})")
   return _dequant_matmul(x, w.data, fmt_shape=(w.fmt, (n, k)), tiles=tiles,
-                         compute_dtype=jnp.dtype(compute_dtype).name, interpret=interpret,
-                         poison=poison_output)
+                         compute_dtype=jnp.dtype(compute_dtype).name, interpret=interpret)

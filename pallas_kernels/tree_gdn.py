@@ -35,24 +35,7 @@ from jax.experimental import pallas as pl
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 
-__all__ = ["tree_gdn", "tree_gdn_reference", "supports", "random_inputs"]
-
-
-def random_inputs(rng, n: int, hv: int, dk: int, dv: int):
-  """Valid random inputs for tests and benchmarks (numpy float32): q, k L2-normalized (q also
-  scaled by Dk**-0.5), v ~ N(0, 1), g = -|N(0, 1)| * 0.3 (log decay), beta ~ U(0, 1),
-  state ~ N(0, 0.04). rng: numpy Generator. Returns (q, k, v, g, beta, state) shaped as
-  `tree_gdn_reference` takes them."""
-  import numpy as np
-  q = rng.standard_normal((n, hv, dk)).astype(np.float32)
-  q /= np.linalg.norm(q, axis=-1, keepdims=True) * np.sqrt(dk)
-  k = rng.standard_normal((n, hv, dk)).astype(np.float32)
-  k /= np.linalg.norm(k, axis=-1, keepdims=True)
-  v = rng.standard_normal((n, hv, dv)).astype(np.float32)
-  g = (-np.abs(rng.standard_normal((n, hv))) * 0.3).astype(np.float32)
-  beta = rng.uniform(0, 1, (n, hv)).astype(np.float32)
-  state = (rng.standard_normal((hv, dk, dv)) * 0.2).astype(np.float32)
-  return q, k, v, g, beta, state
+__all__ = ["tree_gdn", "tree_gdn_reference", "supports"]
 
 
 def tree_gdn_reference(q, k, v, g, beta, state, parents):
@@ -91,11 +74,8 @@ def supports(dk: int, dv: int) -> bool:
   return _is_pow2(dk) and dk >= 16 and dv % 16 == 0
 
 
-def _kernel(parents_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s0_ref, *rest, n_nodes: int,
-            interpret: bool, poisoned: bool):
-  if poisoned:
-    rest = rest[2:]           # the aliased poison buffers come first; they are the outputs
-  o_ref, st_ref = rest
+def _kernel(parents_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s0_ref, o_ref, st_ref, *,
+            n_nodes: int, interpret: bool):
   h0 = s0_ref[...].astype(jnp.float32)                        # [Dk, bv]
 
   def body(t, carry):
@@ -117,8 +97,8 @@ def _kernel(parents_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s0_ref, *rest, n_nod
   jax.lax.fori_loop(0, n_nodes, body, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("bv", "num_warps", "interpret", "poison"))
-def _tree_gdn(q, k, v, g, beta, state, parents, *, bv, num_warps, interpret, poison):
+@functools.partial(jax.jit, static_argnames=("bv", "num_warps", "interpret"))
+def _tree_gdn(q, k, v, g, beta, state, parents, *, bv, num_warps, interpret):
   from jax.experimental.pallas import triton as plgpu_triton
   n, hv, dk = q.shape
   dv = v.shape[-1]
@@ -136,30 +116,24 @@ def _tree_gdn(q, k, v, g, beta, state, parents, *, bv, num_warps, interpret, poi
   ]
   out_specs = (pl.BlockSpec((n, None, bv), lambda h, j: (0, h, j)),
                pl.BlockSpec((n, None, dk, bv), lambda h, j: (0, h, 0, j)))
-  args = [parents.astype(jnp.int32), q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32),
-          state.astype(jnp.float32)]
-  aliases = {}
-  if poison:   # NaN-filled outputs: any element the kernel fails to write stays NaN
-    args += [jnp.full(s.shape, jnp.nan, s.dtype) for s in out_shape]
-    in_specs += list(out_specs)
-    aliases = {7: 0, 8: 1}
   return pl.pallas_call(
-      functools.partial(_kernel, n_nodes=n, interpret=interpret, poisoned=poison),
+      functools.partial(_kernel, n_nodes=n, interpret=interpret),
       out_shape=out_shape, grid=(hv, dv // bv), in_specs=in_specs, out_specs=out_specs,
-      input_output_aliases=aliases,
       compiler_params=plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret, name="tree_gated_delta_rule",
-  )(*args)
+  )(parents.astype(jnp.int32), q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32),
+    state.astype(jnp.float32))
 
 
 def tree_gdn(q, k, v, g, beta, state, parents, *, bv: int | None = None, num_warps: int = 4,
-             interpret: bool = False, poison_outputs: bool = False):
+             interpret: bool = False):
   """Tree gated delta rule (Pallas). Same contract as `tree_gdn_reference`:
 
   q, k: [N, Hv, Dk] (L2-normalized, q pre-scaled by Dk**-0.5); v: [N, Hv, Dv]; g: [N, Hv] log
   decay; beta: [N, Hv]; state: [Hv, Dk, Dv] committed state; parents: [N] int32 with
   parents[i] < i (-1 = root). Returns (o: [N, Hv, Dv] float32, states: [N, Hv, Dk, Dv] float32).
-  bv: Dv tile (default min(Dv, 32), power of 2). poison_outputs: start the outputs as NaN (tests).
+  bv: Dv tile (default min(Dv, 32), power of 2). interpret: Pallas interpreter (CPU tests; it
+  starts outputs as NaN, so an element the kernel never writes shows up in the result).
   Raises ValueError for head sizes the kernel does not tile.
   """
   n, hv, dk = q.shape
@@ -171,7 +145,7 @@ def tree_gdn(q, k, v, g, beta, state, parents, *, bv: int | None = None, num_war
   if dv % bv or not _is_pow2(bv):
     raise ValueError(f"tree_gdn: bv={bv} must be a power of 2 dividing Dv={dv}")
   return _tree_gdn(q, k, v, g, beta, state, parents, bv=bv, num_warps=num_warps,
-                   interpret=interpret, poison=poison_outputs)
+                   interpret=interpret)
 
 
 def _pow2_floor(n: int) -> int:

@@ -64,6 +64,19 @@ def _dump(res):
       json.dump(res, fh, indent=1)
 
 
+def _gdn_inputs(rng, n: int, hv: int, dk: int, dv: int):
+  """Tree-GDN inputs of the model's form (device arrays): q, k unit-norm (q / sqrt(Dk)), log
+  decay g < 0, beta in (0, 1), a committed state of small norm."""
+  import jax.numpy as jnp
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+  q = unit(jnp.asarray(rng.standard_normal((n, hv, dk)), jnp.float32)) * dk ** -0.5
+  k = unit(jnp.asarray(rng.standard_normal((n, hv, dk)), jnp.float32))
+  v = jnp.asarray(rng.standard_normal((n, hv, dv)), jnp.float32)
+  g = -0.3 * jnp.abs(jnp.asarray(rng.standard_normal((n, hv)), jnp.float32))
+  beta = jnp.asarray(rng.uniform(0, 1, (n, hv)), jnp.float32)
+  return q, k, v, g, beta, 0.2 * jnp.asarray(rng.standard_normal((hv, dk, dv)), jnp.float32)
+
+
 def _log(msg):
   print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -270,16 +283,13 @@ def _tile_sweep(res, rng, copy_gbs, reps):
   return out
 
 
-def _variants(m: int, base, fmt: str):
-  """(label, TileConfig) kernel variants compared by the variants table, for M = m rows: the
-  default tiles, 8 warps, and for m <= 4 gemv; for Q4_K (the only format that reads 32-bit
-  words) each of them also with words off ("bytes")."""
+def _variants(base, fmt: str):
+  """(label, TileConfig) kernel variants compared by the variants table: the
+  default tiles and 8 warps; for Q4_K (the only format that reads 32-bit words) each of them
+  also with words off ("bytes")."""
   import dataclasses
   r = dataclasses.replace
   out = [("default", base), ("warps8", r(base, num_warps=8))]
-  if m <= 4:
-    g = r(base, bm=1 if m == 1 else 4, gemv=True)
-    out += [("gemv", g), ("gemv_bn32", r(g, bn=min(32, g.bn)))]
   if fmt == "q4_k":
     out += [(f"{label}_bytes", r(t, words=False)) for label, t in out]
   return out
@@ -296,7 +306,7 @@ def _variant_table(res, rng, copy_gbs, reps):
   for fmt, n, k, nbytes, ws, m, xs in _sweep_cases(rng):
     r_w = len(ws)
     y_ref = np.asarray(dm.dequant_matmul_reference(xs[0], ws[0], jnp.bfloat16), np.float64)
-    for label, t in _variants(m, dm.default_tiles(m, n, k, fmt), fmt):
+    for label, t in _variants(dm.default_tiles(m, n, k, fmt), fmt):
       f = jax.jit(lambda xs, ws, t=t: [dm.dequant_matmul(x, w, tiles=t, interpret=_INTERPRET.value)
                                        for x in xs for w in ws])
       try:
@@ -371,8 +381,7 @@ def main(argv):
   for n_nodes in ((16, 23) if "tree_gdn" in _TABLES.value else ()):
     parents = jnp.asarray([-1] + [max(0, (i - 1) // 2) for i in range(1, n_nodes)], jnp.int32)
     hv, dk, dv = g["hv"], g["dk"], g["dv"]
-    inputs = [tuple(map(jnp.asarray, tg.random_inputs(rng, n_nodes, hv, dk, dv)))
-              for _ in range(n_layers)]
+    inputs = [_gdn_inputs(rng, n_nodes, hv, dk, dv) for _ in range(n_layers)]
     kern = jax.jit(lambda ins: [tg.tree_gdn(*a, parents, interpret=_INTERPRET.value) for a in ins])
     ref = jax.jit(lambda ins: [tg.tree_gdn_reference(*a, parents) for a in ins])
     us = _median_ms(kern, inputs, repeats=reps) * 1e3 / n_layers

@@ -10,8 +10,9 @@ reference (gguf-py's `gguf.quants.dequantize` for the weights).
     sub-block dot, so the only rounding is x -> bf16: compared against the float64 product of
     bf16-rounded x, < 1e-5 (< 1e-4 on a GPU: tensor-core f32 accumulation order); against
     unrounded x the error is the bf16 rounding (< 1e-2).
-Inputs are fresh random bytes every run (the seed is printed on failure); outputs start as NaN
-(`poison_output`) so an element the kernel never writes fails the test.
+Inputs are fresh random bytes every run (the seed is printed on failure); the Pallas interpreter
+starts outputs as NaN (jax/_src/pallas/hlo_interpreter.py, `uninitialized_value`), so an
+element the kernel never writes fails the finiteness checks.
 """
 
 import time
@@ -27,6 +28,7 @@ from gguf import quants as gq
 from dflash_jax.quants import BLOCK_FORMATS, QuantWeight
 from pallas_kernels import dequant_matmul as dm
 from pallas_kernels import tree_gdn as tg
+from kernel_inputs import tree_gdn_inputs
 from test_quants import _random_blocks
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
@@ -38,6 +40,7 @@ F32_TOL = 3e-3 if ON_GPU else 1e-5     # TF32 tensor cores on GPU
 EXACT_TOL = 1e-4 if ON_GPU else 1e-5   # bf16 operands vs the f64 product of bf16-rounded x
 
 H100 = "NVIDIA H100 80GB HBM3"
+H100_SMS = 132   # default_tiles reads the SM count from the device; lowering has no device
 # Qwen3.5-27B matrix shapes [N, K] (GGUF [out, in]): ffn_gate/up, ffn_down, GDN attn_qkv,
 # ssm_out / attn_output, attn_q (+gate), output, then the fused projections the loader builds
 # (layers.fuse_projections): gate|up, attn_qkv|attn_gate, ssm_beta|ssm_alpha, q|k, q|k|v, k/v;
@@ -73,14 +76,11 @@ def _lower_for_h100(fn, *specs) -> str:
 @pytest.mark.parametrize("m,tiles", [
     (1, None), (23, dm.TileConfig(bm=16, bn=32, k_splits=2, words=False)),
     (5, dm.TileConfig(bm=16, bn=32, fold_scales=False)),
-    (23, dm.TileConfig(bm=32, bn=32, words=True)),
-    (1, dm.TileConfig(bm=1, bn=32, gemv=True)),
-    (3, dm.TileConfig(bm=4, bn=16, k_splits=2, gemv=True, words=True))])
+    (23, dm.TileConfig(bm=32, bn=32, words=True))])
 def test_dequant_matmul_interpret_vs_gguf(fmt, m, tiles):
   """Every kernel path: scales after each sub-block dot (exact in bf16 up to x's rounding); the
   folded path (FOLD_FORMATS by default, Q4_K also from 32-bit words), whose weights are rounded
-  to the operand dtype exactly as the XLA reference path dequantize(w, bf16) rounds them; and
-  gemv (no tensor-core dot, float32 weights: exact up to x's rounding)."""
+  to the operand dtype exactly as the XLA reference path dequantize(w, bf16) rounds them."""
   rng, seed = _fresh_rng()
   n, k = 64, 512
   blk = BLOCK_FORMATS[fmt][0]
@@ -89,9 +89,9 @@ def test_dequant_matmul_interpret_vs_gguf(fmt, m, tiles):
   x = rng.standard_normal((m, k)).astype(np.float32)
   w = QuantWeight(jnp.asarray(raw), fmt, (n, k))
   y32 = dm.dequant_matmul(jnp.asarray(x), w, compute_dtype=jnp.float32, tiles=tiles,
-                          interpret=INTERPRET, poison_output=True)
+                          interpret=INTERPRET)
   ybf = dm.dequant_matmul(jnp.asarray(x), w, compute_dtype=jnp.bfloat16, tiles=tiles,
-                          interpret=INTERPRET, poison_output=True)
+                          interpret=INTERPRET)
   ref = x.astype(np.float64) @ w64.T
   xbf = x.astype(ml_dtypes.bfloat16).astype(np.float64)
   assert y32.shape == ybf.shape == (m, n)
@@ -99,7 +99,7 @@ def test_dequant_matmul_interpret_vs_gguf(fmt, m, tiles):
   assert _rel(y32, ref) < F32_TOL, f"seed {seed}"
   assert _rel(ybf, ref) < 1e-2, f"seed {seed}"
   t = tiles or dm.TileConfig()
-  rounds_w = fmt in dm.FOLD_FORMATS and t.fold_scales and not t.gemv
+  rounds_w = fmt in dm.FOLD_FORMATS and t.fold_scales
   if rounds_w:
     ybf_ref = dm.dequant_matmul_reference(jnp.asarray(x), w, jnp.bfloat16)
     assert _rel(ybf, ybf_ref) < 1e-4, f"seed {seed}"
@@ -118,8 +118,7 @@ def test_dequant_matmul_smollm2_q4_1_tensor(smol):
   rng, seed = _fresh_rng()
   x = rng.standard_normal((3, w.shape[1])).astype(np.float32)
   w64 = gq.dequantize(np.asarray(w.data), QT[w.fmt.upper()]).astype(np.float64)
-  y = dm.dequant_matmul(jnp.asarray(x), w, compute_dtype=jnp.float32, interpret=INTERPRET,
-                        poison_output=True)
+  y = dm.dequant_matmul(jnp.asarray(x), w, compute_dtype=jnp.float32, interpret=INTERPRET)
   assert _rel(y, x.astype(np.float64) @ w64.T) < F32_TOL, f"seed {seed}"
 
 
@@ -147,7 +146,7 @@ def test_dequant_matmul_lowers_for_h100(fmt):
   seen = set()
   for n, k in shapes:
     for m in (1, 16, 23, 32, 64):
-      tiles = dm.default_tiles(m, n, k, fmt)
+      tiles = dm.default_tiles(m, n, k, fmt, n_sm=H100_SMS)
       key = (tiles, k // blk // tiles.k_splits, m)
       if key in seen:
         continue
@@ -163,12 +162,10 @@ def test_dequant_matmul_lowers_for_h100(fmt):
 
 @pytest.mark.parametrize("fmt,n,k,m,tiles", [
     ("q4_k", 17408, 5120, 23, dm.TileConfig(bm=32, bn=64, k_splits=4, words=True)),
-    ("q4_k", 17408, 5120, 1, dm.TileConfig(bm=1, bn=64, k_splits=4, gemv=True, words=True)),
-    ("q4_k", 5120, 17408, 1, dm.TileConfig(bm=1, bn=32, k_splits=4, gemv=True)),
-    ("q6_k", 5120, 17408, 1, dm.TileConfig(bm=1, bn=32, k_splits=4, gemv=True)),
-    ("q8_0", 17408, 5120, 1, dm.TileConfig(bm=1, bn=64, k_splits=4, gemv=True))])
+    ("q4_k", 5120, 17408, 1, dm.TileConfig(bm=16, bn=32, k_splits=4, words=False)),
+    ("q6_k", 5120, 17408, 1, dm.TileConfig(bm=16, bn=32, k_splits=4, fold_scales=False))])
 def test_dequant_matmul_variants_lower_for_h100(fmt, n, k, m, tiles):
-  """The 32-bit-word and gemv variants at Qwen3.5-27B shapes lower for an H100."""
+  """The 32-bit-word, byte and unfolded variants at Qwen3.5-27B shapes lower for an H100."""
   blk, size = BLOCK_FORMATS[fmt]
 
   def f(x, data):
@@ -208,9 +205,8 @@ def _chain_np(q, k, v, g, beta, s0, path):
 def test_tree_gdn_interpret_vs_reference(n, hv, dk, dv, bv):
   rng, seed = _fresh_rng()
   parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, n)], np.int32)
-  args = tg.random_inputs(rng, n, hv, dk, dv)
-  o, st = tg.tree_gdn(*map(jnp.asarray, args), jnp.asarray(parents), bv=bv, interpret=INTERPRET,
-                      poison_outputs=True)
+  args = tree_gdn_inputs(rng, n, hv, dk, dv)
+  o, st = tg.tree_gdn(*map(jnp.asarray, args), jnp.asarray(parents), bv=bv, interpret=INTERPRET)
   o_ref, st_ref = tg.tree_gdn_reference(*map(jnp.asarray, args), jnp.asarray(parents))
   assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(st)).all(), f"seed {seed}"
   assert _rel(o, o_ref) < 1e-5 and _rel(st, st_ref) < 1e-5, f"seed {seed}"
