@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Callable, Optional, Sequence
 
@@ -12,9 +13,12 @@ import numpy as np
 
 from dflash_jax import decode as decode_lib
 from dflash_jax import draft as draft_lib
+from dflash_jax import draft_io
 from dflash_jax import target as target_lib
-from dflash_jax.config import DecodeConfig, DraftConfig, TargetConfig
+from dflash_jax import target_params
+from dflash_jax.config import SUPPORTED_ARCHS, DecodeConfig, DraftConfig, TargetConfig
 from dflash_jax.gguf_io import read_gguf
+from dflash_jax.runtime import Runtime
 from dflash_jax.tokenizer import GGUFTokenizer
 
 
@@ -23,18 +27,18 @@ class Target:
   """A loaded GGUF target.
 
   Attributes:
-    config: TargetConfig. params: TargetParams on device. tokenizer: GGUFTokenizer (None if the
-    GGUF has no usable vocabulary). path: GGUF path. weights: "quantized" | "f32" | "bf16".
-    compute_dtype: "float32" | "bfloat16" activations/matmul operands. gguf_tensor_bytes: bytes of
-    all tensors in the file. general_name: GGUF `general.name`.
+    config: TargetConfig (what the GGUF says). params: TargetParams on device. runtime: Runtime
+    (kernels, compute / KV dtypes) every forward of this target runs with. tokenizer:
+    GGUFTokenizer (None if not requested). path: GGUF path. weights: "quantized" | "f32" |
+    "bf16". gguf_tensor_bytes: bytes of all tensors in the file. general_name: `general.name`.
   """
 
   config: TargetConfig
-  params: target_lib.TargetParams
+  params: target_params.TargetParams
+  runtime: Runtime
   tokenizer: Optional[GGUFTokenizer]
   path: str
   weights: str
-  compute_dtype: str
   gguf_tensor_bytes: int
   general_name: str = ""
 
@@ -47,59 +51,57 @@ class Target:
 
 @dataclasses.dataclass
 class Draft:
+  """A loaded z-lab DFlash draft: config, params on device, and the directory it came from."""
+
   config: DraftConfig
   params: draft_lib.DraftParams
   path: str
 
 
 def load_target(gguf_path: str, *, weights: str = "quantized", compute_dtype: str = "float32",
-                tokenizer: bool = True, kernels: str = "auto",
+                kv_dtype: str = "float32", tokenizer: bool = True, kernels: str = "auto",
                 fuse_projections: bool = True) -> Target:
   """Load a GGUF target (`qwen35`, `llama`, `qwen3`).
 
   weights: "quantized" (default) keeps GGUF blocks packed on device and dequantizes inside the
-    jitted forward; "f32"/"bf16" dequantize once at load (faster on CPU, 4-8x the memory).
-  compute_dtype: "float32" (default; what the references are compared in) or "bfloat16".
+    jitted forward; "f32"/"bf16" dequantize once at load (4-8x the memory).
+  compute_dtype, kv_dtype, kernels: the target's Runtime (see runtime.Runtime); kernels "auto"
+    = Pallas kernels on GPU, the pure-JAX reference elsewhere. The Pallas dequantizing matmul
+    needs weights="quantized" (float weights always use XLA's dot).
   tokenizer: build the tokenizer from the GGUF vocabulary (errors if unsupported).
-  kernels: "auto" (Pallas kernels on GPU, the pure-JAX reference elsewhere), "pallas",
-    "reference", or "pallas_interpret" (Pallas interpreter; slow, for tests). The Pallas
-    dequantizing matmul needs weights="quantized" (float weights always use XLA's dot).
   fuse_projections: stack the packed rows of same-format projections of one input (q/k/v, ffn
     gate/up, Gated DeltaNet qkv/z/beta/alpha) at load so each group is one matmul.
   Raises FileNotFoundError, ValueError (unknown architecture or quant type, truncated file,
-  tensor shape mismatch) or NotImplementedError (unsupported tokenizer kind), naming the file.
+  tensor shape mismatch, bad option) or NotImplementedError (unsupported tokenizer kind),
+  naming the file or option.
   """
-  if compute_dtype not in ("float32", "bfloat16"):
-    raise ValueError(f"compute_dtype={compute_dtype!r}: expected 'float32' or 'bfloat16'")
-  from dflash_jax.layers import KERNEL_CHOICES
-  if kernels == "auto":
-    kernels = "pallas" if jax.default_backend() == "gpu" else "reference"
-  if kernels not in KERNEL_CHOICES:
-    raise ValueError(f"kernels={kernels!r}: expected 'auto' or one of {KERNEL_CHOICES}")
+  rt = Runtime.for_backend(kernels, compute_dtype=compute_dtype, kv_dtype=kv_dtype)
   f = read_gguf(gguf_path)
   if "token_embd.weight" not in f.tensors:
-    arch = f.meta.get("general.architecture")
-    if arch not in ("qwen35", "llama", "qwen3"):
+    if f.meta.get("general.architecture") not in SUPPORTED_ARCHS:
       TargetConfig.from_gguf(f.meta, n_vocab=0, path=f.path)  # raises the architecture error
     raise ValueError(f"{f.path}: missing tensor 'token_embd.weight'")
   cfg = TargetConfig.from_gguf(f.meta, n_vocab=f.tensors["token_embd.weight"].shape[0],
                                path=f.path, has_rope_freqs="rope_freqs.weight" in f.tensors)
-  cfg = dataclasses.replace(cfg, kernels=kernels)
-  params = jax.device_put(target_lib.load_params(f, cfg, weights=weights, fuse=fuse_projections))
+  params = jax.device_put(target_params.load_params(f, cfg, weights=weights,
+                                                    fuse=fuse_projections))
   tok = GGUFTokenizer(f.meta, path=f.path) if tokenizer else None
-  return Target(cfg, params, tok, f.path, weights, compute_dtype, f.n_tensor_bytes,
+  return Target(cfg, params, rt, tok, f.path, weights, f.n_tensor_bytes,
                 str(f.meta.get("general.name", "")))
 
 
 def load_draft(draft_dir: str, target: Target) -> Draft:
   """Load a z-lab DFlash draft directory and check it against `target` (hidden size, vocab,
   target_layer_ids, mask id). Raises FileNotFoundError / ValueError naming the draft."""
-  cfg, params = draft_lib.load(draft_dir, target.config)
+  cfg, params = draft_io.load(draft_dir, target.config)
   return Draft(cfg, jax.device_put(params), draft_dir)
 
 
-_forward_jit = jax.jit(target_lib.forward, static_argnames=(
-    "cfg", "mode", "feature_layers", "logits_rows", "compute_dtype"))
+@functools.partial(jax.jit, static_argnames=("cfg", "rt", "feature_layers"))
+def _full_forward(params, tokens, n_valid, cache, *, cfg, rt, feature_layers):
+  pre = target_lib.prefill(params, cfg, tokens, jnp.int32(0), n_valid, cache, rt,
+                           feature_layers=feature_layers)
+  return target_lib.logits(params, cfg, pre.hidden, rt), pre.feats
 
 
 def forward_logits(target: Target, token_ids: Sequence[int], *,
@@ -109,18 +111,17 @@ def forward_logits(target: Target, token_ids: Sequence[int], *,
   token_ids: [T] ints. The call is padded to a multiple of `pad_to` tokens so that nearby lengths
   share one compiled function (padding sits after the real tokens and cannot affect them).
   Returns logits [T, V] float32 (numpy); with feature_layers, (logits, features [T, F*D]).
+  Raises ValueError for an empty sequence.
   """
   ids = np.asarray(token_ids, np.int32).reshape(-1)
   n = ids.size
   if n == 0:
     raise ValueError("forward_logits needs at least one token")
   padded = -(-n // pad_to) * pad_to
-  cache = target_lib.init_cache(target.config, padded)
-  logits, feats, _, _ = _forward_jit(target.params, target.config,
-                                     jnp.asarray(np.pad(ids, (0, padded - n))), jnp.int32(0),
-                                     cache, n_valid=jnp.int32(n), mode="prefill",
-                                     feature_layers=tuple(feature_layers),
-                                     compute_dtype=target.compute_dtype)
+  cache = target_lib.init_cache(target.config, padded, target.runtime)
+  logits, feats = _full_forward(target.params, jnp.asarray(np.pad(ids, (0, padded - n))),
+                                jnp.int32(n), cache, cfg=target.config, rt=target.runtime,
+                                feature_layers=tuple(feature_layers))
   if feature_layers:
     return np.asarray(logits)[:n], np.asarray(feats)[:n]
   return np.asarray(logits)[:n]
@@ -160,31 +161,39 @@ class GenerateResult:
     return self.prompt_len / self.prefill_s if self.prefill_s > 0 else 0.0
 
 
-def _prepare(target: Target, draft: Optional[Draft], prompt_ids, mode, max_ctx, block_size,
-             prefill_chunk, tree_opts=None):
-  if mode not in ("ar", "chain", "ddtree"):
-    raise ValueError(f"mode={mode!r}: expected 'ar', 'chain' or 'ddtree'")
-  if mode != "ar" and draft is None and block_size is None:
-    raise ValueError(f"mode={mode!r} needs a draft (or a proposer and block_size)")
-  tree_opts = dict(tree_opts or {})
-  if tree_opts.get("budget", 1) < 1 or tree_opts.get("top_k", 1) < 1:
-    raise ValueError(f"budget and top_k must be >= 1, got {tree_opts}")
-  if block_size is None:
-    block_size = draft.config.block_size if draft is not None else 16
-  if draft is not None and block_size != draft.config.block_size:
-    raise ValueError(f"block_size={block_size} differs from the draft's block_size="
+def resolve_config(target: Target, draft: Optional[Draft], config: Optional[DecodeConfig] = None,
+                   *, has_proposer: bool = False, **overrides) -> DecodeConfig:
+  """The DecodeConfig a call decodes with: `config` (default DecodeConfig()) with `overrides`
+  (DecodeConfig field names) applied and block_size taken from the draft when unset (16 for a
+  proposer without a draft). Raises ValueError for an unknown field or a bad value (naming
+  it), a speculative mode without a draft, or a block size that differs from the draft's."""
+  fields = {f.name for f in dataclasses.fields(DecodeConfig)}
+  unknown = sorted(set(overrides) - fields)
+  if unknown:
+    raise ValueError(f"unknown decode option(s) {unknown}; DecodeConfig fields: {sorted(fields)}")
+  dec = dataclasses.replace(config or DecodeConfig(), **overrides)
+  if dec.mode != "ar" and draft is None and not has_proposer:
+    raise ValueError(f"mode={dec.mode!r} needs a draft (or a proposer)")
+  if draft is not None and dec.block_size not in (None, draft.config.block_size):
+    raise ValueError(f"block_size={dec.block_size} differs from the draft's block_size="
                      f"{draft.config.block_size}")
-  ids = np.asarray(prompt_ids, np.int32).reshape(-1)
+  if dec.block_size is None:
+    dec = dataclasses.replace(dec, block_size=draft.config.block_size if draft is not None else 16)
+  return dec
+
+
+def _prompt(target: Target, prompt_ids, dec: DecodeConfig) -> np.ndarray:
+  ids = np.asarray(prompt_ids).reshape(-1)
   if ids.size == 0:
     raise ValueError("empty prompt: at least one token is needed")
-  if ids.size >= max_ctx:
-    raise ValueError(f"prompt has {ids.size} tokens, which does not fit max_ctx={max_ctx} "
+  if not np.issubdtype(ids.dtype, np.integer):
+    raise ValueError(f"prompt token ids must be integers, got dtype {ids.dtype}")
+  if ids.size >= dec.max_ctx:
+    raise ValueError(f"prompt has {ids.size} tokens, which does not fit max_ctx={dec.max_ctx} "
                      f"(prompt + at least one generated token); raise --max_ctx")
   if ids.max() >= target.config.n_vocab or ids.min() < 0:
     raise ValueError(f"prompt token ids must be in [0, {target.config.n_vocab})")
-  dec = DecodeConfig(mode=mode, block_size=block_size, max_ctx=max_ctx,
-                     prefill_chunk=prefill_chunk, **tree_opts)
-  return ids, dec
+  return ids.astype(np.int32)
 
 
 def _eog(target: Target, eog_ids):
@@ -193,20 +202,20 @@ def _eog(target: Target, eog_ids):
   return jnp.asarray(list(eog_ids) or [-1], jnp.int32)
 
 
-def _prefill(target, draft, ids, dec, eog):
-  """Prefill `ids` chunk by chunk into a fresh DecodeState."""
+def _prefill(target: Target, draft: Optional[Draft], ids: np.ndarray, dec: DecodeConfig, eog):
+  """Prefill `ids` chunk by chunk into a fresh DecodeState (the draft ingests the prompt's
+  target features when given and the mode is speculative)."""
   dcfg = draft.config if (draft is not None and dec.mode != "ar") else None
-  dparams = draft.params if dcfg is not None else None
-  state = decode_lib.init_state(target.config, dcfg, dec)
+  state = decode_lib.init_state(target.config, dcfg, dec, target.runtime)
   c = dec.prefill_chunk
   for s0 in range(0, ids.size, c):
     chunk = ids[s0:s0 + c]
     n = chunk.size
-    chunk = np.pad(chunk, (0, c - n))
-    state = decode_lib.prefill_chunk(target.params, dparams, state, jnp.asarray(chunk),
-                                     jnp.int32(s0), jnp.int32(n), eog, tcfg=target.config,
-                                     dcfg=dcfg, dec=dec, compute_dtype=target.compute_dtype)
-  return state, dcfg, dparams
+    state = decode_lib.prefill_chunk(
+        target.params, draft.params if dcfg is not None else None, state,
+        jnp.asarray(np.pad(chunk, (0, c - n))), jnp.int32(s0), jnp.int32(n), eog,
+        tcfg=target.config, dcfg=dcfg, dec=dec, rt=target.runtime)
+  return state
 
 
 def first_draft_logits(target: Target, draft: Draft, prompt_ids: Sequence[int], *,
@@ -214,22 +223,38 @@ def first_draft_logits(target: Target, draft: Draft, prompt_ids: Sequence[int], 
   """Prefill prompt_ids, take the greedy next token as the bonus, run one draft step over the
   prompt's target features. Returns draft logits [block_size-1, V] float32 (row j predicts the
   token at position P+1+j)."""
-  ids, dec = _prepare(target, draft, prompt_ids, "chain", max_ctx, None, prefill_chunk)
-  state, dcfg, dparams = _prefill(target, draft, ids, dec, _eog(target, None))
-  return np.asarray(decode_lib.draft_once(target.params, dparams, state, tcfg=target.config,
-                                          dcfg=dcfg, dec=dec, compute_dtype=target.compute_dtype))
+  dec = resolve_config(target, draft, mode="chain", max_ctx=max_ctx, prefill_chunk=prefill_chunk)
+  state = _prefill(target, draft, _prompt(target, prompt_ids, dec), dec, _eog(target, None))
+  return np.asarray(decode_lib.draft_once(target.params, draft.params, state, dcfg=draft.config,
+                                          rt=target.runtime))
+
+
+def _run_loop(run, state, max_new_tokens: int, dec: DecodeConfig, on_tokens, steps_per_call: int):
+  """Drive `run(state, max_steps)` to the end: one call, or `steps_per_call` steps per call
+  with the newly committed tokens passed to on_tokens after each."""
+  if on_tokens is None:
+    return run(state, 1 << 30)
+  on_tokens([int(state.out[0])])
+  shown = 1
+  while True:
+    state = run(state, steps_per_call)
+    n_out = int(state.n_out)
+    if n_out > shown:
+      on_tokens([int(x) for x in np.asarray(state.out[shown:n_out])])
+      shown = n_out
+    if bool(state.done) or n_out >= max_new_tokens or int(state.pos) >= dec.max_ctx:
+      return state
 
 
 def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], *,
-             max_new_tokens: int, mode: str = "chain", max_ctx: int = 2048,
-             block_size: Optional[int] = None, prefill_chunk: int = 128, budget: int = 22,
-             top_k: int = 8, chain_seed: bool = True, draft_temp: float = 1.0,
+             max_new_tokens: int, config: Optional[DecodeConfig] = None,
              eog_ids: Optional[Sequence[int]] = None,
              on_tokens: Optional[Callable[[list[int]], None]] = None, steps_per_call: int = 4,
-             proposer: Optional[Callable] = None, proposer_params=None) -> GenerateResult:
-  """Greedy generation: speculative (mode="chain": DFlash chain; mode="ddtree": DDTree with
-  `budget` nodes, `top_k` candidates per depth, the top-1 `chain_seed` and `draft_temp`) or
-  autoregressive (mode="ar").
+             proposer: Optional[Callable] = None, proposer_params=None,
+             **overrides) -> GenerateResult:
+  """Greedy generation: speculative (mode "chain": DFlash chain; "ddtree": DDTree) or
+  autoregressive ("ar"), as `config` (a DecodeConfig) says; DecodeConfig fields may also be
+  given as keywords (e.g. mode="ddtree", budget=8), which override `config`.
 
   prompt_ids: [P] ints, P < max_ctx. max_new_tokens: tokens to generate at most (the loop also
   stops after an EOG token, or when the context reaches max_ctx).
@@ -237,48 +262,40 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
     steps per device call (the same compiled function), else all steps in one call.
   proposer / proposer_params: replace the DFlash draft (see decode.dflash_proposer), e.g. an oracle.
   Greedy chain and DDTree output equal autoregressive output token for token.
-  Raises ValueError for a bad mode, an empty or too long prompt, or a block size mismatch.
+  Raises ValueError for a bad option (naming it), an empty or too long prompt, out-of-vocabulary
+  ids, or a block size mismatch.
   """
-  if max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-  tree_opts = (dict(budget=budget, top_k=top_k, chain_seed=chain_seed, draft_temp=draft_temp)
-               if mode == "ddtree" else None)
-  ids, dec = _prepare(target, draft, prompt_ids, mode, max_ctx, block_size, prefill_chunk,
-                      tree_opts)
+  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+      or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+  if isinstance(steps_per_call, bool) or not isinstance(steps_per_call, (int, np.integer)) \
+      or steps_per_call < 1:
+    raise ValueError(f"steps_per_call={steps_per_call!r} must be an integer >= 1")
+  dec = resolve_config(target, draft, config, has_proposer=proposer is not None, **overrides)
+  ids = _prompt(target, prompt_ids, dec)
   eog = _eog(target, eog_ids)
   t0 = time.perf_counter()
-  if proposer is not None:
-    state, dcfg, _ = _prefill(target, None, ids, dec, eog)
-    dparams = proposer_params
+  if proposer is None:
+    proposer, dparams = decode_lib.dflash_proposer, draft.params if draft is not None else None
+    state = _prefill(target, draft, ids, dec, eog)
   else:
-    proposer = decode_lib.dflash_proposer
-    state, dcfg, dparams = _prefill(target, draft, ids, dec, eog)
+    dparams = proposer_params
+    state = _prefill(target, None, ids, dec, eog)
+  dcfg = draft.config if (draft is not None and dec.mode != "ar") else None
   jax.block_until_ready(state.out)
   t1 = time.perf_counter()
-  max_new = jnp.int32(max_new_tokens)
-  run = lambda st, k: decode_lib.decode_loop(
-      target.params, dparams, st, max_new, jnp.int32(k), eog, tcfg=target.config, dcfg=dcfg,
-      dec=dec, compute_dtype=target.compute_dtype, proposer=proposer)
-  if on_tokens is None:
-    state = run(state, 1 << 30)
-  else:
-    on_tokens([int(state.out[0])])
-    shown = 1
-    while True:
-      state = run(state, steps_per_call)
-      n_out = int(state.n_out)
-      if n_out > shown:
-        on_tokens([int(x) for x in np.asarray(state.out[shown:n_out])])
-        shown = n_out
-      if (bool(state.done) or n_out >= max_new_tokens or int(state.pos) >= dec.max_ctx):
-        break
+  run = functools.partial(decode_lib.decode_loop, target.params, dparams,
+                          max_new=jnp.int32(max_new_tokens), eog_ids=eog, tcfg=target.config,
+                          dcfg=dcfg, dec=dec, rt=target.runtime, proposer=proposer)
+  state = _run_loop(lambda st, k: run(st, max_steps=jnp.int32(k)), state, max_new_tokens, dec,
+                    on_tokens, steps_per_call)
   jax.block_until_ready(state.out)
   t2 = time.perf_counter()
   n_out, n_steps = int(state.n_out), int(state.n_steps)
   tokens = [int(x) for x in np.asarray(state.out[:n_out])]
-  eogs = set(np.asarray(eog).tolist())
-  stop = ("eog" if tokens and tokens[-1] in eogs else
+  stop = ("eog" if tokens and tokens[-1] in set(np.asarray(eog).tolist()) else
           "max_new_tokens" if n_out >= max_new_tokens else "max_ctx")
-  return GenerateResult(tokens=tokens, accept_lens=[int(x) for x in np.asarray(state.accept_lens[:n_steps])],
+  return GenerateResult(tokens=tokens,
+                        accept_lens=[int(x) for x in np.asarray(state.accept_lens[:n_steps])],
                         n_steps=n_steps, prompt_len=int(ids.size), stop_reason=stop,
                         prefill_s=t1 - t0, decode_s=t2 - t1)

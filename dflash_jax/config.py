@@ -1,9 +1,11 @@
 """Frozen, hashable configs: TargetConfig (from GGUF metadata), DraftConfig (from z-lab config.json),
-DecodeConfig (decode-loop shapes). All are static jit arguments."""
+DecodeConfig (decode-loop shapes and options). All are static jit arguments. How the math runs
+(kernels, dtypes) is `runtime.Runtime`."""
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, Mapping
 
 import jax
@@ -32,9 +34,6 @@ class TargetConfig:
       V head h reads K head h % gdn_n_k_head (llama.cpp's tiled layout).
     n_ctx_train: `context_length`.
     has_rope_freqs: a `rope_freqs.weight` tensor divides the RoPE frequencies (llama 3.x).
-    kernels: not from GGUF: which matmul / tree-GDN implementation the forward runs,
-      "reference" (pure JAX), "pallas" (pallas_kernels, GPU) or "pallas_interpret" (the same
-      kernels through the Pallas interpreter; tests). `load_target(kernels=...)` sets it.
   """
 
   arch: str
@@ -60,7 +59,6 @@ class TargetConfig:
   conv_kernel: int = 0
   n_ctx_train: int = 0
   has_rope_freqs: bool = False
-  kernels: str = "reference"
 
   @property
   def attn_layers(self) -> tuple[int, ...]:
@@ -243,24 +241,45 @@ class DraftConfig:
     }
 
 
+MODES = ("ar", "chain", "ddtree")
+# Bounds for sizes a user can set (sane limits checked before anything is allocated).
+MAX_BLOCK_SIZE = 64
+MAX_BUDGET = 256
+
+
+def _check_int(cfg, name: str, lo: int, hi: int | None = None):
+  """Check that field `name` of frozen dataclass `cfg` is an integer in [lo, hi]; store it as int."""
+  value = getattr(cfg, name)
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise ValueError(f"{type(cfg).__name__}.{name}={value!r}: expected an integer")
+  if value < lo or (hi is not None and value > hi):
+    bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+    raise ValueError(f"{type(cfg).__name__}.{name}={value!r}: must be {bound}")
+  object.__setattr__(cfg, name, int(value))
+
+
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-  """Static shapes of the decode loop (changing any of these recompiles).
+  """How to decode: the mode and the static shapes of the decode loop (changing any field
+  recompiles). The currency of the API (`generate(..., config=...)`) and the scripts.
 
   Attributes:
-    mode: "ar" (autoregressive baseline, one token per step), "chain" (DFlash chain verify) or
-      "ddtree" (DDTree: a best-first draft tree verified in one forward).
-    block_size: L, draft block incl. the bonus slot; ignored for "ar".
+    mode: "ar" (autoregressive baseline: a root-only tree per step), "chain" (DFlash: the
+      draft's top-1 block as a path tree) or "ddtree" (DDTree: a best-first draft tree).
+    block_size: L, draft block incl. the bonus slot; None = the draft's (resolved by
+      `generate`); ignored for "ar".
     max_ctx: cache capacity in tokens (prompt + generated must fit).
     prefill_chunk: tokens per prefill forward (prompts are padded to a multiple of it).
-    budget: DDTree nodes excluding the root. top_k: candidates per depth.
-    chain_seed: insert the draft's top-1 chain first (acceptance never below chain mode).
-    draft_temp: temperature applied to the draft logits before scoring the tree.
+    budget: DDTree nodes excluding the root. top_k: DDTree candidates per depth.
+    chain_seed: DDTree: insert the draft's top-1 chain first (acceptance never below chain).
+    draft_temp: DDTree: temperature applied to the draft logits before scoring the tree.
+
+  Raises ValueError naming the field (and the valid choices) for a bad value.
   """
 
   mode: str = "chain"
-  block_size: int = 16
+  block_size: int | None = None
   max_ctx: int = 2048
   prefill_chunk: int = 128
   budget: int = 22
@@ -268,20 +287,44 @@ class DecodeConfig:
   chain_seed: bool = True
   draft_temp: float = 1.0
 
+  def __post_init__(self):
+    if self.mode not in MODES:
+      raise ValueError(f"DecodeConfig.mode={self.mode!r}: expected one of {MODES}")
+    if self.block_size is not None:
+      _check_int(self, "block_size", 2, MAX_BLOCK_SIZE)
+    _check_int(self, "max_ctx", 2)
+    _check_int(self, "prefill_chunk", 1)
+    _check_int(self, "budget", 1, MAX_BUDGET)
+    _check_int(self, "top_k", 1)
+    if not isinstance(self.chain_seed, bool):
+      raise ValueError(f"DecodeConfig.chain_seed={self.chain_seed!r}: expected a bool")
+    t = self.draft_temp
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 < t < float("inf")):
+      raise ValueError(f"DecodeConfig.draft_temp={t!r}: must be a finite number > 0")
+
+  @property
+  def L(self) -> int:
+    """The resolved block size (1 for "ar"). Raises ValueError while block_size is None."""
+    if self.mode == "ar":
+      return 1
+    if self.block_size is None:
+      raise ValueError("DecodeConfig.block_size is unset: pass a draft (its block_size is "
+                       "used) or block_size=")
+    return self.block_size
+
   @property
   def draft_depth(self) -> int:
     """Draft rows (depths) the step uses: L-1 (chain); min(budget, L-1) (ddtree: a tree of
     `budget` nodes below the root is never deeper than that); 0 (autoregressive)."""
-    return {"ar": 0, "chain": self.block_size - 1,
-            "ddtree": min(self.budget, self.block_size - 1)}[self.mode]
+    return {"ar": 0, "chain": self.L - 1, "ddtree": min(self.budget, self.L - 1)}[self.mode]
 
   @property
   def verify_len(self) -> int:
-    """Tokens per verify forward: L (chain), 1 + budget (ddtree), 1 (autoregressive)."""
-    return {"ar": 1, "chain": self.block_size, "ddtree": self.budget + 1}[self.mode]
+    """Tree nodes per verify forward: L (chain), 1 + budget (ddtree), 1 (autoregressive)."""
+    return {"ar": 1, "chain": self.L, "ddtree": self.budget + 1}[self.mode]
 
   @property
   def capacity(self) -> int:
     """Cache rows: max_ctx plus slack for a padded prefill chunk and a verify overhang."""
-    c = self.max_ctx + max(self.block_size, self.budget + 1, self.prefill_chunk)
+    c = self.max_ctx + max(self.verify_len, self.L, self.prefill_chunk)
     return -(-c // self.prefill_chunk) * self.prefill_chunk

@@ -1,5 +1,6 @@
-"""Model math shared by the target and the draft: linear over packed weights, RMSNorm, RoPE,
-masked attention over a KV cache, the Gated DeltaNet causal conv and gated delta rule.
+"""Model math shared by the target, the draft and the training forward: linear over packed
+weights, grouped projections, RMSNorm, RoPE, masked attention over a KV cache, the SwiGLU MLP,
+the DFlash context K/V. The Gated DeltaNet family is in `gdn`.
 
 Dimension letters: T tokens in this call, S cache rows, D d_model, H/Hkv heads, Dh head dim,
 Hk/Hv GDN key/value heads, Dk/Dv GDN head dims, C conv channels, K conv kernel.
@@ -12,31 +13,27 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dflash_jax.quants import QuantWeight
+from dflash_jax.runtime import Runtime
+from pallas_kernels import dequant_matmul as dm
 
-KERNEL_CHOICES = ("reference", "pallas", "pallas_interpret")
 
-
-def linear(x: jax.Array, w: QuantWeight, compute_dtype=jnp.float32,
-           kernels: str = "reference") -> jax.Array:
+def linear(x: jax.Array, w: QuantWeight, rt: Runtime) -> jax.Array:
   """y = x @ W^T.  x: [..., K] float; w: logical [N, K]; returns [..., N] float32.
 
-  kernels: "reference" dequantizes inside the traced function and runs one XLA dot (float32
+  rt.kernels "reference" dequantizes inside the traced function and runs one XLA dot (float32
   uses HIGHEST precision); "pallas" runs pallas_kernels.dequant_matmul on the packed GGUF rows
-  (operands in `compute_dtype`: float32 means TF32 tensor cores on GPU) for the block formats
+  (operands in rt.compute_dtype: float32 means TF32 tensor cores on GPU) for the block formats
   and N it tiles, the reference otherwise; "pallas_interpret" is the same through the Pallas
   interpreter (CPU tests).
   """
-  from pallas_kernels import dequant_matmul as dm
   lead = x.shape[:-1]
   x2 = x.reshape(-1, x.shape[-1])
-  if kernels != "reference" and dm.supports(w):
-    y = dm.dequant_matmul(x2, w, compute_dtype=compute_dtype,
-                          interpret=kernels == "pallas_interpret")
+  if rt.kernels != "reference" and dm.supports(w):
+    y = dm.dequant_matmul(x2, w, compute_dtype=rt.cdt, interpret=rt.kernels == "pallas_interpret")
   else:
-    y = dm.dequant_matmul_reference(x2, w, compute_dtype)
+    y = dm.dequant_matmul_reference(x2, w, rt.cdt)
   return y.reshape(*lead, w.shape[0])
 
 
@@ -51,57 +48,33 @@ class Projections:
   Attributes:
     groups: QuantWeights, each the row-concatenation of one or more members ([sum N_i, K]).
     members: static; per group, the (member index, rows) of its members in row order.
+  Built at load by `target_params.fuse_projections`, or unfused by `Projections.separate`.
   """
 
   groups: tuple
   members: tuple = dataclasses.field(metadata=dict(static=True))
 
+  @classmethod
+  def separate(cls, ws: Sequence[QuantWeight]) -> "Projections":
+    """Every member its own group (no fusion)."""
+    return cls(tuple(ws), tuple(((i, w.shape[0]),) for i, w in enumerate(ws)))
 
-def fuse_projections(ws: Sequence[QuantWeight], fuse: bool = True) -> Projections:
-  """Group projections of one input for a fused matmul (host side, at load).
-
-  ws: member weights, logical [N_i, K] each, host (numpy) data. Members with the same format,
-  K and storage dtype are concatenated when `fuse`, except that a member is left out of a group
-  when adding it would shrink the group's power-of-2 N tile (e.g. 48-row ssm_alpha/ssm_beta
-  next to a 16384-row block: they form their own group instead). With fuse=False every member
-  is its own group. Returns a Projections; `project` undoes the grouping.
-  """
-  from pallas_kernels.dequant_matmul import n_tile
-  order = sorted(range(len(ws)), key=lambda i: -ws[i].shape[0])
-  groups: list[list[int]] = []
-  for i in order:
-    w = ws[i]
-    for g in groups if fuse else ():
-      head = ws[g[0]]
-      n = sum(ws[j].shape[0] for j in g) + w.shape[0]
-      if ((head.fmt, head.shape[1], np.asarray(head.data).dtype)
-          == (w.fmt, w.shape[1], np.asarray(w.data).dtype)
-          and n_tile(n) >= min(n_tile(ws[j].shape[0]) for j in g)):
-        g.append(i)
-        break
-    else:
-      groups.append([i])
-  out, members = [], []
-  for g in sorted((sorted(g) for g in groups), key=lambda g: g[0]):
-    if len(g) == 1:
-      out.append(ws[g[0]])
-    else:
-      data = np.concatenate([np.asarray(ws[j].data) for j in g], axis=0)
-      out.append(QuantWeight(data, ws[g[0]].fmt,
-                             (sum(ws[j].shape[0] for j in g), ws[g[0]].shape[1])))
-    members.append(tuple((j, ws[j].shape[0]) for j in g))
-  return Projections(tuple(out), tuple(members))
+  def member_weights(self) -> tuple:
+    """The members' weights, in member order (requires one member per group)."""
+    if any(len(m) != 1 for m in self.members):
+      raise ValueError("member_weights: projections are fused")
+    order = sorted(range(len(self.groups)), key=lambda g: self.members[g][0][0])
+    return tuple(self.groups[g] for g in order)
 
 
-def project(x: jax.Array, p: Projections, compute_dtype=jnp.float32,
-            kernels: str = "reference") -> tuple[jax.Array, ...]:
+def project(x: jax.Array, p: Projections, rt: Runtime) -> tuple[jax.Array, ...]:
   """All member projections of x: x [..., K] -> tuple of [..., N_i] float32, in member order.
 
-  One `linear` per group (see `fuse_projections`), then the group output is split by rows.
+  One `linear` per group, then the group output is split by rows.
   """
   outs = {}
   for w, mem in zip(p.groups, p.members):
-    y = linear(x, w, compute_dtype, kernels)
+    y = linear(x, w, rt)
     off = 0
     for j, n in mem:
       outs[j] = y[..., off:off + n]
@@ -178,120 +151,25 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
   return o.reshape(t, h, v.shape[-1])
 
 
-def causal_conv(x: jax.Array, conv_state: jax.Array, w: jax.Array) -> jax.Array:
-  """Depthwise causal conv1d over [conv_state ; x], no bias, no activation.
+def swiglu_mlp(y: jax.Array, gate_up: Projections, down: QuantWeight, rt: Runtime) -> jax.Array:
+  """SwiGLU feed-forward (target FFN, draft MLP): down(silu(gate(y)) * up(y)).
 
-  x: [T, C]; conv_state: [K-1, C] inputs before x (zeros at the start); w: [C, K] (GGUF ssm_conv1d).
-  y[t, c] = sum_j w[c, j] * xc[t + j, c] with xc = [conv_state ; x]. Returns [T, C] float32.
+  y: [..., D] (already normed); gate_up: the gate [F, D] and up [F, D] projections; down:
+  [D, F]. Returns [..., D] float32.
   """
-  kk = w.shape[1]
-  t = x.shape[0]
-  xc = jnp.concatenate([conv_state.astype(jnp.float32), x.astype(jnp.float32)], axis=0)
-  y = jnp.zeros_like(x, dtype=jnp.float32)
-  for j in range(kk):
-    y = y + xc[j:j + t] * w[:, j]
-  return y
+  gate, up = project(y, gate_up, rt)
+  return linear(jax.nn.silu(gate) * up, down, rt)
 
 
-def gated_delta_rule_recurrent(q, k, v, g, beta, state):
-  """Token-by-token gated delta rule (Yang et al. 2024, arXiv:2412.06464), float32.
+def context_kv(c: jax.Array, wk: QuantWeight, wv: QuantWeight, k_norm: jax.Array,
+               pos: jax.Array, *, n_kv_head: int, head_dim: int, rope_theta: float,
+               rms_eps: float, rt: Runtime) -> tuple[jax.Array, jax.Array]:
+  """K/V of a Qwen3-style attention layer (the DFlash draft's context and block keys, z-lab
+  dflash/model.py): k = RoPE(k_norm(wk c)), v = wv c, RoPE "neox" over the whole head.
 
-  q, k: [T, Hv, Dk] (L2-normalized, q pre-scaled by Dk**-0.5); v: [T, Hv, Dv];
-  g: [T, Hv] log-space decay (<= 0); beta: [T, Hv] write strength; state: [Hv, Dk, Dv].
-  Per token: S = e^g S;  S += k (beta (v - S^T k))^T;  o = S^T q.
-  Returns (o: [T, Hv, Dv], states: [T, Hv, Dk, Dv] the state after each token).
+  c: [T, D] inputs; pos: [T] int32 positions. Returns (k, v): [T, Hkv, Dh] float32.
   """
-
-  def step(s, inp):
-    qt, kt, vt, gt, bt = inp
-    s = s * jnp.exp(gt)[:, None, None]
-    kv = jnp.einsum("hk,hkv->hv", kt, s, precision=jax.lax.Precision.HIGHEST)
-    delta = (vt - kv) * bt[:, None]
-    s = s + kt[:, :, None] * delta[:, None, :]
-    o = jnp.einsum("hk,hkv->hv", qt, s, precision=jax.lax.Precision.HIGHEST)
-    return s, (o, s)
-
-  _, (o, states) = jax.lax.scan(step, state.astype(jnp.float32), (q, k, v, g, beta))
-  return o, states
-
-
-def gated_delta_rule_chunked(q, k, v, g, beta, state, chunk: int = 64):
-  """Chunked (WY) form of the same recurrence, as HF `torch_chunk_gated_delta_rule` and
-  llama.cpp `build_delta_net_chunking` (chunk 64). Same I/O as the recurrent form except that
-  only the final state is returned: (o: [T, Hv, Dv], state: [Hv, Dk, Dv]).
-
-  Tokens with g = 0 and beta = 0 leave the state unchanged (used to pad prefill chunks).
-  """
-  t, hv, dk = k.shape
-  dv = v.shape[-1]
-  n = -(-t // chunk)
-  pad = n * chunk - t
-  f32 = jnp.float32
-  hp = jax.lax.Precision.HIGHEST
-
-  def prep(x):
-    x = jnp.pad(x.astype(f32), [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-    return jnp.moveaxis(x.reshape(n, chunk, *x.shape[1:]), 2, 1)  # [N, Hv, C, ...]
-
-  qc, kc, vc, gc, bc = prep(q), prep(k), prep(v), prep(g), prep(beta)
-  gcum = jnp.cumsum(gc, axis=-1)  # [N, Hv, C]
-  tri = jnp.tril(jnp.ones((chunk, chunk), bool))
-  decay = jnp.where(tri, jnp.exp(jnp.where(tri, gcum[..., :, None] - gcum[..., None, :], 0.0)), 0.0)
-  kb = kc * bc[..., None]
-  a = jnp.einsum("nhik,nhjk->nhij", kb, kc, precision=hp) * decay
-  a = jnp.where(jnp.tril(jnp.ones((chunk, chunk), bool), -1), a, 0.0)
-  eye = jnp.eye(chunk, dtype=f32)
-  # T = (I + A)^-1 applied to [beta V | beta e^G K] via unit lower-triangular solve.
-  rhs = jnp.concatenate([vc * bc[..., None], kb * jnp.exp(gcum)[..., None]], axis=-1)
-  sol = jax.scipy.linalg.solve_triangular(eye + a, rhs, lower=True, unit_diagonal=True)
-  u, w = sol[..., :dv], sol[..., dv:]
-  aqk = jnp.einsum("nhik,nhjk->nhij", qc, kc, precision=hp) * decay
-
-  def step(s, inp):
-    qn, kn, un, wn, gn, aqkn = inp  # [Hv, C, ...]
-    vnew = un - jnp.einsum("hck,hkv->hcv", wn, s, precision=hp)
-    o = (jnp.einsum("hck,hkv->hcv", qn * jnp.exp(gn)[..., None], s, precision=hp)
-         + jnp.einsum("hij,hjv->hiv", aqkn, vnew, precision=hp))
-    glast = gn[:, -1]
-    s = (s * jnp.exp(glast)[:, None, None]
-         + jnp.einsum("hck,hcv->hkv", kn * jnp.exp(glast[:, None] - gn)[..., None], vnew, precision=hp))
-    return s, o
-
-  s, o = jax.lax.scan(step, state.astype(f32), (qc, kc, u, w, gcum, aqk))
-  o = jnp.moveaxis(o, 2, 1).reshape(n * chunk, hv, dv)[:t]
-  return o, s
-
-
-def gated_delta_rule_tree(q, k, v, g, beta, state, parents, kernels: str = "reference"):
-  """Gated delta rule over a tree (DDTree verify): node i starts from its parent's state, the
-  root (parents[i] < 0) from `state`; parents[i] < i. The chain is parents = [-1, 0, 1, ...].
-
-  q, k: [N, Hv, Dk]; v: [N, Hv, Dv]; g, beta: [N, Hv]; state: [Hv, Dk, Dv]; parents: [N] int32.
-  Returns (o: [N, Hv, Dv], states: [N, Hv, Dk, Dv] the state after each node), float32.
-  kernels: "reference" (pallas_kernels.tree_gdn.tree_gdn_reference, a scan over nodes with a
-  parent gather), "pallas" / "pallas_interpret" (the Pallas kernel where the head sizes tile).
-  """
-  from pallas_kernels import tree_gdn as tk
-  if kernels != "reference" and tk.supports(q.shape[-1], v.shape[-1]):
-    return tk.tree_gdn(q, k, v, g, beta, state, parents, interpret=kernels == "pallas_interpret")
-  return tk.tree_gdn_reference(q, k, v, g, beta, state, parents)
-
-
-def causal_conv_tree(x: jax.Array, conv_state: jax.Array, w: jax.Array, anc: jax.Array,
-                     depths: jax.Array) -> jax.Array:
-  """Causal depthwise conv along each node's ancestor chain (DDTree verify).
-
-  x: [N, C] node inputs; conv_state: [K-1, C] committed inputs before the root (oldest first);
-  w: [C, K]; anc: [N, K] j-th ancestor of each node (column 0 = itself, -1 past the root);
-  depths: [N] root = 0. Node i's window reads x[anc[i, j]] for j <= depth and then falls back
-  into conv_state (the committed past). Returns [N, C] float32; equals `causal_conv` on a chain.
-  """
-  kk = w.shape[1]
-  x = x.astype(jnp.float32)
-  y = jnp.zeros_like(x)
-  for j in range(kk):  # j = steps back from the node
-    from_tree = x[jnp.maximum(anc[:, j], 0)]
-    back = j - depths                                   # > 0: inside the committed conv state
-    from_state = conv_state.astype(jnp.float32)[jnp.clip(kk - 1 - back, 0, kk - 2)]
-    y = y + jnp.where((j <= depths)[:, None], from_tree, from_state) * w[:, kk - 1 - j]
-  return y
+  t = c.shape[0]
+  k = rms_norm(linear(c, wk, rt).reshape(t, n_kv_head, head_dim), k_norm, rms_eps)
+  v = linear(c, wv, rt).reshape(t, n_kv_head, head_dim)
+  return rope(k, pos, rot_dim=head_dim, theta=rope_theta, style="neox"), v

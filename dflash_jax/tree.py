@@ -7,6 +7,10 @@ valid node i has parents[i] < i, depth = depth(parent) + 1, and a token drawn fr
 top-K at that depth. Node score = sum of draft log-probs along its path; nodes are inserted in
 descending score order (ties: lowest candidate slot first), so the node set is the `budget`
 best prefixes. With `chain_seed`, the full top-1 chain is inserted first.
+
+Every verify takes a tree: the DFlash chain is a path tree (parents -1, 0, 1, ...; `path_tree`)
+and autoregressive decoding a root-only tree; the static `is_path` lets the target pick the
+cheaper causal forms for paths behind the same `target.verify` entry point.
 """
 
 from __future__ import annotations
@@ -20,14 +24,44 @@ import jax.numpy as jnp
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Tree:
-  """tokens, parents, depths: [N] int32 (parents[0] = -1, invalid slots: parent -1, depth 0);
-  valid: [N] bool; scores: [N] float32 path log-probs (root 0)."""
+  """A draft tree of N node slots, root first.
+
+  Attributes:
+    tokens, parents, depths: [N] int32 (parents[0] = -1; invalid slots: parent -1, depth 0).
+    valid: [N] bool. scores: [N] float32 path log-probs (root 0).
+    is_path: static; True when parents = [-1, 0, 1, ...] and depths = [0, 1, 2, ...] (chain,
+      autoregressive).
+    max_depth: static upper bound of the valid nodes' depths.
+  """
 
   tokens: jax.Array
   parents: jax.Array
   depths: jax.Array
   valid: jax.Array
   scores: jax.Array
+  is_path: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  max_depth: int = dataclasses.field(default=0, metadata=dict(static=True))
+
+  @property
+  def n(self) -> int:
+    return self.tokens.shape[0]
+
+  def ancestor_matrix(self) -> jax.Array:
+    """[N, N] bool: anc[i, j] = node j is node i or one of its ancestors."""
+    return ancestor_matrix(self.parents, self.max_depth)
+
+  def ancestor_columns(self, n_back: int) -> jax.Array:
+    """[N, n_back + 1] int32: column j = the j-th ancestor (column 0 = the node), -1 past the root."""
+    return ancestors(self.parents, n_back)
+
+
+def path_tree(tokens: jax.Array) -> Tree:
+  """The chain [t_0, t_1, ...] as a tree: node i's parent is i-1. tokens: [N] int32."""
+  n = tokens.shape[0]
+  idx = jnp.arange(n, dtype=jnp.int32)
+  return Tree(tokens=tokens.astype(jnp.int32), parents=idx - 1, depths=idx,
+              valid=jnp.ones((n,), bool), scores=jnp.zeros((n,), jnp.float32), is_path=True,
+              max_depth=n - 1)
 
 
 def top_k_rows(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -129,7 +163,8 @@ def build_tree(logp: jax.Array, root_token: jax.Array, *, budget: int, top_k: in
   if n_seed + 1 <= budget:
     carry = jax.lax.fori_loop(n_seed + 1, budget + 1, body, carry)
   tokens, parents, depths, scores, valid, _, _ = carry
-  return Tree(tokens=tokens, parents=parents, depths=depths, valid=valid, scores=scores)
+  return Tree(tokens=tokens, parents=parents, depths=depths, valid=valid, scores=scores,
+              max_depth=min(D, budget))
 
 
 def ancestor_matrix(parents: jax.Array, max_depth: int) -> jax.Array:
@@ -159,9 +194,16 @@ def follow(tree: Tree, posterior: jax.Array, max_depth: int):
 
   posterior: [N] int32 target argmax at each node. Returns (path [max_depth + 1] int32 node ids
   of the accepted path, root first, padded with the last accepted node; n_acc [] int32 accepted
-  drafts; bonus [] int32 = posterior at the last accepted node).
+  drafts; bonus [] int32 = posterior at the last accepted node). A path tree (N = max_depth + 1)
+  takes the longest prefix where token i+1 equals the posterior at node i, with path = 0..N-1
+  (entries past n_acc are ignored by the commit).
   """
-  n = tree.tokens.shape[0]
+  if tree.is_path:
+    if tree.n != max_depth + 1:
+      raise ValueError(f"follow: a path tree of {tree.n} nodes with max_depth={max_depth}")
+    match = (tree.tokens[1:] == posterior[:-1]).astype(jnp.int32)
+    n_acc = jnp.sum(jnp.cumprod(match)).astype(jnp.int32)
+    return jnp.arange(tree.n, dtype=jnp.int32), n_acc, posterior[n_acc]
   path = jnp.zeros((max_depth + 1,), jnp.int32)
 
   def body(d, carry):
@@ -177,5 +219,4 @@ def follow(tree: Tree, posterior: jax.Array, max_depth: int):
 
   cur, n_acc, _, path = jax.lax.fori_loop(1, max_depth + 1, body,
                                           (jnp.int32(0), jnp.int32(0), jnp.bool_(True), path))
-  del n
   return path, n_acc, posterior[cur]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax import decode
+from dflash_jax import decode, draft_io
 from dflash_jax.config import DraftConfig, default_target_layer_ids
 from conftest import DRAFT
 
@@ -44,7 +44,7 @@ def make_oracle(n_vocab, second=False):
   -30; with `second`, the true token at the wrong offset is ranked second (-1), so a tree with
   top_k >= 2 can accept through a non-top-1 sibling."""
 
-  def oracle(tparams, dparams, s, *, dcfg, dec, compute_dtype):
+  def oracle(tparams, dparams, s, *, dcfg, dec, rt):
     truth = jax.lax.dynamic_slice_in_dim(dparams["seq"], s.pos + 1, dec.block_size - 1)
     off = dparams["pattern"][s.n_steps % dparams["pattern"].shape[0]]
     at_off = jnp.arange(dec.block_size - 1) == off
@@ -104,11 +104,16 @@ def test_oracle_every_acceptance_length_smollm2(smol, smol_prompts):
   assert r.accept_lens[:16] == [(p + 1 if p < 15 else 16) for p in pattern]
 
 
+def _compiled_counts():
+  """Compiled variants held by the jitted prefill and decode-loop functions."""
+  return (decode.prefill_chunk._cache_size(), decode.decode_loop._cache_size())
+
+
 def _random_draft(target, n_layer=1, seed=0):
   from dflash_jax import draft as draft_lib
-  cfg = draft_lib.config_for_target(target.config, n_layer=n_layer)
-  return dj.Draft(cfg, jax.device_put(draft_lib.init_params(jax.random.key(seed), cfg,
-                                                            target.config.d_model)), "random")
+  cfg = draft_io.config_for_target(target.config, n_layer=n_layer)
+  return dj.Draft(cfg, jax.device_put(draft_io.init_params(jax.random.key(seed), cfg,
+                                                           target.config.d_model)), "random")
 
 
 def test_chain_random_draft_smollm2_equals_ar_and_stops_at_eog(smol, smol_prompts):
@@ -123,12 +128,12 @@ def test_chain_random_draft_smollm2_equals_ar_and_stops_at_eog(smol, smol_prompt
 
 def test_no_recompile_across_prompts_and_lengths(qwen_f32, qwen_draft, qwen_ref):
   dj.generate(qwen_f32, qwen_draft, qwen_ref["tokens"][0, :20], max_new_tokens=5, max_ctx=256)
-  before = dict(decode.TRACE_COUNTS)
+  before = _compiled_counts()
   for r, (n, m) in enumerate([(7, 9), (33, 17), (48, 3)]):
     dj.generate(qwen_f32, qwen_draft, qwen_ref["tokens"][r, :n], max_new_tokens=m, max_ctx=256)
   dj.generate(qwen_f32, qwen_draft, qwen_ref["tokens"][1, :11], max_new_tokens=12, max_ctx=256,
               on_tokens=lambda ids: None, steps_per_call=2)
-  assert dict(decode.TRACE_COUNTS) == before
+  assert _compiled_counts() == before
 
 
 def test_streaming_yields_the_same_tokens(qwen_f32, qwen_draft, qwen_ref):

@@ -251,7 +251,7 @@ def test_model_with_pallas_kernels_matches_reference():
   ref = dj.load_target(path, kernels="reference")
   kind = "pallas" if ON_GPU else "pallas_interpret"
   ker = dj.load_target(path, kernels=kind)
-  assert ker.config.kernels == kind
+  assert ker.runtime.kernels == kind
   ids = [1, 5, 9, 33, 100, 7, 2, 64, 80]
   lr = np.asarray(dj.forward_logits(ref, ids))
   lk = np.asarray(dj.forward_logits(ker, ids))

@@ -13,8 +13,11 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax import layers
+from dflash_jax import gdn, layers
 from dflash_jax import target as target_lib
+from dflash_jax import tree as tree_lib
+from dflash_jax.runtime import Runtime
+from dflash_jax.target_params import fuse_projections
 from conftest import QWEN, mean_kl, rel_err
 
 
@@ -67,16 +70,27 @@ def test_prefill_then_decode_equals_full_forward(qwen_f32, qwen_ref):
   cfg = t.config
   toks = qwen_ref["tokens"][1]
   full = dj.forward_logits(t, toks)
-  cache = target_lib.init_cache(cfg, 96)
-  fwd = jax.jit(target_lib.forward, static_argnames=("cfg", "mode", "feature_layers",
-                                                     "logits_rows", "compute_dtype"))
+  rt = t.runtime
+  cache = target_lib.init_cache(cfg, 96, rt)
+
+  @jax.jit
+  def prefill(params, tok, s0, n, c):
+    pre = target_lib.prefill(params, cfg, tok, s0, n, c, rt)
+    return target_lib.logits(params, cfg, pre.hidden, rt), pre.cache
+
+  @jax.jit
+  def verify(params, blk, pos, c, keep):
+    ver = target_lib.verify(params, cfg, tree_lib.path_tree(blk), pos, c, rt)
+    path = jnp.arange(blk.shape[0], dtype=jnp.int32)
+    return ver.logits, target_lib.commit_path(ver.cache, ver.steps, pos, path, keep,
+                                              rows_in_place=True)
+
   got = {}
   p = 37
   for s0 in range(0, p, 16):
     n = min(16, p - s0)
     chunk = np.pad(toks[s0:s0 + 16][:n], (0, 16 - n))
-    lg, _, cache, _ = fwd(t.params, cfg, jnp.asarray(chunk), jnp.int32(s0), cache,
-                          n_valid=jnp.int32(n), mode="prefill", logits_rows="all")
+    lg, cache = prefill(t.params, jnp.asarray(chunk), jnp.int32(s0), jnp.int32(n), cache)
     for i in range(n):
       got[s0 + i] = np.asarray(lg[i])
   pos = p
@@ -85,9 +99,7 @@ def test_prefill_then_decode_equals_full_forward(qwen_f32, qwen_ref):
     if block_len == 5 and keep < 5:
       blk = blk.copy()
       blk[keep:] = (blk[keep:] + 7) % cfg.n_vocab  # rejected tail: must not leak into the state
-    lg, _, cache, steps = fwd(t.params, cfg, jnp.asarray(blk), jnp.int32(pos), cache,
-                              mode="verify")
-    cache = target_lib.commit(cache, steps, jnp.int32(keep))
+    lg, cache = verify(t.params, jnp.asarray(blk), jnp.int32(pos), cache, jnp.int32(keep))
     for i in range(keep):
       got[pos + i] = np.asarray(lg[i])
     pos += keep
@@ -124,8 +136,8 @@ def test_chunked_and_recurrent_gated_delta_rule_match_float64(t):
   rng = np.random.default_rng()
   inp = _gdn_inputs(rng, t, 3, 16, 24)
   ref_o, ref_s = _gdn_float64(*inp)
-  o_r, states = layers.gated_delta_rule_recurrent(*map(jnp.asarray, inp))
-  o_c, s_c = layers.gated_delta_rule_chunked(*map(jnp.asarray, inp), chunk=64)
+  o_r, states = gdn.gated_delta_rule_recurrent(*map(jnp.asarray, inp))
+  o_c, s_c = gdn.gated_delta_rule_chunked(*map(jnp.asarray, inp), chunk=64)
   assert rel_err(o_r, ref_o) < 1e-5 and rel_err(states[-1], ref_s) < 1e-5
   assert rel_err(o_c, ref_o) < 1e-4 and rel_err(s_c, ref_s) < 1e-4
 
@@ -133,10 +145,10 @@ def test_chunked_and_recurrent_gated_delta_rule_match_float64(t):
 def test_chunked_rule_padding_leaves_state_unchanged():
   rng = np.random.default_rng()
   q, k, v, g, beta, s0 = _gdn_inputs(rng, 20, 2, 8, 8)
-  _, s_ref = layers.gated_delta_rule_chunked(*map(jnp.asarray, (q[:13], k[:13], v[:13], g[:13],
+  _, s_ref = gdn.gated_delta_rule_chunked(*map(jnp.asarray, (q[:13], k[:13], v[:13], g[:13],
                                                                  beta[:13], s0)))
   g[13:], beta[13:] = 0.0, 0.0
-  _, s_pad = layers.gated_delta_rule_chunked(*map(jnp.asarray, (q, k, v, g, beta, s0)))
+  _, s_pad = gdn.gated_delta_rule_chunked(*map(jnp.asarray, (q, k, v, g, beta, s0)))
   assert rel_err(s_pad, s_ref) < 1e-6
 
 
@@ -165,15 +177,15 @@ def test_fuse_projections_groups_by_format_and_keeps_large_tiles():
   rng = np.random.default_rng(0)
   ws = [_qw(1024, 256, "q4_k", rng), _qw(512, 256, "q4_k", rng), _qw(48, 256, "q4_k", rng),
         _qw(48, 256, "q4_k", rng), _qw(256, 256, "q6_k", rng)]
-  p = layers.fuse_projections(ws)
+  p = fuse_projections(ws)
   assert p.members == (((0, 1024), (1, 512)), ((2, 48), (3, 48)), ((4, 256),))
   assert [g.shape for g in p.groups] == [(1536, 256), (96, 256), (256, 256)]
   np.testing.assert_array_equal(p.groups[0].data[1024:], ws[1].data)
-  assert layers.fuse_projections(ws, fuse=False).members == tuple(((i, w.shape[0]),)
+  assert fuse_projections(ws, fuse=False).members == tuple(((i, w.shape[0]),)
                                                                   for i, w in enumerate(ws))
   x = jnp.asarray(rng.standard_normal((3, 256)), jnp.float32)
-  for y, w in zip(layers.project(x, p), ws):
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(layers.linear(x, w)))
+  for y, w in zip(layers.project(x, p, Runtime()), ws):
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(layers.linear(x, w, Runtime())))
 
 
 @pytest.mark.parametrize("q", ["q8_0", "q4_k_m"])

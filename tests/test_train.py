@@ -14,7 +14,8 @@ import pytest
 
 import dflash_jax as dj
 from dflash_jax import draft as draft_lib
-from dflash_jax import layers, train
+from dflash_jax import draft_io, layers, train
+from dflash_jax.runtime import Runtime
 from dflash_jax.config import DraftConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,18 +49,18 @@ def test_anchor_sampling_and_labels_hand_computed(qwen_f32):
   assert anchors[:3].tolist() == [5, 6, 7] and valid.tolist() == [1, 1, 1, 0, 0, 0]
   assert anchors[3:].tolist() == [5, 5, 5]
   cfg = _tiny_cfg(qwen_f32, block_size=3)
-  seq = {"tokens": np.arange(100, 109, dtype=np.int32), "feats": np.zeros((8, 6), np.float16),
-         "prompt_len": 5}
+  seq = train.TrainSeq(tokens=np.arange(100, 109, dtype=np.int32),
+                       feats=np.zeros((8, 6), np.float16), prompt_len=5)
   b = train.make_batch(np.random.default_rng(1), [seq], cfg, seq_len=12, n_anchors=6,
                        mask_token_id=77)
-  a = b["anchors"][0]
+  a = b.anchors[0]
   for j in range(6):
-    assert b["block_ids"][0, j].tolist() == [100 + a[j], 77, 77]
+    assert b.block_ids[0, j].tolist() == [100 + a[j], 77, 77]
     want = [100 + a[j] + k if a[j] + k < 9 else 0 for k in (1, 2)]  # 0 = padding past the end
-    assert b["labels"][0, j].tolist() == want
+    assert b.labels[0, j].tolist() == want
   # labels past the end (position 9) and padded anchors are masked
-  assert b["label_valid"][0, :3].tolist() == [[1, 1], [1, 1], [1, 0]]
-  assert not b["label_valid"][0, 3:].any()
+  assert b.label_valid[0, :3].tolist() == [[1, 1], [1, 1], [1, 0]]
+  assert not b.label_valid[0, 3:].any()
   w = train.loss_weights(4, 2.0)
   assert np.allclose(w, [1.0, np.exp(-0.5), np.exp(-1.0)])
 
@@ -67,26 +68,26 @@ def test_anchor_sampling_and_labels_hand_computed(qwen_f32):
 def test_train_forward_equals_decode_path(qwen_f32, qwen_draft, draft_ref):
   seq = draft_ref["greedy_output_ids"][:48]
   _, feats = dj.forward_logits(qwen_f32, seq, feature_layers=qwen_draft.config.target_layer_ids)
-  cfg = qwen_draft.config
+  cfg, rt = qwen_draft.config, Runtime()
   anchors = np.array([24, 31, 3], np.int32)
   bids = np.full((3, cfg.block_size), cfg.mask_token_id, np.int32)
   bids[:, 0] = seq[anchors]
   h = draft_lib.train_hidden(qwen_draft.params, cfg, jnp.asarray(feats), jnp.asarray(bids),
-                             jnp.asarray(anchors), qwen_f32.params.embed)
-  got = np.asarray(layers.linear(h[:, 1:], qwen_f32.params.lm_head))
+                             jnp.asarray(anchors), qwen_f32.params.embed, rt)
+  got = np.asarray(layers.linear(h[:, 1:], qwen_f32.params.lm_head, rt))
   for i, a in enumerate(anchors):
     cache = draft_lib.ingest(qwen_draft.params, cfg, jnp.asarray(feats[:a]), jnp.int32(0),
-                             draft_lib.init_cache(cfg, 128))
+                             draft_lib.init_cache(cfg, 128), rt)
     ref, _ = draft_lib.propose(qwen_draft.params, cfg, qwen_f32.params.embed,
-                               qwen_f32.params.lm_head, jnp.int32(seq[a]), jnp.int32(a), cache)
+                               qwen_f32.params.lm_head, jnp.int32(seq[a]), jnp.int32(a), cache, rt)
     assert np.abs(np.asarray(ref) - got[i]).max() < 1e-5
     few, _ = draft_lib.propose(qwen_draft.params, cfg, qwen_f32.params.embed,
                                qwen_f32.params.lm_head, jnp.int32(seq[a]), jnp.int32(a), cache,
-                               n_logits=4)
+                               rt, n_logits=4)
     assert few.shape == (4, ref.shape[1]) and np.abs(np.asarray(few) - np.asarray(ref)[:4]).max() < 1e-5
   with pytest.raises(ValueError, match="n_logits=0"):
     draft_lib.propose(qwen_draft.params, cfg, qwen_f32.params.embed, qwen_f32.params.lm_head,
-                      jnp.int32(seq[0]), jnp.int32(1), cache, n_logits=0)
+                      jnp.int32(seq[0]), jnp.int32(1), cache, rt, n_logits=0)
 
 
 @pytest.fixture(scope="module")
@@ -98,17 +99,17 @@ def tiny_data(qwen_f32, qwen_ref):
 
 def test_generated_data_matches_forward(qwen_f32, tiny_data):
   s = tiny_data[0]
-  assert s["tokens"].size == 52 and s["feats"].shape == (51, 768)
-  ref = dj.generate(qwen_f32, None, s["tokens"][:12], max_new_tokens=40, mode="ar", max_ctx=128,
+  assert s.tokens.size == 52 and s.feats.shape == (51, 768)
+  ref = dj.generate(qwen_f32, None, s.tokens[:12], max_new_tokens=40, mode="ar", max_ctx=128,
                     eog_ids=())
-  assert s["tokens"][12:].tolist() == ref.tokens
-  _, feats = dj.forward_logits(qwen_f32, s["tokens"][:51], feature_layers=(1, 3, 5))
-  assert np.abs(s["feats"].astype(np.float32) - feats).max() < 2e-2  # float16 storage
+  assert s.tokens[12:].tolist() == ref.tokens
+  _, feats = dj.forward_logits(qwen_f32, s.tokens[:51], feature_layers=(1, 3, 5))
+  assert np.abs(s.feats.astype(np.float32) - feats).max() < 2e-2  # float16 storage
 
 
 def _train(qwen_f32, tiny_data, steps, cfg, lr=3e-3):
-  params = jax.tree.map(jnp.asarray, draft_lib.init_params(jax.random.key(0), cfg, 256,
-                                                           weight_fmt="f32"))
+  params = jax.tree.map(jnp.asarray, draft_io.init_params(jax.random.key(0), cfg, 256,
+                                                          weight_fmt="f32"))
   opt = optax.adamw(lr)
   state = opt.init(params)
   embed, lm = train.frozen_target_tensors(qwen_f32)
@@ -132,7 +133,7 @@ def test_checkpoint_round_trip_and_lossless(tmp_path, qwen_f32, tiny_data, qwen_
   cfg = _tiny_cfg(qwen_f32, block_size=8)
   params, _ = _train(qwen_f32, tiny_data, 5, cfg)
   out = tmp_path / "ck"
-  train.save_checkpoint(str(out), params, cfg, extra={"target_general_name": "tiny"})
+  draft_io.save(str(out), params, cfg, extra={"target_general_name": "tiny"})
   conf = json.loads((out / "config.json").read_text())
   for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta",
@@ -144,14 +145,14 @@ def test_checkpoint_round_trip_and_lossless(tmp_path, qwen_f32, tiny_data, qwen_
   from safetensors import safe_open
   with safe_open(str(out / "model.safetensors"), "np") as f:
     keys = set(f.keys())
-  assert keys == set(draft_lib.expected_shapes(cfg, 256))
+  assert keys == set(draft_io.expected_shapes(cfg, 256))
   assert "layers.0.self_attn.q_proj.weight" in keys and "fc.weight" in keys
   loaded = dj.load_draft(str(out), qwen_f32)
   assert loaded.config == cfg
   import ml_dtypes  # the checkpoint stores every tensor in bf16: round the in-memory copy alike
-  mem = dj.Draft(cfg, draft_lib.params_from_arrays(
+  mem = dj.Draft(cfg, draft_io.params_from_arrays(
       {k: np.asarray(v, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
-       for k, v in draft_lib.params_to_arrays(params, cfg).items()}, cfg, weight_fmt="bf16"), "mem")
+       for k, v in draft_io.params_to_arrays(params, cfg).items()}, cfg, weight_fmt="bf16"), "mem")
   prompt = qwen_ref["tokens"][0, :20]
   a = dj.first_draft_logits(qwen_f32, loaded, prompt, max_ctx=128)
   b = dj.first_draft_logits(qwen_f32, mem, prompt, max_ctx=128)
@@ -166,7 +167,7 @@ _DP_SCRIPT = r"""
 import sys, numpy as np, jax, jax.numpy as jnp, optax
 sys.path.insert(0, ROOT)
 import dflash_jax as dj
-from dflash_jax import train, draft as draft_lib
+from dflash_jax import train, draft_io
 from dflash_jax.config import DraftConfig
 assert jax.device_count() == 2, jax.devices()
 t = dj.load_target(GGUF, tokenizer=False)
@@ -174,15 +175,15 @@ cfg = DraftConfig(d_model=256, n_layer=1, n_head=4, n_kv_head=2, head_dim=64, d_
                   rms_eps=1e-6, rope_theta=1e7, block_size=4, mask_token_id=1023,
                   target_layer_ids=(1, 3, 5), sliding=(False,))
 rng = np.random.default_rng(0)
-seqs = [{"tokens": rng.integers(0, 1000, 30).astype(np.int32),
-         "feats": rng.standard_normal((29, 768)).astype(np.float16), "prompt_len": 8} for _ in range(4)]
+seqs = [train.TrainSeq(rng.integers(0, 1000, 30).astype(np.int32),
+                       rng.standard_normal((29, 768)).astype(np.float16), 8) for _ in range(4)]
 batch = train.make_batch(rng, seqs, cfg, seq_len=32, n_anchors=4, mask_token_id=1023)
 embed, lm = train.frozen_target_tensors(t)
 w = jnp.asarray(train.loss_weights(4, 7.0))
 mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 out = []
 for m in (None, mesh):
-  p = jax.tree.map(jnp.asarray, draft_lib.init_params(jax.random.key(0), cfg, 256, weight_fmt="f32"))
+  p = jax.tree.map(jnp.asarray, draft_io.init_params(jax.random.key(0), cfg, 256, weight_fmt="f32"))
   opt = optax.sgd(1.0)  # params after one step = init - grad: compares the gradients
   step = train.make_train_step(cfg, opt, w, mesh=m)
   p, s, metrics = step(p, opt.init(p), batch, embed, lm)
@@ -207,10 +208,10 @@ def test_sampled_data_features_match_forward(qwen_f32, qwen_ref, tiny_data):
   prompts = [qwen_ref["tokens"][r, :12].tolist() for r in range(3)]
   sampled = train.generate_with_features(qwen_f32, prompts, n_gen=40, feature_layers=(1, 3, 5),
                                          eog_ids=(), temperature=1.0, seed=3)
-  assert any(a["tokens"].tolist() != b["tokens"].tolist() for a, b in zip(sampled, tiny_data))
+  assert any(a.tokens.tolist() != b.tokens.tolist() for a, b in zip(sampled, tiny_data))
   s = sampled[1]
-  _, feats = dj.forward_logits(qwen_f32, s["tokens"][:-1], feature_layers=(1, 3, 5))
-  assert np.abs(s["feats"].astype(np.float32) - feats).max() < 2e-2
+  _, feats = dj.forward_logits(qwen_f32, s.tokens[:-1], feature_layers=(1, 3, 5))
+  assert np.abs(s.feats.astype(np.float32) - feats).max() < 2e-2
 
 
 def test_corpus_general_prompts_and_stable_order():

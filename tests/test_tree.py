@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax import decode, layers
+from dflash_jax import decode, gdn
 from dflash_jax import tree as tree_lib
+from dflash_jax.runtime import Runtime
 from conftest import rel_err
-from test_draft_and_decode import _oracle_run, _random_draft
+from test_draft_and_decode import _compiled_counts, _oracle_run, _random_draft
 
 
 def _brute_force_best(logp, budget, top_k):
@@ -114,10 +115,10 @@ def test_tree_deltanet_and_conv_equal_chain_along_every_path(n):
   x = rng.standard_normal((n, C)).astype(np.float32)
   conv0 = rng.standard_normal((K - 1, C)).astype(np.float32)
   w = rng.standard_normal((C, K)).astype(np.float32)
-  o, states = layers.gated_delta_rule_tree(*map(jnp.asarray, (q, k, v, g, beta, s0)),
-                                           jnp.asarray(parents))
+  o, states = gdn.gated_delta_rule_tree(*map(jnp.asarray, (q, k, v, g, beta, s0)),
+                                        jnp.asarray(parents), Runtime())
   anc = tree_lib.ancestors(jnp.asarray(parents), K - 1)
-  y = layers.causal_conv_tree(jnp.asarray(x), jnp.asarray(conv0), jnp.asarray(w), anc,
+  y = gdn.causal_conv_tree(jnp.asarray(x), jnp.asarray(conv0), jnp.asarray(w), anc,
                               jnp.asarray(depths))
   for i in range(n):
     path, j = [], i
@@ -125,10 +126,10 @@ def test_tree_deltanet_and_conv_equal_chain_along_every_path(n):
       path.append(j)
       j = int(parents[j])
     path = path[::-1]
-    o_ref, st_ref = layers.gated_delta_rule_recurrent(
+    o_ref, st_ref = gdn.gated_delta_rule_recurrent(
         *(jnp.asarray(a[path]) for a in (q, k, v, g, beta)), jnp.asarray(s0))
     assert rel_err(o[i], o_ref[-1]) < 1e-5 and rel_err(states[i], st_ref[-1]) < 1e-5
-    y_ref = layers.causal_conv(jnp.asarray(x[path]), jnp.asarray(conv0), jnp.asarray(w))
+    y_ref = gdn.causal_conv(jnp.asarray(x[path]), jnp.asarray(conv0), jnp.asarray(w))
     assert rel_err(y[i], y_ref[-1]) < 1e-5
 
 
@@ -175,11 +176,11 @@ def test_ddtree_fixture_draft_lossless_and_no_recompile(qwen_f32, qwen_draft, qw
   assert r.tokens == draft_ref["greedy_output_ids"][len(p):].tolist()
   dj.generate(qwen_f32, None, qwen_ref["tokens"][0, :5], max_new_tokens=3, mode="ar",
               max_ctx=256, eog_ids=())  # compile the autoregressive configuration first
-  before = dict(decode.TRACE_COUNTS)
+  before = _compiled_counts()
   for row, (n, m) in enumerate([(9, 20), (30, 7)]):
     ar = dj.generate(qwen_f32, None, qwen_ref["tokens"][row, :n], max_new_tokens=m, mode="ar",
                      max_ctx=256, eog_ids=())
     tr = dj.generate(qwen_f32, qwen_draft, qwen_ref["tokens"][row, :n], max_new_tokens=m,
                      mode="ddtree", max_ctx=256, eog_ids=())
     assert tr.tokens == ar.tokens
-  assert dict(decode.TRACE_COUNTS) == before  # new prompts, lengths and accepted paths
+  assert _compiled_counts() == before  # new prompts, lengths and accepted paths

@@ -1,0 +1,191 @@
+"""z-lab DFlash draft checkpoints: config.json + model.safetensors with z-lab key names
+(z-lab/dflash dflash/model.py, a transformers Qwen3 layout plus `fc` and `hidden_norm`); reading
+with validation against the target, writing, and fresh (random) drafts shaped after a target.
+The forward is in `draft`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax import draft as draft_lib
+from dflash_jax import layers
+from dflash_jax.config import DraftConfig, TargetConfig, default_target_layer_ids
+from dflash_jax.quants import QuantWeight
+
+
+def _layer_keys(i: int) -> dict[str, str]:
+  p = f"layers.{i}."
+  return dict(in_norm=p + "input_layernorm.weight", post_norm=p + "post_attention_layernorm.weight",
+              wq=p + "self_attn.q_proj.weight", wk=p + "self_attn.k_proj.weight",
+              wv=p + "self_attn.v_proj.weight", wo=p + "self_attn.o_proj.weight",
+              q_norm=p + "self_attn.q_norm.weight", k_norm=p + "self_attn.k_norm.weight",
+              gate=p + "mlp.gate_proj.weight", up=p + "mlp.up_proj.weight",
+              down=p + "mlp.down_proj.weight")
+
+
+def expected_shapes(cfg: DraftConfig, d_target: int) -> dict[str, tuple[int, ...]]:
+  """z-lab safetensors key -> HF shape [out, in] for this config."""
+  d, h, hkv, dh, f = cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.d_ff
+  shapes = {"fc.weight": (d, cfg.n_features * d_target), "hidden_norm.weight": (d,),
+            "norm.weight": (d,)}
+  for i in range(cfg.n_layer):
+    k = _layer_keys(i)
+    shapes.update({k["in_norm"]: (d,), k["post_norm"]: (d,), k["wq"]: (h * dh, d),
+                   k["wk"]: (hkv * dh, d), k["wv"]: (hkv * dh, d), k["wo"]: (d, h * dh),
+                   k["q_norm"]: (dh,), k["k_norm"]: (dh,), k["gate"]: (f, d), k["up"]: (f, d),
+                   k["down"]: (d, f)})
+  return shapes
+
+
+def params_from_arrays(arrays: dict[str, np.ndarray], cfg: DraftConfig, *,
+                       weight_fmt="bf16") -> draft_lib.DraftParams:
+  """Build DraftParams from z-lab-named arrays (host). Matrices keep `weight_fmt` ("bf16"/"f32")."""
+  import ml_dtypes
+  dt = {"bf16": ml_dtypes.bfloat16, "f32": np.float32}[weight_fmt]
+
+  def mat(key):
+    a = np.asarray(arrays[key])
+    return QuantWeight(a.astype(dt), weight_fmt, tuple(int(x) for x in a.shape))
+
+  def vec(key):
+    return np.asarray(arrays[key]).astype(np.float32)
+
+  lay = []
+  for i in range(cfg.n_layer):
+    k = _layer_keys(i)
+    fields = {n: (vec(key) if "norm" in n else mat(key)) for n, key in k.items()}
+    fields["gate_up"] = layers.Projections.separate([fields.pop("gate"), fields.pop("up")])
+    lay.append(draft_lib.DraftLayer(**fields))
+  return draft_lib.DraftParams(fc=mat("fc.weight"), hidden_norm=vec("hidden_norm.weight"),
+                               norm=vec("norm.weight"), layers=tuple(lay))
+
+
+def params_to_arrays(params: draft_lib.DraftParams, cfg: DraftConfig) -> dict[str, np.ndarray]:
+  """Inverse of params_from_arrays: z-lab key -> host array (matrices in their stored dtype)."""
+  out = {"fc.weight": np.asarray(params.fc.data), "hidden_norm.weight": np.asarray(params.hidden_norm),
+         "norm.weight": np.asarray(params.norm)}
+  for i, lay in enumerate(params.layers):
+    gate, up = lay.gate_up.member_weights()
+    for n, key in _layer_keys(i).items():
+      x = {"gate": gate, "up": up}.get(n) or getattr(lay, n)
+      out[key] = np.asarray(x.data if isinstance(x, QuantWeight) else x)
+  return out
+
+
+def validate(cfg: DraftConfig, tcfg: TargetConfig, *, path: str = "?"):
+  """Check the draft against its target. Raises ValueError naming the draft and the field."""
+  if cfg.d_model != tcfg.d_model:
+    raise ValueError(f"{path}: draft hidden_size={cfg.d_model} does not match the target "
+                     f"embedding_length={tcfg.d_model}")
+  if cfg.n_vocab != tcfg.n_vocab:
+    raise ValueError(f"{path}: draft vocab_size={cfg.n_vocab} does not match the target vocab "
+                     f"({tcfg.n_vocab} rows in token_embd)")
+  bad = [i for i in cfg.target_layer_ids if not 0 <= i < tcfg.n_layer]
+  if bad:
+    raise ValueError(f"{path}: target_layer_ids {list(cfg.target_layer_ids)} has ids {bad} outside "
+                     f"the target's {tcfg.n_layer} layers")
+  if not 0 <= cfg.mask_token_id < tcfg.n_vocab:
+    raise ValueError(f"{path}: mask_token_id={cfg.mask_token_id} is outside the target vocab")
+  if cfg.block_size < 2:
+    raise ValueError(f"{path}: block_size={cfg.block_size} must be >= 2")
+
+
+def load(draft_dir: str, tcfg: TargetConfig) -> tuple[DraftConfig, draft_lib.DraftParams]:
+  """Read a z-lab draft directory (config.json + model.safetensors) and validate it against tcfg.
+
+  Raises FileNotFoundError for missing files, ValueError for a mismatch or a bad tensor.
+  """
+  from safetensors.numpy import load_file
+
+  cfg_path = os.path.join(draft_dir, "config.json")
+  st_path = os.path.join(draft_dir, "model.safetensors")
+  for p in (cfg_path, st_path):
+    if not os.path.isfile(p):
+      raise FileNotFoundError(f"draft file not found: {p}")
+  with open(cfg_path) as fh:
+    cfg = DraftConfig.from_json(json.load(fh), path=cfg_path)
+  validate(cfg, tcfg, path=draft_dir)
+  try:
+    arrays = _load_safetensors(st_path)
+  except Exception as e:
+    raise ValueError(f"{st_path}: cannot read safetensors (truncated or corrupt?): {e}") from e
+  for key, shape in expected_shapes(cfg, tcfg.d_model).items():
+    if key not in arrays:
+      raise ValueError(f"{st_path}: missing tensor {key!r}")
+    if tuple(arrays[key].shape) != shape:
+      raise ValueError(f"{st_path}: tensor {key!r} has shape {tuple(arrays[key].shape)}, "
+                       f"expected {shape}")
+  return cfg, params_from_arrays(arrays, cfg)
+
+
+def _load_safetensors(path: str) -> dict[str, np.ndarray]:
+  """Load with safetensors' numpy API; bf16 tensors come back as ml_dtypes.bfloat16."""
+  from safetensors import safe_open
+  out = {}
+  with safe_open(path, framework="flax") as f:
+    for k in f.keys():
+      out[k] = np.asarray(f.get_tensor(k))
+  return out
+
+
+
+def config_for_target(tcfg: TargetConfig, *, n_layer: int = 1, n_features: int = 3,
+                      block_size: int = 16, mask_token_id: int = 0) -> DraftConfig:
+  """A draft config shaped after the target (its attention/FFN sizes, z-lab default layer ids):
+  the starting point for training a new draft, and for tests."""
+  return DraftConfig(
+      d_model=tcfg.d_model, n_layer=n_layer, n_head=tcfg.n_head, n_kv_head=tcfg.n_kv_head,
+      head_dim=tcfg.head_dim, d_ff=tcfg.d_ff, n_vocab=tcfg.n_vocab, rms_eps=tcfg.rms_eps,
+      rope_theta=tcfg.rope_theta, block_size=block_size, mask_token_id=mask_token_id,
+      target_layer_ids=tuple(default_target_layer_ids(tcfg.n_layer, n_features)),
+      sliding=(False,) * n_layer)
+
+
+def init_params(key: jax.Array, cfg: DraftConfig, d_target: int, *, std: float = 0.02,
+                weight_fmt: str = "bf16", out_norm: Optional[np.ndarray] = None) -> draft_lib.DraftParams:
+  """Random draft (matrices N(0, std^2), norms 1): a starting point for training and for tests.
+
+  out_norm: optional [D] float32 initial final-norm weight; training passes the target's
+  `output_norm` so the draft's logits through the shared lm_head start at the target's scale
+  (with all-ones the initial cross-entropy is ~60 nats on SmolLM2 and the first hundreds of
+  steps only shrink the logits).
+  """
+  arrays = {}
+  for name, shape in expected_shapes(cfg, d_target).items():
+    key, sub = jax.random.split(key)
+    arrays[name] = (np.ones(shape, np.float32) if len(shape) == 1
+                    else np.asarray(std * jax.random.normal(sub, shape, jnp.float32)))
+  if out_norm is not None:
+    out_norm = np.asarray(out_norm, np.float32)
+    if out_norm.shape != (cfg.d_model,):
+      raise ValueError(f"init_params: out_norm shape {out_norm.shape} != ({cfg.d_model},)")
+    arrays["norm.weight"] = out_norm
+  return params_from_arrays(arrays, cfg, weight_fmt=weight_fmt)
+
+
+def save(out_dir: str, params: draft_lib.DraftParams, cfg: DraftConfig, *,
+         extra: Optional[dict] = None):
+  """Write a z-lab format draft: config.json + model.safetensors (bf16, z-lab key names), each
+  written to a temporary file first and renamed. extra: stored under config.json "dflash_jax"."""
+  from safetensors.numpy import save_file
+  import ml_dtypes
+  os.makedirs(out_dir, exist_ok=True)
+  arrays = {k: np.asarray(v, np.float32).astype(ml_dtypes.bfloat16)
+            for k, v in params_to_arrays(params, cfg).items()}
+  tmp = os.path.join(out_dir, "model.safetensors.tmp")
+  save_file(arrays, tmp, metadata={"format": "pt"})
+  os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
+  conf = cfg.to_json()
+  if extra:
+    conf["dflash_jax"] = extra
+  tmp = os.path.join(out_dir, "config.json.tmp")
+  with open(tmp, "w") as fh:
+    json.dump(conf, fh, indent=2)
+  os.replace(tmp, os.path.join(out_dir, "config.json"))

@@ -1,0 +1,64 @@
+"""`Runtime`: how the model math runs (kernels, dtypes), as opposed to what the model is
+(`TargetConfig`, read from the GGUF) and how the decode loop is shaped (`DecodeConfig`).
+
+One static (hashable) value passed as one argument through the target, draft and decode code;
+changing it recompiles. Later sharding options belong here too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+KERNEL_CHOICES = ("reference", "pallas", "pallas_interpret")
+COMPUTE_DTYPES = ("float32", "bfloat16")
+KV_DTYPES = ("float32", "bfloat16")
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+  """Execution options of the forward passes (static jit argument).
+
+  Attributes:
+    kernels: matmul / tree Gated DeltaNet implementation: "reference" (pure JAX: dequantize
+      inside the traced function + one XLA dot), "pallas" (pallas_kernels on GPU, the reference
+      for weights or shapes a kernel does not cover) or "pallas_interpret" (the same kernels
+      through the Pallas interpreter; CPU tests).
+    compute_dtype: activation / matmul operand dtype, "float32" (what the references are
+      compared in) or "bfloat16"; accumulation and norms stay float32.
+    kv_dtype: KV cache storage dtype ("float32" or "bfloat16"); attention reads it as float32.
+
+  Raises ValueError naming the field for a value outside the choices above.
+  """
+
+  kernels: str = "reference"
+  compute_dtype: str = "float32"
+  kv_dtype: str = "float32"
+
+  def __post_init__(self):
+    for name, choices in (("kernels", KERNEL_CHOICES), ("compute_dtype", COMPUTE_DTYPES),
+                          ("kv_dtype", KV_DTYPES)):
+      if getattr(self, name) not in choices:
+        raise ValueError(f"Runtime.{name}={getattr(self, name)!r}: expected one of {choices}")
+
+  @property
+  def cdt(self) -> jnp.dtype:
+    """compute_dtype as a jnp dtype."""
+    return jnp.dtype(self.compute_dtype)
+
+  @property
+  def kv(self) -> jnp.dtype:
+    """kv_dtype as a jnp dtype."""
+    return jnp.dtype(self.kv_dtype)
+
+  @classmethod
+  def for_backend(cls, kernels: str = "auto", **kw) -> "Runtime":
+    """kernels="auto" picks "pallas" when JAX's default backend is a GPU, else "reference"."""
+    if kernels == "auto":
+      kernels = "pallas" if jax.default_backend() == "gpu" else "reference"
+    elif kernels not in KERNEL_CHOICES:
+      raise ValueError(f"kernels={kernels!r}: expected 'auto' or one of {KERNEL_CHOICES}")
+    return cls(kernels=kernels, **kw)

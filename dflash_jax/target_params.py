@@ -1,0 +1,186 @@
+"""Target parameters read from GGUF: the params pytree (packed GGUF weights, f32 norms) and the
+load-time projection fusion. Tensor names and layouts exactly as llama.cpp stores them
+(src/models/{llama,qwen3,qwen35}.cpp).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+
+from dflash_jax import layers
+from dflash_jax.config import TargetConfig
+from dflash_jax.gguf_io import GGUFFile
+from dflash_jax.quants import QuantWeight, from_numpy, to_dtype
+from pallas_kernels.dequant_matmul import n_tile
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FFNParams:
+  norm: jax.Array          # [D] f32 (pre-FFN RMSNorm weight)
+  gate_up: layers.Projections  # ffn_gate [F, D], ffn_up [F, D]
+  down: QuantWeight        # [D, F]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttnParams:
+  norm: jax.Array          # [D] f32
+  qkv: layers.Projections  # attn_q [H*Dh, D] (or [H*2*Dh, D] per-head [query | gate] when
+                           # attn_gate), attn_k [Hkv*Dh, D], attn_v [Hkv*Dv, D]
+  wo: QuantWeight          # [D, H*Dv]
+  q_norm: Optional[jax.Array]  # [Dh] f32 or None
+  k_norm: Optional[jax.Array]
+  ffn: FFNParams
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GDNParams:
+  """One Gated DeltaNet layer (math: gdn.mixer_prefill / gdn.mixer_verify)."""
+
+  norm: jax.Array          # [D] f32
+  in_proj: layers.Projections  # attn_qkv [C, D] (C = 2*Hk*Dk + Hv*Dv, V rows in llama.cpp's
+                               # tiled head order), attn_gate (z) [Hv*Dv, D], ssm_beta [Hv, D],
+                               # ssm_alpha [Hv, D]
+  conv: jax.Array          # [C, K] f32 (ssm_conv1d)
+  dt_bias: jax.Array       # [Hv] f32 (ssm_dt.bias)
+  ssm_a: jax.Array         # [Hv] f32 (= -exp(A_log))
+  ssm_norm: jax.Array      # [Dv] f32 (plain weight, no +1)
+  w_out: QuantWeight       # [D, Hv*Dv]
+  ffn: FFNParams
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TargetParams:
+  embed: QuantWeight                                  # [V, D] token_embd
+  out_norm: jax.Array                                 # [D] f32
+  lm_head: QuantWeight                                # [V, D] output (token_embd when tied)
+  layers: tuple                                       # [n_layer] AttnParams | GDNParams
+  rope_freqs: Optional[jax.Array] = None              # [rope_dim/2] f32 or None
+
+
+def fuse_projections(ws: Sequence[QuantWeight], fuse: bool = True) -> layers.Projections:
+  """Group projections of one input for a fused matmul (host side, at load).
+
+  ws: member weights, logical [N_i, K] each, host (numpy) data. Members with the same format,
+  K and storage dtype are concatenated when `fuse`, except that a member is left out of a group
+  when adding it would shrink the group's power-of-2 N tile (e.g. 48-row ssm_alpha/ssm_beta
+  next to a 16384-row block: they form their own group instead). With fuse=False every member
+  is its own group. Returns a layers.Projections; `layers.project` undoes the grouping.
+  """
+  order = sorted(range(len(ws)), key=lambda i: -ws[i].shape[0])
+  groups: list[list[int]] = []
+  for i in order:
+    w = ws[i]
+    for g in groups if fuse else ():
+      head = ws[g[0]]
+      n = sum(ws[j].shape[0] for j in g) + w.shape[0]
+      if ((head.fmt, head.shape[1], np.asarray(head.data).dtype)
+          == (w.fmt, w.shape[1], np.asarray(w.data).dtype)
+          and n_tile(n) >= min(n_tile(ws[j].shape[0]) for j in g)):
+        g.append(i)
+        break
+    else:
+      groups.append([i])
+  out, members = [], []
+  for g in sorted((sorted(g) for g in groups), key=lambda g: g[0]):
+    if len(g) == 1:
+      out.append(ws[g[0]])
+    else:
+      data = np.concatenate([np.asarray(ws[j].data) for j in g], axis=0)
+      out.append(QuantWeight(data, ws[g[0]].fmt,
+                             (sum(ws[j].shape[0] for j in g), ws[g[0]].shape[1])))
+    members.append(tuple((j, ws[j].shape[0]) for j in g))
+  return layers.Projections(tuple(out), tuple(members))
+
+
+
+def _expect(f: GGUFFile, name: str, shape: tuple[int, ...]):
+  t = f.tensors.get(name)
+  if t is None:
+    raise ValueError(f"{f.path}: missing tensor {name!r}")
+  if tuple(t.shape) != tuple(shape):
+    raise ValueError(f"{f.path}: tensor {name!r} has shape {t.shape}, expected {shape}")
+  return t
+
+
+def _vec(f: GGUFFile, name: str, n: int) -> np.ndarray:
+  """A 1-D tensor (norm weights, biases) as [n] float32 on the host."""
+  t = _expect(f, name, (n,))
+  if t.fmt == "f32":
+    return np.asarray(t.data, np.float32).reshape(n)
+  w = from_numpy(t.data, t.fmt, (1, n), name=f"{f.path}:{name}")
+  return np.asarray(to_dtype(w, "f32").data, np.float32).reshape(n)
+
+
+def _mat(f: GGUFFile, name: str, shape: tuple[int, int], weights: str) -> QuantWeight:
+  t = _expect(f, name, shape)
+  w = from_numpy(t.data, t.fmt, shape, name=f"{f.path}:{name}")
+  return w if weights == "quantized" else to_dtype(w, weights)
+
+
+def _ffn(f: GGUFFile, cfg: TargetConfig, p: str, weights: str, fuse: bool) -> FFNParams:
+  d = cfg.d_model
+  norm = p + ("post_attention_norm" if cfg.arch == "qwen35" else "ffn_norm") + ".weight"
+  return FFNParams(norm=_vec(f, norm, d),
+                   gate_up=fuse_projections([_mat(f, p + "ffn_gate.weight", (cfg.d_ff, d), weights),
+                                             _mat(f, p + "ffn_up.weight", (cfg.d_ff, d), weights)],
+                                            fuse),
+                   down=_mat(f, p + "ffn_down.weight", (d, cfg.d_ff), weights))
+
+
+def _gdn_layer(f: GGUFFile, cfg: TargetConfig, p: str, weights: str, fuse: bool) -> GDNParams:
+  d, hv, dv, c = cfg.d_model, cfg.gdn_n_v_head, cfg.gdn_d_v, cfg.conv_dim
+  return GDNParams(
+      norm=_vec(f, p + "attn_norm.weight", d),
+      in_proj=fuse_projections([_mat(f, p + "attn_qkv.weight", (c, d), weights),
+                                _mat(f, p + "attn_gate.weight", (hv * dv, d), weights),
+                                _mat(f, p + "ssm_beta.weight", (hv, d), weights),
+                                _mat(f, p + "ssm_alpha.weight", (hv, d), weights)], fuse),
+      conv=np.asarray(_expect(f, p + "ssm_conv1d.weight", (c, cfg.conv_kernel)).data, np.float32),
+      dt_bias=_vec(f, p + "ssm_dt.bias", hv), ssm_a=_vec(f, p + "ssm_a", hv),
+      ssm_norm=_vec(f, p + "ssm_norm.weight", dv),
+      w_out=_mat(f, p + "ssm_out.weight", (d, hv * dv), weights),
+      ffn=_ffn(f, cfg, p, weights, fuse))
+
+
+def _attn_layer(f: GGUFFile, cfg: TargetConfig, p: str, weights: str, fuse: bool) -> AttnParams:
+  d, h, hkv, dh, dvh = cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.v_head_dim
+  q_rows = h * dh * (2 if cfg.attn_gate else 1)
+  return AttnParams(
+      norm=_vec(f, p + "attn_norm.weight", d),
+      qkv=fuse_projections([_mat(f, p + "attn_q.weight", (q_rows, d), weights),
+                            _mat(f, p + "attn_k.weight", (hkv * dh, d), weights),
+                            _mat(f, p + "attn_v.weight", (hkv * dvh, d), weights)], fuse),
+      wo=_mat(f, p + "attn_output.weight", (d, h * dvh), weights),
+      q_norm=_vec(f, p + "attn_q_norm.weight", dh) if cfg.qk_norm else None,
+      k_norm=_vec(f, p + "attn_k_norm.weight", dh) if cfg.qk_norm else None,
+      ffn=_ffn(f, cfg, p, weights, fuse))
+
+
+def load_params(f: GGUFFile, cfg: TargetConfig, *, weights: str = "quantized",
+                fuse: bool = True) -> TargetParams:
+  """Read every tensor the forward needs, check its shape against cfg.
+
+  weights: "quantized" keeps GGUF blocks packed (dequantized inside the jitted forward);
+    "f32" / "bf16" dequantize at load.
+  fuse: concatenate same-format projections of one input at load (q/k/v, ffn gate/up, the Gated
+    DeltaNet qkv/z/beta/alpha; see `fuse_projections`) so each runs as one matmul.
+  Returns host (numpy) arrays; device_put the result. Raises ValueError naming the tensor.
+  """
+  if weights not in ("quantized", "f32", "bf16"):
+    raise ValueError(f"weights={weights!r}: expected 'quantized', 'f32' or 'bf16'")
+  d, v = cfg.d_model, cfg.n_vocab
+  embed = _mat(f, "token_embd.weight", (v, d), weights)
+  lm_head = (_mat(f, "output.weight", (v, d), weights) if "output.weight" in f.tensors else embed)
+  out = [(_gdn_layer if cfg.recurrent[i] else _attn_layer)(f, cfg, f"blk.{i}.", weights, fuse)
+         for i in range(cfg.n_layer)]
+  rope_freqs = _vec(f, "rope_freqs.weight", cfg.rope_dim // 2) if cfg.has_rope_freqs else None
+  return TargetParams(embed=embed, out_norm=_vec(f, "output_norm.weight", d), lm_head=lm_head,
+                      layers=tuple(out), rope_freqs=rope_freqs)
