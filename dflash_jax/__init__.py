@@ -5,13 +5,16 @@ Public API (see README.md):
   load_draft(draft_dir, target) -> Draft
   forward_logits(target, token_ids) -> np.ndarray [T, V] float32
   first_draft_logits(target, draft, prompt_ids) -> np.ndarray [block_size-1, V] float32
-  generate(target, draft, prompt_ids, *, max_new_tokens, mode="ar"|"chain", ...) -> GenerateResult
+  generate(target, draft, prompt_ids, *, max_new_tokens, config=DecodeConfig(...), **fields)
+      -> GenerateResult
+  DecodeConfig (mode, block size, context, DDTree options), Runtime (kernels, dtypes).
 """
 
 from dflash_jax.api import (Draft, GenerateResult, Target, first_draft_logits, forward_logits,
                             generate, load_draft, load_target)
 from dflash_jax.config import DecodeConfig, DraftConfig, TargetConfig
+from dflash_jax.runtime import Runtime
 
 __all__ = ["Draft", "GenerateResult", "Target", "first_draft_logits", "forward_logits", "generate",
-           "load_draft", "load_target", "DecodeConfig", "DraftConfig", "TargetConfig"]
+           "load_draft", "load_target", "DecodeConfig", "DraftConfig", "Runtime", "TargetConfig"]
 __version__ = "0.1.0"

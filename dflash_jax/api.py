@@ -182,7 +182,9 @@ def resolve_config(target: Target, draft: Optional[Draft], config: Optional[Deco
   return dec
 
 
-def _prompt(target: Target, prompt_ids, dec: DecodeConfig) -> np.ndarray:
+def check_prompt(target: Target, prompt_ids, dec: DecodeConfig) -> np.ndarray:
+  """prompt_ids as [P] int32, checked: non-empty, integer, P < dec.max_ctx, ids in the
+  vocabulary. Raises ValueError saying which."""
   ids = np.asarray(prompt_ids).reshape(-1)
   if ids.size == 0:
     raise ValueError("empty prompt: at least one token is needed")
@@ -224,7 +226,7 @@ def first_draft_logits(target: Target, draft: Draft, prompt_ids: Sequence[int], 
   prompt's target features. Returns draft logits [block_size-1, V] float32 (row j predicts the
   token at position P+1+j)."""
   dec = resolve_config(target, draft, mode="chain", max_ctx=max_ctx, prefill_chunk=prefill_chunk)
-  state = _prefill(target, draft, _prompt(target, prompt_ids, dec), dec, _eog(target, None))
+  state = _prefill(target, draft, check_prompt(target, prompt_ids, dec), dec, _eog(target, None))
   return np.asarray(decode_lib.draft_once(target.params, draft.params, state, dcfg=draft.config,
                                           rt=target.runtime))
 
@@ -272,7 +274,7 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
       or steps_per_call < 1:
     raise ValueError(f"steps_per_call={steps_per_call!r} must be an integer >= 1")
   dec = resolve_config(target, draft, config, has_proposer=proposer is not None, **overrides)
-  ids = _prompt(target, prompt_ids, dec)
+  ids = check_prompt(target, prompt_ids, dec)
   eog = _eog(target, eog_ids)
   t0 = time.perf_counter()
   if proposer is None:

@@ -60,6 +60,37 @@ def build_prompt(target: Target, text: str, *, chat: bool, system: Optional[str]
   return tok.encode(text)
 
 
+class StreamPrinter:
+  """Writes generated text to `out` as tokens arrive (`on_tokens`), holding back an incomplete
+  UTF-8 sequence; `finish(completion)` writes the rest and a newline."""
+
+  def __init__(self, tokenizer, out):
+    self.tokenizer, self.out = tokenizer, out
+    self.ids: list[int] = []
+    self.text = ""
+
+  def on_tokens(self, new: list[int]):
+    self.ids.extend(new)
+    text_now = self.tokenizer.decode(self.ids)
+    if text_now.endswith("\ufffd"):  # incomplete UTF-8 sequence: wait for more tokens
+      return
+    self.out.write(text_now[len(self.text):])
+    self.out.flush()
+    self.text = text_now
+
+  def finish(self, completion: str):
+    self.out.write(completion[len(self.text):] + "\n")
+    self.out.flush()
+
+
+def result_fields(r: GenerateResult) -> dict:
+  """The JSON fields of a batch output row that describe a GenerateResult."""
+  return {"tokens": r.tokens, "n_prompt_tokens": r.prompt_len, "steps": r.n_steps,
+          "accept_lens": r.accept_lens, "mean_accept_len": r.mean_accept_len,
+          "prefill_tok_s": r.prefill_tok_s, "decode_tok_s": r.decode_tok_s,
+          "stop_reason": r.stop_reason}
+
+
 def stats_line(r: GenerateResult) -> str:
   return (f"prompt tokens {r.prompt_len} | prefill {r.prefill_tok_s:.1f} tok/s | "
           f"decode {r.decode_tok_s:.2f} tok/s ({len(r.tokens)} tokens) | "

@@ -20,10 +20,11 @@ class TargetFlags:
   kernels: flags.FlagHolder
   fuse_projections: flags.FlagHolder
   compute_dtype: flags.FlagHolder
+  kv_dtype: flags.FlagHolder
 
 
 def define(flag_values: flags.FlagValues = flags.FLAGS) -> TargetFlags:
-  """Defines --target, --weights, --kernels, --fuse_projections and --compute_dtype."""
+  """Defines --target, --weights, --kernels, --fuse_projections, --compute_dtype, --kv_dtype."""
   return TargetFlags(
       target=flags.DEFINE_string(
           "target", None, "Target GGUF file. Default: SmolLM2-135M-Instruct Q4_1 from the "
@@ -41,6 +42,9 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> TargetFlags:
       compute_dtype=flags.DEFINE_enum(
           "compute_dtype", "float32", ["float32", "bfloat16"],
           "Activation / matmul operand dtype.", flag_values=flag_values),
+      kv_dtype=flags.DEFINE_enum(
+          "kv_dtype", "float32", ["float32", "bfloat16"], "KV cache storage dtype.",
+          flag_values=flag_values),
   )
 
 
@@ -55,5 +59,6 @@ def load(f: TargetFlags):
   architecture or quant type) and FileNotFoundError when no target is given or installed."""
   from dflash_jax import api
   return api.load_target(target_path(f), weights=f.weights.value,
-                         compute_dtype=f.compute_dtype.value, kernels=f.kernels.value,
+                         compute_dtype=f.compute_dtype.value, kv_dtype=f.kv_dtype.value,
+                         kernels=f.kernels.value,
                          fuse_projections=f.fuse_projections.value)

@@ -19,11 +19,9 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags
 
-from absl import app, flags  # noqa: E402
-
-from dflash_jax import target_flags  # noqa: E402
+from dflash_jax import target_flags
 
 _TF = target_flags.define()
 flags.adopt_module_key_flags(target_flags)  # list them in --help
@@ -95,10 +93,92 @@ def random_draft(target, seed=0):
   """An untrained 1-layer draft (acceptance ~1): measures the verify overhead, not a speed-up."""
   import jax
   import dflash_jax as dj
-  from dflash_jax import draft as draft_lib
-  cfg = draft_lib.config_for_target(target.config)
-  params = draft_lib.init_params(jax.random.key(seed), cfg, target.config.d_model)
+  from dflash_jax import draft_io
+  cfg = draft_io.config_for_target(target.config)
+  params = draft_io.init_params(jax.random.key(seed), cfg, target.config.d_model)
   return dj.Draft(cfg, jax.device_put(params), "random")
+
+
+def load_prompts(target):
+  """[(task id, prompt ids)] of --dataset's first --n_prompts prompts."""
+  from dflash_jax import cli
+  if _DATASET.value == "humaneval":
+    return [(tid, target.tokenizer.encode(text)) for tid, text in humaneval_prompts(_N_PROMPTS.value)]
+  return [(tid, cli.build_prompt(target, text, chat=True)) for tid, text in chat_prompts(_N_PROMPTS.value)]
+
+
+def decode_configs():
+  """{column label: DecodeConfig} for --modes (ddtree: one column per --budgets entry)."""
+  import dflash_jax as dj
+  out = {}
+  for m in _MODES.value:
+    if m == "ddtree":
+      for b in _BUDGETS.value:
+        out[f"ddtree@{b}"] = dj.DecodeConfig(mode="ddtree", budget=int(b), top_k=_TOP_K.value,
+                                             max_ctx=_MAX_CTX.value)
+    else:
+      out[m] = dj.DecodeConfig(mode=m, max_ctx=_MAX_CTX.value)
+  return out
+
+
+def measure(target, draft, encoded, configs):
+  """Per prompt: every configuration --repeats times (medians), side by side; each
+  configuration is compiled first by a warm-up run."""
+  import dflash_jax as dj
+
+  def run(ids, dec):
+    return dj.generate(target, draft, ids, max_new_tokens=_N_GEN.value, config=dec, eog_ids=())
+
+  for dec in configs.values():
+    run(encoded[0][1], dec)
+  rows = []
+  for tid, ids in encoded:
+    row = {"task_id": tid, "prompt_tokens": len(ids)}
+    outputs = {}
+    for label, dec in configs.items():
+      runs = [run(ids, dec) for _ in range(_REPEATS.value)]
+      outputs[label] = runs[0].tokens
+      row[label] = {"decode_tok_s": statistics.median(x.decode_tok_s for x in runs),
+                    "prefill_tok_s": statistics.median(x.prefill_tok_s for x in runs),
+                    "mean_accept_len": runs[0].mean_accept_len, "steps": runs[0].n_steps,
+                    "n_tokens": len(runs[0].tokens)}
+    row["outputs_identical"] = len({tuple(v) for v in outputs.values()}) == 1
+    rows.append(row)
+    print(json.dumps(row), file=sys.stderr)
+  return rows
+
+
+def summarize(rows, modes, llama):
+  """Medians over prompts per mode, speed-ups vs AR and vs llama.cpp (when timed)."""
+  summary = {}
+  for mode in modes:
+    summary[mode] = {
+        "decode_tok_s_median": statistics.median(r[mode]["decode_tok_s"] for r in rows),
+        "mean_accept_len": statistics.mean(r[mode]["mean_accept_len"] for r in rows),
+        "per_prompt_accept_len": [round(r[mode]["mean_accept_len"], 3) for r in rows],
+        "steps_total": sum(r[mode]["steps"] for r in rows)}
+  if llama is not None:
+    for r, v in zip(rows, llama):
+      r["llama_cpp_ar_tok_s"] = v
+    summary["llama_cpp_ar"] = {"decode_tok_s_median": statistics.median(llama)}
+  for base, key in (("ar", "speedup_vs_ar"), ("llama_cpp_ar", "speedup_vs_llama_cpp")):
+    for mode in modes if base in summary else ():
+      summary[mode][key] = summary[mode]["decode_tok_s_median"] / summary[base]["decode_tok_s_median"]
+  return summary
+
+
+def print_table(rows, modes, summary):
+  print(f"{'task':<14}" + "".join(f"{m + ' tok/s':>14}{m + ' AL':>10}{m + ' steps':>12}"
+                                  for m in modes))
+  for r in rows:
+    print(f"{r['task_id']:<14}" + "".join(
+        f"{r[m]['decode_tok_s']:>14.2f}{r[m]['mean_accept_len']:>10.2f}{r[m]['steps']:>12d}"
+        for m in modes))
+  print(f"{'median/mean':<14}" + "".join(
+      f"{summary[m]['decode_tok_s_median']:>14.2f}{summary[m]['mean_accept_len']:>10.2f}"
+      f"{summary[m]['steps_total']:>12d}" for m in modes))
+  if "llama_cpp_ar" in summary:
+    print(f"llama.cpp autoregressive median {summary['llama_cpp_ar']['decode_tok_s_median']:.2f} tok/s")
 
 
 def main(argv):
@@ -111,78 +191,19 @@ def main(argv):
   target = target_flags.load(_TF)
   draft_dir = _DRAFT.value or cli.find_draft_dir(target) or "random"
   draft = random_draft(target) if draft_dir == "random" else dj.load_draft(draft_dir, target)
-  if _DATASET.value == "humaneval":
-    encoded = [(tid, target.tokenizer.encode(text)) for tid, text in humaneval_prompts(_N_PROMPTS.value)]
-  else:
-    encoded = [(tid, cli.build_prompt(target, text, chat=True))
-               for tid, text in chat_prompts(_N_PROMPTS.value)]
-  modes = []
-  for m in _MODES.value:
-    modes += [f"ddtree@{b}" for b in _BUDGETS.value] if m == "ddtree" else [m]
-
-  def run(ids, mode):
-    kw = {}
-    if mode.startswith("ddtree@"):
-      kw = dict(budget=int(mode.split("@")[1]), top_k=_TOP_K.value)
-      mode = "ddtree"
-    return dj.generate(target, draft, ids, max_new_tokens=_N_GEN.value, mode=mode,
-                       max_ctx=_MAX_CTX.value, eog_ids=(), **kw)
-
-  for mode in modes:  # warm-up: compile every function once
-    run(encoded[0][1], mode)
-  rows = []
-  for tid, ids in encoded:
-    row = {"task_id": tid, "prompt_tokens": len(ids)}
-    outputs = {}
-    for mode in modes:
-      runs = [run(ids, mode) for _ in range(_REPEATS.value)]
-      r = runs[0]
-      outputs[mode] = r.tokens
-      row[mode] = {"decode_tok_s": statistics.median(x.decode_tok_s for x in runs),
-                   "prefill_tok_s": statistics.median(x.prefill_tok_s for x in runs),
-                   "mean_accept_len": r.mean_accept_len, "steps": r.n_steps,
-                   "n_tokens": len(r.tokens)}
-    row["outputs_identical"] = len({tuple(v) for v in outputs.values()}) == 1
-    rows.append(row)
-    print(json.dumps(row), file=sys.stderr)
-  summary = {}
-  for mode in modes:
-    summary[mode] = {
-        "decode_tok_s_median": statistics.median(r[mode]["decode_tok_s"] for r in rows),
-        "mean_accept_len": statistics.mean(r[mode]["mean_accept_len"] for r in rows),
-        "per_prompt_accept_len": [round(r[mode]["mean_accept_len"], 3) for r in rows],
-        "steps_total": sum(r[mode]["steps"] for r in rows)}
-  if "ar" in summary:
-    for mode in modes:
-      summary[mode]["speedup_vs_ar"] = (summary[mode]["decode_tok_s_median"]
-                                        / summary["ar"]["decode_tok_s_median"])
+  encoded = load_prompts(target)
+  configs = decode_configs()
+  rows = measure(target, draft, encoded, configs)
   llama = time_llama_cpp(path, encoded, _N_GEN.value, _REPEATS.value) if _LLAMA_CPP.value else None
-  if llama is not None:
-    for r, v in zip(rows, llama):
-      r["llama_cpp_ar_tok_s"] = v
-    summary["llama_cpp_ar"] = {"decode_tok_s_median": statistics.median(llama)}
-    for mode in modes:
-      summary[mode]["speedup_vs_llama_cpp"] = (summary[mode]["decode_tok_s_median"]
-                                               / summary["llama_cpp_ar"]["decode_tok_s_median"])
+  summary = summarize(rows, list(configs), llama)
   result = {
       "dataset": _DATASET.value, "target": os.path.basename(path), "draft": draft_dir,
-      "n_prompts": len(rows),
-      "n_gen": _N_GEN.value, "repeats": _REPEATS.value, "weights": _TF.weights.value,
-      "compute_dtype": _TF.compute_dtype.value, "device": str(jax.devices()[0]),
+      "n_prompts": len(rows), "n_gen": _N_GEN.value, "repeats": _REPEATS.value,
+      "weights": _TF.weights.value, "compute_dtype": _TF.compute_dtype.value,
+      "device": str(jax.devices()[0]),
       "all_outputs_identical": all(r["outputs_identical"] for r in rows),
       "summary": summary, "per_prompt": rows, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-  hdr = f"{'task':<14}" + "".join(f"{m + ' tok/s':>14}{m + ' AL':>10}{m + ' steps':>12}"
-                                  for m in modes)
-  print(hdr)
-  for r in rows:
-    print(f"{r['task_id']:<14}" + "".join(
-        f"{r[m]['decode_tok_s']:>14.2f}{r[m]['mean_accept_len']:>10.2f}{r[m]['steps']:>12d}"
-        for m in modes))
-  print(f"{'median/mean':<14}" + "".join(
-      f"{summary[m]['decode_tok_s_median']:>14.2f}{summary[m]['mean_accept_len']:>10.2f}"
-      f"{summary[m]['steps_total']:>12d}" for m in modes))
-  if llama is not None:
-    print(f"llama.cpp autoregressive median {summary['llama_cpp_ar']['decode_tok_s_median']:.2f} tok/s")
+  print_table(rows, list(configs), summary)
   print(json.dumps({"summary": summary, "all_outputs_identical": result["all_outputs_identical"]}))
   if _JSON.value:
     with open(_JSON.value, "w") as fh:

@@ -17,13 +17,9 @@ output 248320x5120, and the loader's fused projections gate|up 34816x5120 and GD
 import json
 import os
 import statistics
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from absl import app, flags  # noqa: E402
+from absl import app, flags
 
 _SIZES = flags.DEFINE_enum("sizes", "qwen27b", ["qwen27b", "small"], "Real Qwen3.5-27B shapes, or "
                            "small ones for a CPU smoke run.")
@@ -115,14 +111,11 @@ def _copy_bandwidth(mb, repeats):
   return 2 * x.nbytes / (ms * 1e-3) / 1e9
 
 
-def _e2e(sz, copy_gbs, repeats, kernels, fuse=True):
-  """Qwen3.5-27B-shaped random model in the real Q4_K_M mix: Q6_K output and about half of
-  ffn_down / attn_qkv / attn_v (llama.cpp's use_more_bits layers), Q4_K elsewhere, F32 norms.
-  fuse: load with fused projections (the default) or one matmul per GGUF tensor."""
-  import jax
-  import jax.numpy as jnp
+def _random_qwen35(sz):
+  """(TargetConfig, GGUFFile) of a Qwen3.5-27B-shaped random model in the real Q4_K_M mix: Q6_K
+  output and about half of ffn_down / attn_qkv / attn_v (llama.cpp's use_more_bits layers), Q4_K
+  elsewhere, F32 norms."""
   import numpy as np
-  from dflash_jax import target as target_lib
   from dflash_jax.config import TargetConfig
   from dflash_jax.gguf_io import GGUFFile, GGUFTensor
 
@@ -134,7 +127,7 @@ def _e2e(sz, copy_gbs, repeats, kernels, fuse=True):
                      rms_eps=1e-6, qk_norm=True, attn_gate=True,
                      recurrent=tuple((i + 1) % 4 != 0 for i in range(n_layer)),
                      gdn_n_k_head=sz["n_k"], gdn_n_v_head=g["hv"], gdn_d_k=g["dk"], gdn_d_v=g["dv"],
-                     conv_kernel=4, kernels=kernels)
+                     conv_kernel=4)
   rng = np.random.default_rng(0)
 
   def more_bits(i):  # llama.cpp use_more_bits(i, n): first/last eighth and every third layer
@@ -181,33 +174,44 @@ def _e2e(sz, copy_gbs, repeats, kernels, fuse=True):
       mat(p + "attn_output.weight", d, h * dh, "q4_k")
       vec(p + "attn_q_norm.weight", dh)
       vec(p + "attn_k_norm.weight", dh)
-  f = GGUFFile("random-qwen35-27b-shaped", {}, tensors)
+  return cfg, GGUFFile("random-qwen35-27b-shaped", {}, tensors)
+
+
+def _e2e(sz, copy_gbs, repeats, kernels, fuse=True):
+  """AR step and 23-node tree verify of the `_random_qwen35` model (bf16 compute). fuse: load
+  with fused projections (the default) or one matmul per GGUF tensor."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from dflash_jax import target as target_lib
+  from dflash_jax import target_params
+  from dflash_jax import tree as tree_lib
+  from dflash_jax.runtime import Runtime
+  cfg, f = _random_qwen35(sz)
   # bytes read per token: every matrix except the embedding (one row is gathered)
-  model_bytes = f.n_tensor_bytes - tensors["token_embd.weight"].n_bytes
-  params = jax.device_put(target_lib.load_params(f, cfg, fuse=fuse))
-  del tensors, f
+  model_bytes = f.n_tensor_bytes - f.tensors["token_embd.weight"].n_bytes
+  params = jax.device_put(target_params.load_params(f, cfg, fuse=fuse))
+  del f
   ctx, n_tree = 512, 23
-  cache = target_lib.init_cache(cfg, ctx + 64)
-  cdt = "bfloat16"
-
-  @jax.jit
-  def ar_step(params, cache, tok):
-    logits, _, c, steps = target_lib.forward(params, cfg, tok, jnp.int32(ctx), cache, mode="verify",
-                                             compute_dtype=cdt)
-    return jnp.argmax(logits, -1), target_lib.commit(c, steps, jnp.int32(1))
-
-  parents = jnp.asarray([-1] + [max(0, (i - 1) // 2) for i in range(1, n_tree)], jnp.int32)
+  rt = Runtime(kernels=kernels, compute_dtype="bfloat16")
+  cache = target_lib.init_cache(cfg, ctx + 64, rt)
+  parents = np.asarray([-1] + [max(0, (i - 1) // 2) for i in range(1, n_tree)], np.int32)
   depths = np.zeros(n_tree, np.int32)
   for i in range(1, n_tree):
-    depths[i] = depths[int(parents[i])] + 1
+    depths[i] = depths[parents[i]] + 1
 
-  @jax.jit
-  def tree_step(params, cache, toks):
-    logits, _, c, steps = target_lib.forward(params, cfg, toks, jnp.int32(ctx), cache, mode="tree",
-                                             tree_parents=parents, tree_depths=jnp.asarray(depths),
-                                             compute_dtype=cdt)
-    path = jnp.arange(n_tree, dtype=jnp.int32)
-    return jnp.argmax(logits, -1), target_lib.commit_path(c, steps, jnp.int32(ctx), path, jnp.int32(3))
+  def step(params, cache, tree):
+    ver = target_lib.verify(params, cfg, tree, jnp.int32(ctx), cache, rt)
+    path = jnp.arange(tree.n, dtype=jnp.int32)
+    return jnp.argmax(ver.logits, -1), target_lib.commit_path(
+        ver.cache, ver.steps, jnp.int32(ctx), path, jnp.int32(min(3, tree.n)),
+        rows_in_place=tree.is_path)
+
+  ar_step = jax.jit(lambda params, cache, tok: step(params, cache, tree_lib.path_tree(tok)))
+  tree_step = jax.jit(lambda params, cache, toks: step(params, cache, tree_lib.Tree(
+      tokens=toks, parents=jnp.asarray(parents), depths=jnp.asarray(depths),
+      valid=jnp.ones((n_tree,), bool), scores=jnp.zeros((n_tree,), jnp.float32),
+      max_depth=int(depths.max()))))
 
   _log(f"e2e {kernels} fuse={fuse}: params on device ({model_bytes / 1e9:.2f} GB read per token)")
   t0 = time.perf_counter()

@@ -1,5 +1,5 @@
-"""Verify-step time: chain (one block of L tokens) vs DDTree (1 + budget tree nodes), one target
-forward + commit, on a hybrid target (default: the tiny Qwen3.5 Q4_K_M test GGUF with the fixture
+"""Verify-step time: chain (a path of L tokens), autoregressive (one token) and DDTree (1 + budget
+tree nodes), one target forward + follow + commit, on a hybrid target (default: the tiny Qwen3.5 Q4_K_M test GGUF with the fixture
 DFlash draft in tests/data). Medians over --repeats calls of the compiled functions.
 
   python scripts/bench_verify.py --budgets 4,8,16,22,32 --json_out verify.json
@@ -8,13 +8,11 @@ DFlash draft in tests/data). Medians over --repeats calls of the compiled functi
 import json
 import os
 import statistics
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from absl import app, flags
 
-from absl import app, flags  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _TARGET = flags.DEFINE_string("target", os.path.join(ROOT, "tests/data/qwen35_tiny/model-q4_k_m.gguf"),
                               "Target GGUF.")
@@ -26,45 +24,52 @@ _REPEATS = flags.DEFINE_integer("repeats", 50, "Timed calls per configuration.")
 _JSON = flags.DEFINE_string("json_out", None, "Write results JSON here.")
 
 
+def _verify_fns(t, d):
+  """(path_verify(params, cache, tokens), tree_verify(params, cache, logp, root, budget=)):
+  one verify forward + follow + commit each, jitted, at start --ctx. A path of one token is the
+  autoregressive step, of L tokens the DFlash chain."""
+  import jax
+  import jax.numpy as jnp
+  from dflash_jax import target as target_lib
+  from dflash_jax import tree as tree_lib
+  cfg, rt, fl, L = t.config, t.runtime, d.config.target_layer_ids, d.config.block_size
+  start = jnp.int32(_CTX.value)
+
+  def verify_commit(params, cache, tree, max_depth):
+    ver = target_lib.verify(params, cfg, tree, start, cache, rt, feature_layers=fl)
+    post = jnp.argmax(ver.logits, -1).astype(jnp.int32)
+    path, n_acc, _ = tree_lib.follow(tree, post, max_depth)
+    feats = ver.feats if tree.is_path else ver.feats[path]
+    return post, feats, target_lib.commit_path(ver.cache, ver.steps, start, path, n_acc + 1,
+                                                rows_in_place=tree.is_path)
+
+  path_verify = jax.jit(lambda params, cache, tokens: verify_commit(
+      params, cache, tree_lib.path_tree(tokens), tokens.shape[0] - 1))
+  tree_verify = jax.jit(lambda params, cache, logp, root, budget: verify_commit(
+      params, cache, tree_lib.build_tree(logp, root, budget=budget, top_k=_TOP_K.value), L - 1),
+      static_argnames=("budget",))
+  return path_verify, tree_verify
+
+
 def main(argv):
   del argv
-  import functools
   import jax
   import jax.numpy as jnp
   import numpy as np
   import dflash_jax as dj
   from dflash_jax import target as target_lib
-  from dflash_jax import tree as tree_lib
 
   t = dj.load_target(_TARGET.value, tokenizer=False)
   d = dj.load_draft(_DRAFT.value, t)
-  cfg, dcfg = t.config, d.config
-  L = dcfg.block_size
+  cfg = t.config
   rng = np.random.default_rng(0)
   prompt = rng.integers(0, cfg.n_vocab - 1, _CTX.value).astype(np.int32)
   logits_d = jnp.asarray(dj.first_draft_logits(t, d, prompt, max_ctx=_CTX.value + 64))
-  cap = _CTX.value + 64
-  cache = target_lib.init_cache(cfg, cap)
-  _, _, cache, _ = jax.jit(functools.partial(target_lib.forward, cfg=cfg, mode="prefill",
-                                             logits_rows="none"))(
-      t.params, tokens=jnp.asarray(prompt), start=jnp.int32(0), cache=cache)
-  fl = dcfg.target_layer_ids
-
-  @jax.jit
-  def chain_verify(params, cache, block):
-    logits, feats, c, steps = target_lib.forward(params, cfg, block, jnp.int32(_CTX.value), cache,
-                                                 mode="verify", feature_layers=fl)
-    return jnp.argmax(logits, -1), feats, target_lib.commit(c, steps, jnp.int32(L // 2))
-
-  @functools.partial(jax.jit, static_argnames=("budget",))
-  def tree_verify(params, cache, logp, *, budget):
-    tr = tree_lib.build_tree(logp, jnp.int32(prompt[-1]), budget=budget, top_k=_TOP_K.value)
-    logits, feats, c, steps = target_lib.forward(
-        params, cfg, tr.tokens, jnp.int32(_CTX.value), cache, mode="tree", feature_layers=fl,
-        tree_parents=tr.parents, tree_depths=tr.depths)
-    post = jnp.argmax(logits, -1)
-    path, n_acc, _ = tree_lib.follow(tr, post, L - 1)
-    return post, feats[path], target_lib.commit_path(c, steps, jnp.int32(_CTX.value), path, n_acc + 1)
+  cache = jax.jit(lambda p, c: target_lib.prefill(p, cfg, jnp.asarray(prompt), jnp.int32(0),
+                                                  jnp.int32(_CTX.value), c, t.runtime).cache)(
+      t.params, target_lib.init_cache(cfg, _CTX.value + 64, t.runtime))
+  path_verify, tree_verify = _verify_fns(t, d)
+  L = d.config.block_size
 
   def timeit(fn):
     jax.block_until_ready(fn())
@@ -77,11 +82,13 @@ def main(argv):
 
   block = jnp.concatenate([jnp.asarray(prompt[-1:]), jnp.argmax(logits_d, -1).astype(jnp.int32)])
   logp = jax.nn.log_softmax(logits_d, -1)
-  rows = [{"mode": "chain", "tokens": L, "ms": timeit(lambda: chain_verify(t.params, cache, block))}]
+  root = jnp.int32(prompt[-1])
+  rows = [{"mode": "chain", "tokens": L, "ms": timeit(lambda: path_verify(t.params, cache, block))},
+          {"mode": "ar", "tokens": 1, "ms": timeit(lambda: path_verify(t.params, cache, block[:1]))}]
   for b in _BUDGETS.value:
     b = int(b)
     rows.append({"mode": f"ddtree@{b}", "tokens": b + 1,
-                 "ms": timeit(lambda: tree_verify(t.params, cache, logp, budget=b))})
+                 "ms": timeit(lambda: tree_verify(t.params, cache, logp, root, budget=b))})
   for r in rows:
     r["ratio_vs_chain"] = r["ms"] / rows[0]["ms"]
   print(f"{'mode':<12}{'tokens':>8}{'verify ms':>12}{'vs chain':>10}")

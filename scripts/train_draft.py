@@ -10,14 +10,13 @@ objective, data parallel over all visible devices; periodic acceptance-length ev
 real decode loop on held-out prompts; z-lab format checkpoints (config.json + model.safetensors).
 """
 
+import dataclasses
 import json
 import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from absl import app, flags  # noqa: E402
+from absl import app, flags
 
 _TARGET = flags.DEFINE_string("target", None, "Target GGUF (default: SmolLM2-135M-Instruct Q4_1).")
 _OUT = flags.DEFINE_string("out_dir", None, "Checkpoint directory (z-lab format).", required=True)
@@ -135,29 +134,22 @@ def _eval_acceptance(target, draft_cfg, params, prompts):
   return float(np.mean(als))
 
 
-def main(argv):
-  del argv
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  import optax
-  from tqdm import tqdm
-  import dflash_jax as dj
-  from dflash_jax import cli, train
-  from dflash_jax import draft as draft_lib
-  import dataclasses
-
-  t_start = time.perf_counter()
-  path = _TARGET.value or cli.default_target_path()
-  target = dj.load_target(path, weights=_TARGET_WEIGHTS.value)
-  tcfg = target.config
+def _draft_config(target):
+  """The DraftConfig the flags describe, validated against the target."""
+  from dflash_jax import draft_io
   mask_id = _MASK.value if _MASK.value >= 0 else _choose_mask_id(target.tokenizer)
-  cfg = draft_lib.config_for_target(tcfg, n_layer=_LAYERS.value, n_features=4,
-                                    block_size=_BLOCK.value, mask_token_id=mask_id)
+  cfg = draft_io.config_for_target(target.config, n_layer=_LAYERS.value, n_features=4,
+                                   block_size=_BLOCK.value, mask_token_id=mask_id)
   if _LAYER_IDS.value:
     cfg = dataclasses.replace(cfg, target_layer_ids=tuple(int(x) for x in _LAYER_IDS.value))
-  draft_lib.validate(cfg, tcfg, path="--draft flags")
+  draft_io.validate(cfg, target.config, path="--draft flags")
+  return cfg
 
+
+def _load_data(target, cfg):
+  """(held-out prompts, training sequences, generation seconds): generates --data_dir shards that
+  are missing, then reads them and every --extra_data_dirs directory."""
+  from dflash_jax import train
   words = train.topic_words(target.tokenizer.tokens) if _N_GENERAL.value else None
   corpus = train.build_corpus(n_code=_N_CODE.value + _N_EVAL.value,
                               n_chat=_N_CHAT.value + _N_EVAL.value, seed=_SEED.value,
@@ -166,8 +158,7 @@ def main(argv):
   held_out, corpus = corpus[:2 * _N_EVAL.value], corpus[2 * _N_EVAL.value:]
   gen_s = _generate_data(target, corpus, cfg.target_layer_ids, _DATA.value)
   if _GEN_ONLY.value:
-    print(f"[train] generated {_DATA.value} in {gen_s:.0f} s", file=sys.stderr)
-    return
+    return held_out, [], gen_s
   seqs = train.load_shards(_DATA.value)
   for extra_dir in _EXTRA_DATA.value:
     if not os.path.exists(os.path.join(extra_dir, "meta.json")):
@@ -178,73 +169,119 @@ def main(argv):
       raise app.UsageError(f"--extra_data_dirs: {extra_dir} has features of layers "
                            f"{em.get('feature_layers')}, the draft needs {list(cfg.target_layer_ids)}")
     seqs += train.load_shards(extra_dir)
-  n_resp = sum(s["tokens"].size - s["prompt_len"] for s in seqs)
-  print(f"[train] {len(seqs)} sequences, {n_resp} response tokens "
-        f"(generation {gen_s:.0f} s this run)", file=sys.stderr)
+  return held_out, seqs, gen_s
 
-  n_dev = jax.device_count()
-  if _BATCH.value % n_dev:
-    raise app.UsageError(f"--batch={_BATCH.value} must be a multiple of the {n_dev} devices")
-  mesh = jax.make_mesh((n_dev,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+def _optimizer():
+  import optax
   warmup = min(_WARMUP.value, max(_STEPS.value - 1, 0))
   sched = optax.warmup_cosine_decay_schedule(0.0, _LR.value, warmup, max(_STEPS.value, warmup + 1),
                                              end_value=_LR.value * 0.05)
-  optimizer = optax.chain(optax.clip_by_global_norm(_CLIP.value),
-                          optax.adamw(sched, weight_decay=_WD.value))
-  out_norm = (_INIT_NORM.value * np.asarray(target.params.out_norm, np.float32)
-              if _INIT_NORM.value > 0 else None)
-  params = draft_lib.init_params(jax.random.key(_SEED.value), cfg, tcfg.d_model, weight_fmt="f32",
-                                 out_norm=out_norm)
-  start_step = 0
-  state_path = os.path.join(_DATA.value, "train_state.npz")
-  opt_state = optimizer.init(jax.tree.map(jnp.asarray, params))
-  if _RESUME.value and os.path.exists(state_path) and os.path.exists(
-      os.path.join(_OUT.value, "model.safetensors")):
-    z = np.load(state_path)
-    treedef = jax.tree.structure((params, opt_state))
-    params, opt_state = jax.tree.unflatten(treedef, [z[f"leaf_{i}"] for i in range(treedef.num_leaves)])
-    start_step = int(z["step"])
-    print(f"[train] resumed at step {start_step}", file=sys.stderr)
-  params = jax.device_put(jax.tree.map(jnp.asarray, params))
+  return optax.chain(optax.clip_by_global_norm(_CLIP.value),
+                     optax.adamw(sched, weight_decay=_WD.value))
+
+
+class _State:
+  """Params, optimizer state and step; saved as a z-lab checkpoint plus train_state.npz."""
+
+  def __init__(self, target, cfg, optimizer, extra):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from dflash_jax import draft_io
+    self.cfg, self.extra = cfg, extra
+    self.path = os.path.join(_DATA.value, "train_state.npz")
+    out_norm = (_INIT_NORM.value * np.asarray(target.params.out_norm, np.float32)
+                if _INIT_NORM.value > 0 else None)
+    params = draft_io.init_params(jax.random.key(_SEED.value), cfg, target.config.d_model,
+                                  weight_fmt="f32", out_norm=out_norm)
+    opt_state = optimizer.init(jax.tree.map(jnp.asarray, params))
+    self.step = 0
+    if _RESUME.value and os.path.exists(self.path) and os.path.exists(
+        os.path.join(_OUT.value, "model.safetensors")):
+      z = np.load(self.path)
+      treedef = jax.tree.structure((params, opt_state))
+      params, opt_state = jax.tree.unflatten(treedef, [z[f"leaf_{i}"] for i in range(treedef.num_leaves)])
+      self.step = int(z["step"])
+      print(f"[train] resumed at step {self.step}", file=sys.stderr)
+    self.params = jax.device_put(jax.tree.map(jnp.asarray, params))
+    self.opt_state = opt_state
+
+  def save(self, step):
+    import jax
+    import numpy as np
+    from dflash_jax import draft_io
+    draft_io.save(_OUT.value, self.params, self.cfg, extra=dict(self.extra, steps=step))
+    leaves = jax.tree.leaves((self.params, self.opt_state))
+    np.savez(self.path + ".tmp.npz", step=step,
+             **{f"leaf_{i}": np.asarray(x) for i, x in enumerate(leaves)})
+    os.replace(self.path + ".tmp.npz", self.path)
+
+
+def _train_loop(target, cfg, st, seqs, held_out, step_fn):
+  """Steps st.step .. --steps; metrics every 10 steps (returned), checkpoints and held-out
+  acceptance evaluations as the flags say."""
+  import numpy as np
+  from tqdm import tqdm
+  from dflash_jax import train
   embed, lm_head_w = train.frozen_target_tensors(target)
-  weights = jnp.asarray(train.loss_weights(cfg.block_size, _GAMMA.value))
-  step_fn = train.make_train_step(cfg, optimizer, weights, mesh=mesh, compute_dtype=_DTYPE.value)
-  rng = np.random.default_rng(_SEED.value + start_step)
-  extra = {"target_general_name": target.general_name, "target_file": os.path.basename(path),
-           "trained_with": "scripts/train_draft.py", "n_sequences": len(seqs),
-           "n_response_tokens": int(n_resp)}
-
-  def save(step):
-    train.save_checkpoint(_OUT.value, params, cfg, extra=dict(extra, steps=step))
-    leaves = jax.tree.leaves((params, opt_state))
-    np.savez(state_path + ".tmp.npz", step=step, **{f"leaf_{i}": np.asarray(x) for i, x in enumerate(leaves)})
-    os.replace(state_path + ".tmp.npz", state_path)
-
-  history = []
-  bar = tqdm(range(start_step, _STEPS.value), desc="training", unit="step", file=sys.stderr)
-  ema = None
+  rng = np.random.default_rng(_SEED.value + st.step)
+  history, ema = [], None
+  bar = tqdm(range(st.step, _STEPS.value), desc="training", unit="step", file=sys.stderr)
   for step in bar:
     pick = rng.choice(len(seqs), size=_BATCH.value, replace=False)
     batch = train.make_batch(rng, [seqs[i] for i in pick], cfg, seq_len=_SEQ_LEN.value,
-                             n_anchors=_ANCHORS.value, mask_token_id=mask_id)
-    params, opt_state, m = step_fn(params, opt_state, batch, embed, lm_head_w)
+                             n_anchors=_ANCHORS.value, mask_token_id=cfg.mask_token_id)
+    st.params, st.opt_state, m = step_fn(st.params, st.opt_state, batch, embed, lm_head_w)
     if step % 10 == 0 or step == _STEPS.value - 1:
       m = {k: float(v) for k, v in m.items()}
       ema = m if ema is None else {k: 0.9 * ema[k] + 0.1 * m[k] for k in m}
       bar.set_postfix(loss=f"{ema['loss']:.3f}", acc=f"{ema['acc']:.3f}", acc1=f"{ema['acc1']:.3f}")
       history.append({"step": step, **m})
     if (step + 1) % _SAVE_EVERY.value == 0:
-      save(step + 1)
+      st.save(step + 1)
     if _EVAL_EVERY.value and (step + 1) % _EVAL_EVERY.value == 0:
-      al = _eval_acceptance(target, cfg, params, held_out)
+      al = _eval_acceptance(target, cfg, st.params, held_out)
       tqdm.write(f"[train] step {step + 1}: held-out acceptance length {al:.2f}", file=sys.stderr)
-  save(_STEPS.value)
-  al = _eval_acceptance(target, cfg, params, held_out)
-  wall = time.perf_counter() - t_start
+  st.save(_STEPS.value)
+  return history
+
+
+def main(argv):
+  del argv
+  import jax
+  import jax.numpy as jnp
+  import dflash_jax as dj
+  from dflash_jax import cli, train
+  from dflash_jax.runtime import Runtime
+
+  t_start = time.perf_counter()
+  path = _TARGET.value or cli.default_target_path()
+  target = dj.load_target(path, weights=_TARGET_WEIGHTS.value)
+  cfg = _draft_config(target)
+  held_out, seqs, gen_s = _load_data(target, cfg)
+  if _GEN_ONLY.value:
+    print(f"[train] generated {_DATA.value} in {gen_s:.0f} s", file=sys.stderr)
+    return
+  n_resp = sum(s.tokens.size - s.prompt_len for s in seqs)
+  print(f"[train] {len(seqs)} sequences, {n_resp} response tokens "
+        f"(generation {gen_s:.0f} s this run)", file=sys.stderr)
+  n_dev = jax.device_count()
+  if _BATCH.value % n_dev:
+    raise app.UsageError(f"--batch={_BATCH.value} must be a multiple of the {n_dev} devices")
+  mesh = jax.make_mesh((n_dev,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  optimizer = _optimizer()
+  st = _State(target, cfg, optimizer, {
+      "target_general_name": target.general_name, "target_file": os.path.basename(path),
+      "trained_with": "scripts/train_draft.py", "n_sequences": len(seqs),
+      "n_response_tokens": int(n_resp)})
+  step_fn = train.make_train_step(cfg, optimizer, jnp.asarray(train.loss_weights(cfg.block_size, _GAMMA.value)),
+                                  mesh=mesh, rt=Runtime(compute_dtype=_DTYPE.value))
+  history = _train_loop(target, cfg, st, seqs, held_out, step_fn)
   summary = {"steps": _STEPS.value, "final": history[-1] if history else None,
-             "held_out_acceptance_length": al, "n_sequences": len(seqs),
-             "n_response_tokens": int(n_resp), "wall_s": wall, "devices": n_dev,
-             "checkpoint": _OUT.value}
+             "held_out_acceptance_length": _eval_acceptance(target, cfg, st.params, held_out),
+             "n_sequences": len(seqs), "n_response_tokens": int(n_resp),
+             "wall_s": time.perf_counter() - t_start, "devices": n_dev, "checkpoint": _OUT.value}
   with open(os.path.join(_DATA.value, "train_summary.json"), "w") as fh:
     json.dump({"summary": summary, "history": history}, fh, indent=1)
   print(json.dumps(summary))

@@ -80,7 +80,7 @@ def test_mismatched_draft(tmp_path, qwen_f32, field, value, match):
 
 def test_draft_with_wrong_tensor_shape(tmp_path, qwen_f32):
   from safetensors.numpy import save_file
-  from dflash_jax.draft import _load_safetensors
+  from dflash_jax.draft_io import _load_safetensors
   d = tmp_path / "draft"
   shutil.copytree(DRAFT, d)
   arrays = _load_safetensors(str(d / "model.safetensors"))
