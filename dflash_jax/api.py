@@ -161,8 +161,8 @@ class GenerateResult:
     return self.prompt_len / self.prefill_s if self.prefill_s > 0 else 0.0
 
 
-def resolve_config(target: Target, draft: Optional[Draft], config: Optional[DecodeConfig] = None,
-                   *, has_proposer: bool = False, **overrides) -> DecodeConfig:
+def resolve_config(draft: Optional[Draft], config: Optional[DecodeConfig] = None, *,
+                   has_proposer: bool = False, **overrides) -> DecodeConfig:
   """The DecodeConfig a call decodes with: `config` (default DecodeConfig()) with `overrides`
   (DecodeConfig field names) applied and block_size taken from the draft when unset (16 for a
   proposer without a draft). Raises ValueError for an unknown field or a bad value (naming
@@ -225,7 +225,7 @@ def first_draft_logits(target: Target, draft: Draft, prompt_ids: Sequence[int], 
   """Prefill prompt_ids, take the greedy next token as the bonus, run one draft step over the
   prompt's target features. Returns draft logits [block_size-1, V] float32 (row j predicts the
   token at position P+1+j)."""
-  dec = resolve_config(target, draft, mode="chain", max_ctx=max_ctx, prefill_chunk=prefill_chunk)
+  dec = resolve_config(draft, mode="chain", max_ctx=max_ctx, prefill_chunk=prefill_chunk)
   state = _prefill(target, draft, check_prompt(target, prompt_ids, dec), dec, _eog(target, None))
   return np.asarray(decode_lib.draft_once(target.params, draft.params, state, dcfg=draft.config,
                                           rt=target.runtime))
@@ -273,7 +273,7 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
   if isinstance(steps_per_call, bool) or not isinstance(steps_per_call, (int, np.integer)) \
       or steps_per_call < 1:
     raise ValueError(f"steps_per_call={steps_per_call!r} must be an integer >= 1")
-  dec = resolve_config(target, draft, config, has_proposer=proposer is not None, **overrides)
+  dec = resolve_config(draft, config, has_proposer=proposer is not None, **overrides)
   ids = check_prompt(target, prompt_ids, dec)
   eog = _eog(target, eog_ids)
   t0 = time.perf_counter()

@@ -67,7 +67,7 @@ def params_from_arrays(arrays: dict[str, np.ndarray], cfg: DraftConfig, *,
                                norm=vec("norm.weight"), layers=tuple(lay))
 
 
-def params_to_arrays(params: draft_lib.DraftParams, cfg: DraftConfig) -> dict[str, np.ndarray]:
+def params_to_arrays(params: draft_lib.DraftParams) -> dict[str, np.ndarray]:
   """Inverse of params_from_arrays: z-lab key -> host array (matrices in their stored dtype)."""
   out = {"fc.weight": np.asarray(params.fc.data), "hidden_norm.weight": np.asarray(params.hidden_norm),
          "norm.weight": np.asarray(params.norm)}
@@ -102,7 +102,6 @@ def load(draft_dir: str, tcfg: TargetConfig) -> tuple[DraftConfig, draft_lib.Dra
 
   Raises FileNotFoundError for missing files, ValueError for a mismatch or a bad tensor.
   """
-  from safetensors.numpy import load_file
 
   cfg_path = os.path.join(draft_dir, "config.json")
   st_path = os.path.join(draft_dir, "model.safetensors")
@@ -178,7 +177,7 @@ def save(out_dir: str, params: draft_lib.DraftParams, cfg: DraftConfig, *,
   import ml_dtypes
   os.makedirs(out_dir, exist_ok=True)
   arrays = {k: np.asarray(v, np.float32).astype(ml_dtypes.bfloat16)
-            for k, v in params_to_arrays(params, cfg).items()}
+            for k, v in params_to_arrays(params).items()}
   tmp = os.path.join(out_dir, "model.safetensors.tmp")
   save_file(arrays, tmp, metadata={"format": "pt"})
   os.replace(tmp, os.path.join(out_dir, "model.safetensors"))

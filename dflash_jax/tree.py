@@ -16,6 +16,7 @@ cheaper causal forms for paths behind the same `target.verify` entry point.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -88,6 +89,48 @@ def top_k_rows(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   return jnp.stack(vals, axis=-1), jnp.stack(ids, axis=-1)
 
 
+def _push(cand, n_c, score, parent, depth, rank, ok):
+  """Append a candidate (score, parent node, depth, rank among its parent's top-k) to the
+  candidate arrays at slot n_c when ok (else to the never-popped sink slot C-1)."""
+  c_score, c_parent, c_depth, c_rank = cand
+  slot = jnp.where(ok, n_c, c_score.shape[0] - 1)
+  cand = (c_score.at[slot].set(jnp.where(ok, score, -jnp.inf)), c_parent.at[slot].set(parent),
+          c_depth.at[slot].set(depth), c_rank.at[slot].set(rank))
+  return cand, n_c + ok.astype(jnp.int32)
+
+
+def _seed_chain(nodes, cand, vals, ids, n_seed: int, K: int):
+  """Nodes 1..n_seed = the top-1 chain; each chain node's rank-1 sibling becomes a candidate."""
+  tokens, parents, depths, scores, valid = nodes
+  n_c = jnp.int32(0)
+  for d in range(1, n_seed + 1):
+    tokens, parents = tokens.at[d].set(ids[d - 1, 0]), parents.at[d].set(d - 1)
+    depths, valid = depths.at[d].set(d), valid.at[d].set(True)
+    scores = scores.at[d].set(scores[d - 1] + vals[d - 1, 0])
+    if K > 1:
+      cand, n_c = _push(cand, n_c, scores[d - 1] + vals[d - 1, 1], jnp.int32(d - 1), jnp.int32(d),
+                        jnp.int32(1), jnp.bool_(True))
+  return (tokens, parents, depths, scores, valid), cand, n_c
+
+
+def _pop_best(i, carry, vals, ids, K: int, D: int):
+  """Insert the best candidate as node i; push its next sibling and its first child."""
+  (tokens, parents, depths, scores, valid), cand, n_c = carry
+  c_score, c_parent, c_depth, c_rank = cand
+  c = jnp.argmax(c_score)
+  ok = c_score[c] > -jnp.inf
+  d, r, par, sc = c_depth[c], c_rank[c], c_parent[c], c_score[c]
+  nodes = (tokens.at[i].set(jnp.where(ok, ids[d - 1, r], 0)),
+           parents.at[i].set(jnp.where(ok, par, -1)), depths.at[i].set(jnp.where(ok, d, 0)),
+           scores.at[i].set(jnp.where(ok, sc, -jnp.inf)), valid.at[i].set(ok))
+  cand = (c_score.at[c].set(-jnp.inf), c_parent, c_depth, c_rank)
+  cand, n_c = _push(cand, n_c, sc - vals[d - 1, r] + vals[d - 1, jnp.minimum(r + 1, K - 1)], par,
+                    d, r + 1, ok & (r + 1 < K))                                   # next sibling
+  cand, n_c = _push(cand, n_c, sc + vals[jnp.minimum(d, D - 1), 0], i, d + 1, jnp.int32(0),
+                    ok & (d < D))                                                 # first child
+  return nodes, cand, n_c
+
+
 def build_tree(logp: jax.Array, root_token: jax.Array, *, budget: int, top_k: int,
                chain_seed: bool = True) -> Tree:
   """Best-first tree from per-depth draft log-probs.
@@ -102,67 +145,21 @@ def build_tree(logp: jax.Array, root_token: jax.Array, *, budget: int, top_k: in
   vals, ids = top_k_rows(logp, K)                        # [D, K] descending
   N = budget + 1
   C = 2 * budget + D + 2                                 # candidate slots (each pop adds <= 2)
-  neg = jnp.float32(-jnp.inf)
-  tokens = jnp.zeros((N,), jnp.int32).at[0].set(root_token)
-  parents = jnp.full((N,), -1, jnp.int32)
-  depths = jnp.zeros((N,), jnp.int32)
-  scores = jnp.zeros((N,), jnp.float32)
-  valid = jnp.zeros((N,), bool).at[0].set(True)
-  c_score = jnp.full((C,), neg)
-  c_parent = jnp.zeros((C,), jnp.int32)
-  c_depth = jnp.ones((C,), jnp.int32)
-  c_rank = jnp.zeros((C,), jnp.int32)
-
-  def push(c, n_c, score, parent, depth, rank, ok):
-    slot = jnp.where(ok, n_c, C - 1)  # slot C-1 is a sink that is never popped
-    c_score, c_parent, c_depth, c_rank = c
-    c_score = c_score.at[slot].set(jnp.where(ok, score, neg))
-    c_parent = c_parent.at[slot].set(parent)
-    c_depth = c_depth.at[slot].set(depth)
-    c_rank = c_rank.at[slot].set(rank)
-    return (c_score, c_parent, c_depth, c_rank), n_c + ok.astype(jnp.int32)
-
-  cand = (c_score, c_parent, c_depth, c_rank)
+  nodes = (jnp.zeros((N,), jnp.int32).at[0].set(root_token), jnp.full((N,), -1, jnp.int32),
+           jnp.zeros((N,), jnp.int32), jnp.zeros((N,), jnp.float32),
+           jnp.zeros((N,), bool).at[0].set(True))
+  cand = (jnp.full((C,), -jnp.inf), jnp.zeros((C,), jnp.int32), jnp.ones((C,), jnp.int32),
+          jnp.zeros((C,), jnp.int32))
   n_seed = min(D, budget) if chain_seed else 0
-  # Chain pre-seed: nodes 1..n_seed are the top-1 chain; their rank-1 siblings become candidates.
-  n_c = jnp.int32(0)
-  for d in range(1, n_seed + 1):
-    tokens = tokens.at[d].set(ids[d - 1, 0])
-    parents = parents.at[d].set(d - 1)
-    depths = depths.at[d].set(d)
-    scores = scores.at[d].set(scores[d - 1] + vals[d - 1, 0])
-    valid = valid.at[d].set(True)
-    if K > 1:
-      cand, n_c = push(cand, n_c, scores[d - 1] + vals[d - 1, 1], jnp.int32(d - 1), jnp.int32(d),
-                       jnp.int32(1), jnp.bool_(True))
+  nodes, cand, n_c = _seed_chain(nodes, cand, vals, ids, n_seed, K)
   if not chain_seed:
-    cand, n_c = push(cand, n_c, vals[0, 0], jnp.int32(0), jnp.int32(1), jnp.int32(0), jnp.bool_(True))
-
-  def body(i, carry):
-    tokens, parents, depths, scores, valid, cand, n_c = carry
-    c_score, c_parent, c_depth, c_rank = cand
-    c = jnp.argmax(c_score)
-    ok = c_score[c] > neg
-    d, r, par, sc = c_depth[c], c_rank[c], c_parent[c], c_score[c]
-    tokens = tokens.at[i].set(jnp.where(ok, ids[d - 1, r], 0))
-    parents = parents.at[i].set(jnp.where(ok, par, -1))
-    depths = depths.at[i].set(jnp.where(ok, d, 0))
-    scores = scores.at[i].set(jnp.where(ok, sc, neg))
-    valid = valid.at[i].set(ok)
-    cand = (c_score.at[c].set(neg), c_parent, c_depth, c_rank)
-    # next sibling (same parent, next rank) and first child (next depth, rank 0)
-    sib_ok = ok & (r + 1 < K)
-    cand, n_c = push(cand, n_c, sc - vals[d - 1, r] + vals[d - 1, jnp.minimum(r + 1, K - 1)], par, d,
-                     r + 1, sib_ok)
-    child_ok = ok & (d < D)
-    cand, n_c = push(cand, n_c, sc + vals[jnp.minimum(d, D - 1), 0], i, d + 1, jnp.int32(0),
-                     child_ok)
-    return tokens, parents, depths, scores, valid, cand, n_c
-
-  carry = (tokens, parents, depths, scores, valid, cand, n_c)
+    cand, n_c = _push(cand, n_c, vals[0, 0], jnp.int32(0), jnp.int32(1), jnp.int32(0),
+                      jnp.bool_(True))
   if n_seed + 1 <= budget:
-    carry = jax.lax.fori_loop(n_seed + 1, budget + 1, body, carry)
-  tokens, parents, depths, scores, valid, _, _ = carry
+    nodes, _, _ = jax.lax.fori_loop(n_seed + 1, budget + 1,
+                                    functools.partial(_pop_best, vals=vals, ids=ids, K=K, D=D),
+                                    (nodes, cand, n_c))
+  tokens, parents, depths, scores, valid = nodes
   return Tree(tokens=tokens, parents=parents, depths=depths, valid=valid, scores=scores,
               max_depth=min(D, budget))
 

@@ -329,30 +329,21 @@ def _variant_table(res, rng, copy_gbs, reps):
   return out
 
 
-def main(argv):
-  del argv
+def _matmul_table(res, sz, rng, copy_gbs, reps):
+  """Kernel vs XLA dequantize-then-dot for --formats x the size set's shapes x --ms.
+
+  Each timed call runs the kernel on R distinct weight copies (R * bytes >= --rotate_mb, so the
+  50 MB L2 cannot serve a re-read) times T distinct x, all in one jitted function: the time per
+  kernel is the call's median / (R * T), which also amortizes the host dispatch."""
   import jax
   import jax.numpy as jnp
   import numpy as np
   from pallas_kernels import dequant_matmul as dm
-  from pallas_kernels import tree_gdn as tg
-
-  sz = QWEN27B if _SIZES.value == "qwen27b" else SMALL
-  reps = _REPEATS.value
-  res = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
-         "sizes": _SIZES.value, "interpret": _INTERPRET.value, "repeats": reps}
-  res["copy_gbs"] = copy_gbs = _copy_bandwidth(sz["copy_mb"], reps)
-  rng = np.random.default_rng(0)
-  _log(f"{res['device']}: copy bandwidth {copy_gbs:.0f} GB/s")
   rows = []
-  # Each timed call runs the kernel on R distinct weight copies (R * bytes >= --rotate_mb, so the
-  # 50 MB L2 cannot serve a re-read) times T distinct x, all in one jitted function: the time
-  # per kernel is the call's median / (R * T), which also amortizes the host dispatch.
-  for fmt in (_FORMATS.value if "matmul" in _TABLES.value else []):
+  for fmt in _FORMATS.value:
     for name, n, k in sz["shapes"]:
       nbytes, ws = _weight_copies(rng, fmt, n, k)
-      r_w = len(ws)
-      n_x = 4
+      r_w, n_x = len(ws), 4
       kern = jax.jit(lambda xs, ws: [dm.dequant_matmul(x, w, compute_dtype=jnp.bfloat16,
                                                        interpret=_INTERPRET.value)
                                      for x in xs for w in ws])
@@ -374,18 +365,18 @@ def main(argv):
         _log(f"{fmt} {name} M={m}: {ms:.4f} ms {gbs:.0f} GB/s ({gbs / copy_gbs:.2f} of copy), "
              f"XLA {ms_xla:.4f} ms, rel err {err:.1e}")
       del ws
-  res["matmul"] = rows
-  if "tiles" in _TABLES.value:
-    res["tiles"] = _tile_sweep(res, rng, copy_gbs, reps)
-  if "variants" in _TABLES.value:
-    res["variants"] = _variant_table(res, rng, copy_gbs, reps)
-  g = sz["gdn"]
-  gdn_rows = []
-  n_layers = 8   # distinct layers' inputs per timed call (one jitted call runs all of them)
-  for n_nodes in ((16, 23) if "tree_gdn" in _TABLES.value else ()):
+  return rows
+
+
+def _tree_gdn_table(res, sz, rng, reps):
+  """Tree GDN kernel vs reference, us per layer, at 16 and 23 nodes (8 layers' inputs per call)."""
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels import tree_gdn as tg
+  g, rows, n_layers = sz["gdn"], [], 8
+  for n_nodes in (16, 23):
     parents = jnp.asarray([-1] + [max(0, (i - 1) // 2) for i in range(1, n_nodes)], jnp.int32)
-    hv, dk, dv = g["hv"], g["dk"], g["dv"]
-    inputs = [_gdn_inputs(rng, n_nodes, hv, dk, dv) for _ in range(n_layers)]
+    inputs = [_gdn_inputs(rng, n_nodes, g["hv"], g["dk"], g["dv"]) for _ in range(n_layers)]
     kern = jax.jit(lambda ins: [tg.tree_gdn(*a, parents, interpret=_INTERPRET.value) for a in ins])
     ref = jax.jit(lambda ins: [tg.tree_gdn_reference(*a, parents) for a in ins])
     us = _median_ms(kern, inputs, repeats=reps) * 1e3 / n_layers
@@ -393,11 +384,52 @@ def main(argv):
     (o, st), (o_r, st_r) = kern(inputs[:1])[0], ref(inputs[:1])[0]
     err = max(float(jnp.linalg.norm(o - o_r) / jnp.linalg.norm(o_r)),
               float(jnp.linalg.norm(st - st_r) / jnp.linalg.norm(st_r)))
-    gdn_rows.append({"nodes": n_nodes, "kernel_us_per_layer": us, "reference_us_per_layer": us_ref,
-                     "rel_err_vs_reference": err})
-    _dump(res | {"tree_gdn": gdn_rows})
+    rows.append({"nodes": n_nodes, "kernel_us_per_layer": us, "reference_us_per_layer": us_ref,
+                 "rel_err_vs_reference": err})
+    _dump(res | {"tree_gdn": rows})
     _log(f"tree GDN {n_nodes} nodes: {us:.1f} us/layer, reference {us_ref:.1f}, rel err {err:.1e}")
-  res["tree_gdn"] = gdn_rows
+  return rows
+
+
+def _print_tables(res):
+  print(json.dumps(res, indent=1))
+  print(f"\ndevice {res['device']} ({res['backend']}), copy bandwidth {res['copy_gbs']:.0f} GB/s")
+  print(f"{'fmt':5} {'matrix':12} {'N':>7} {'K':>6} {'M':>3} {'kernel ms':>10} {'GB/s':>7} "
+        f"{'of copy':>8} {'XLA ms':>8} {'x XLA':>6} {'rel err':>8}")
+  for r in res.get("matmul", []):
+    print(f"{r['fmt']:5} {r['matrix']:12} {r['N']:7d} {r['K']:6d} {r['M']:3d} {r['kernel_ms']:10.3f} "
+          f"{r['kernel_gbs']:7.0f} {r['fraction_of_copy']:8.2f} {r['xla_ms']:8.3f} "
+          f"{r['speedup_vs_xla']:6.2f} {r['rel_err_vs_xla']:8.1e}")
+  for r in res.get("tree_gdn", []):
+    print(f"tree GDN {r['nodes']} nodes: kernel {r['kernel_us_per_layer']:.1f} us/layer, "
+          f"reference {r['reference_us_per_layer']:.1f} us/layer")
+  for key in ("e2e", "e2e_unfused", "e2e_reference_kernels"):
+    if key in res:
+      e = res[key]
+      print(f"{key}: AR {e['ar_ms']:.2f} ms/token (floor {e['floor_ms']:.2f} ms, "
+            f"{e['ar_fraction_of_floor']:.2f} of floor); 23-node tree verify {e['tree23_verify_ms']:.2f} ms "
+            f"({e['tree23_over_ar']:.2f}x AR)")
+
+
+def main(argv):
+  del argv
+  import jax
+  import numpy as np
+  sz = QWEN27B if _SIZES.value == "qwen27b" else SMALL
+  reps = _REPEATS.value
+  res = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
+         "sizes": _SIZES.value, "interpret": _INTERPRET.value, "repeats": reps}
+  res["copy_gbs"] = copy_gbs = _copy_bandwidth(sz["copy_mb"], reps)
+  rng = np.random.default_rng(0)
+  _log(f"{res['device']}: copy bandwidth {copy_gbs:.0f} GB/s")
+  tables = {"matmul": lambda: _matmul_table(res, sz, rng, copy_gbs, reps),
+            "tiles": lambda: _tile_sweep(res, rng, copy_gbs, reps),
+            "variants": lambda: _variant_table(res, rng, copy_gbs, reps),
+            "tree_gdn": lambda: _tree_gdn_table(res, sz, rng, reps)}
+  for name in _TABLES.value:
+    if name not in tables:
+      raise app.UsageError(f"--tables: unknown table {name!r}; expected some of {list(tables)}")
+    res[name] = tables[name]()
   pallas = "pallas_interpret" if _INTERPRET.value else "pallas"
   variants = {"pallas": ("e2e", pallas, True), "pallas_unfused": ("e2e_unfused", pallas, False),
               "reference": ("e2e_reference_kernels", "reference", True)}
@@ -407,28 +439,8 @@ def main(argv):
     key, kernels, fuse = variants[v]
     res[key] = _e2e(sz, copy_gbs, reps, kernels, fuse=fuse)
     _dump(res)
-
-  print(json.dumps(res, indent=1))
-  print(f"\ndevice {res['device']} ({res['backend']}), copy bandwidth {copy_gbs:.0f} GB/s")
-  print(f"{'fmt':5} {'matrix':12} {'N':>7} {'K':>6} {'M':>3} {'kernel ms':>10} {'GB/s':>7} "
-        f"{'of copy':>8} {'XLA ms':>8} {'x XLA':>6} {'rel err':>8}")
-  for r in rows:
-    print(f"{r['fmt']:5} {r['matrix']:12} {r['N']:7d} {r['K']:6d} {r['M']:3d} {r['kernel_ms']:10.3f} "
-          f"{r['kernel_gbs']:7.0f} {r['fraction_of_copy']:8.2f} {r['xla_ms']:8.3f} "
-          f"{r['speedup_vs_xla']:6.2f} {r['rel_err_vs_xla']:8.1e}")
-  for r in gdn_rows:
-    print(f"tree GDN {r['nodes']} nodes: kernel {r['kernel_us_per_layer']:.1f} us/layer, "
-          f"reference {r['reference_us_per_layer']:.1f} us/layer")
-  for key in ("e2e", "e2e_unfused", "e2e_reference_kernels"):
-    if key in res:
-      e = res[key]
-      print(f"{key}: AR {e['ar_ms']:.2f} ms/token (floor {e['floor_ms']:.2f} ms, "
-            f"{e['ar_fraction_of_floor']:.2f} of floor); 23-node tree verify {e['tree23_verify_ms']:.2f} ms "
-            f"({e['tree23_over_ar']:.2f}x AR)")
-  if _JSON.value:
-    os.makedirs(os.path.dirname(os.path.abspath(_JSON.value)), exist_ok=True)
-    with open(_JSON.value, "w") as fh:
-      json.dump(res, fh, indent=1)
+  _print_tables(res)
+  _dump(res)
 
 
 if __name__ == "__main__":

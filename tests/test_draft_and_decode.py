@@ -7,11 +7,10 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import dflash_jax as dj
 from dflash_jax import decode, draft_io
-from dflash_jax.config import DraftConfig, default_target_layer_ids
+from dflash_jax.config import DraftConfig
 from conftest import DRAFT
 
 
@@ -110,7 +109,6 @@ def _compiled_counts():
 
 
 def _random_draft(target, n_layer=1, seed=0):
-  from dflash_jax import draft as draft_lib
   cfg = draft_io.config_for_target(target.config, n_layer=n_layer)
   return dj.Draft(cfg, jax.device_put(draft_io.init_params(jax.random.key(seed), cfg,
                                                            target.config.d_model)), "random")

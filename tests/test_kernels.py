@@ -15,7 +15,6 @@ starts outputs as NaN (jax/_src/pallas/hlo_interpreter.py, `uninitialized_value`
 element the kernel never writes fails the finiteness checks.
 """
 
-import time
 
 import jax
 import jax.numpy as jnp

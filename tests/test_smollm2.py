@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 import dflash_jax as dj
 from conftest import SMOL, mean_kl

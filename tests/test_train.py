@@ -152,7 +152,7 @@ def test_checkpoint_round_trip_and_lossless(tmp_path, qwen_f32, tiny_data, qwen_
   import ml_dtypes  # the checkpoint stores every tensor in bf16: round the in-memory copy alike
   mem = dj.Draft(cfg, draft_io.params_from_arrays(
       {k: np.asarray(v, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
-       for k, v in draft_io.params_to_arrays(params, cfg).items()}, cfg, weight_fmt="bf16"), "mem")
+       for k, v in draft_io.params_to_arrays(params).items()}, cfg, weight_fmt="bf16"), "mem")
   prompt = qwen_ref["tokens"][0, :20]
   a = dj.first_draft_logits(qwen_f32, loaded, prompt, max_ctx=128)
   b = dj.first_draft_logits(qwen_f32, mem, prompt, max_ctx=128)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax import decode, gdn
+from dflash_jax import gdn
 from dflash_jax import tree as tree_lib
 from dflash_jax.runtime import Runtime
 from conftest import rel_err
