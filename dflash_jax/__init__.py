@@ -14,7 +14,9 @@ from dflash_jax.api import (Draft, GenerateResult, Target, first_draft_logits, f
                             generate, load_draft, load_target)
 from dflash_jax.config import DecodeConfig, DraftConfig, TargetConfig
 from dflash_jax.runtime import Runtime
+from dflash_jax.sampling import SamplingConfig
 
 __all__ = ["Draft", "GenerateResult", "Target", "first_draft_logits", "forward_logits", "generate",
-           "load_draft", "load_target", "DecodeConfig", "DraftConfig", "Runtime", "TargetConfig"]
+           "load_draft", "load_target", "DecodeConfig", "DraftConfig", "Runtime", "SamplingConfig",
+           "TargetConfig"]
 __version__ = "0.1.0"

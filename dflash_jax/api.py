@@ -19,6 +19,7 @@ from dflash_jax import target_params
 from dflash_jax.config import SUPPORTED_ARCHS, DecodeConfig, DraftConfig, TargetConfig
 from dflash_jax.gguf_io import read_gguf
 from dflash_jax.runtime import Runtime
+from dflash_jax.sampling import SamplingConfig
 from dflash_jax.tokenizer import GGUFTokenizer
 
 
@@ -31,6 +32,8 @@ class Target:
     (kernels, compute / KV dtypes) every forward of this target runs with. tokenizer:
     GGUFTokenizer (None if not requested). path: GGUF path. weights: "quantized" | "f32" |
     "bf16". gguf_tensor_bytes: bytes of all tensors in the file. general_name: `general.name`.
+    sampling_defaults: the sampling the GGUF recommends (`general.sampling.temp` / `top_k` /
+    `top_p` / `min_p`), or None when it names none.
   """
 
   config: TargetConfig
@@ -41,6 +44,7 @@ class Target:
   weights: str
   gguf_tensor_bytes: int
   general_name: str = ""
+  sampling_defaults: Optional[SamplingConfig] = None
 
   @property
   def device_bytes(self) -> int:
@@ -87,7 +91,23 @@ def load_target(gguf_path: str, *, weights: str = "quantized", compute_dtype: st
                                                     fuse=fuse_projections))
   tok = GGUFTokenizer(f.meta, path=f.path) if tokenizer else None
   return Target(cfg, params, rt, tok, f.path, weights, f.n_tensor_bytes,
-                str(f.meta.get("general.name", "")))
+                str(f.meta.get("general.name", "")), _recommended_sampling(f.meta, f.path))
+
+
+_GGUF_SAMPLING_KEYS = {"temperature": "general.sampling.temp", "top_k": "general.sampling.top_k",
+                       "top_p": "general.sampling.top_p", "min_p": "general.sampling.min_p"}
+
+
+def _recommended_sampling(meta, path: str) -> Optional[SamplingConfig]:
+  """SamplingConfig from the GGUF's `general.sampling.*` keys (None if it has none). Raises
+  ValueError naming the file and key for a value out of range."""
+  found = {k: meta[key] for k, key in _GGUF_SAMPLING_KEYS.items() if key in meta}
+  if not found:
+    return None
+  try:
+    return SamplingConfig(**{k: (int(v) if k == "top_k" else float(v)) for k, v in found.items()})
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{path}: bad recommended sampling metadata {found}: {e}") from None
 
 
 def load_draft(draft_dir: str, target: Target) -> Draft:
@@ -137,6 +157,7 @@ class GenerateResult:
     n_steps: decode steps (target verify forwards after prefill).
     prompt_len: prompt tokens. stop_reason: "eog" | "max_new_tokens" | "max_ctx".
     prefill_s, decode_s: wall seconds (compile excluded after the first call with these shapes).
+    sampling: the SamplingConfig used (temperature 0 = greedy).
   """
 
   tokens: list[int]
@@ -146,6 +167,7 @@ class GenerateResult:
   stop_reason: str
   prefill_s: float
   decode_s: float
+  sampling: SamplingConfig = SamplingConfig()
 
   @property
   def mean_accept_len(self) -> float:
@@ -170,7 +192,8 @@ def resolve_config(draft: Optional[Draft], config: Optional[DecodeConfig] = None
   fields = {f.name for f in dataclasses.fields(DecodeConfig)}
   unknown = sorted(set(overrides) - fields)
   if unknown:
-    raise ValueError(f"unknown decode option(s) {unknown}; DecodeConfig fields: {sorted(fields)}")
+    raise ValueError(f"unknown option(s) {unknown}; DecodeConfig fields: {sorted(fields)}, "
+                     f"SamplingConfig fields: {sorted(f.name for f in dataclasses.fields(SamplingConfig))}")
   dec = dataclasses.replace(config or DecodeConfig(), **overrides)
   if dec.mode != "ar" and draft is None and not has_proposer:
     raise ValueError(f"mode={dec.mode!r} needs a draft (or a proposer)")
@@ -204,11 +227,13 @@ def _eog(target: Target, eog_ids):
   return jnp.asarray(list(eog_ids) or [-1], jnp.int32)
 
 
-def _prefill(target: Target, draft: Optional[Draft], ids: np.ndarray, dec: DecodeConfig, eog):
+def _prefill(target: Target, draft: Optional[Draft], ids: np.ndarray, dec: DecodeConfig, eog,
+             sampling: SamplingConfig = SamplingConfig()):
   """Prefill `ids` chunk by chunk into a fresh DecodeState (the draft ingests the prompt's
-  target features when given and the mode is speculative)."""
+  target features when given and the mode is speculative); the first token is drawn as
+  `sampling` says."""
   dcfg = draft.config if (draft is not None and dec.mode != "ar") else None
-  state = decode_lib.init_state(target.config, dcfg, dec, target.runtime)
+  state = decode_lib.init_state(target.config, dcfg, dec, target.runtime, seed=sampling.seed)
   c = dec.prefill_chunk
   for s0 in range(0, ids.size, c):
     chunk = ids[s0:s0 + c]
@@ -216,7 +241,7 @@ def _prefill(target: Target, draft: Optional[Draft], ids: np.ndarray, dec: Decod
     state = decode_lib.prefill_chunk(
         target.params, draft.params if dcfg is not None else None, state,
         jnp.asarray(np.pad(chunk, (0, c - n))), jnp.int32(s0), jnp.int32(n), eog,
-        tcfg=target.config, dcfg=dcfg, dec=dec, rt=target.runtime)
+        sampling.params(), tcfg=target.config, dcfg=dcfg, dec=dec, rt=target.runtime)
   return state
 
 
@@ -253,17 +278,19 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
              eog_ids: Optional[Sequence[int]] = None,
              on_tokens: Optional[Callable[[list[int]], None]] = None, steps_per_call: int = 4,
              proposer: Optional[Callable] = None, proposer_params=None,
-             **overrides) -> GenerateResult:
-  """Greedy generation: speculative (mode "chain": DFlash chain; "ddtree": DDTree) or
-  autoregressive ("ar"), as `config` (a DecodeConfig) says; DecodeConfig fields may also be
-  given as keywords (e.g. mode="ddtree", budget=8), which override `config`.
+             sampling: Optional[SamplingConfig] = None, **overrides) -> GenerateResult:
+  """Generation: speculative (mode "chain": DFlash chain; "ddtree": DDTree) or autoregressive
+  ("ar"), as `config` (a DecodeConfig) says, greedy or sampled as `sampling` (a SamplingConfig;
+  default greedy) says. DecodeConfig and SamplingConfig fields may also be given as keywords
+  (e.g. mode="ddtree", budget=8, temperature=0.7, top_p=0.95, seed=1); they override the two.
 
   prompt_ids: [P] ints, P < max_ctx. max_new_tokens: tokens to generate at most (the loop also
   stops after an EOG token, or when the context reaches max_ctx).
   on_tokens: called with the newly committed token ids; the loop then runs `steps_per_call`
     steps per device call (the same compiled function), else all steps in one call.
   proposer / proposer_params: replace the DFlash draft (see decode.dflash_proposer), e.g. an oracle.
-  Greedy chain and DDTree output equal autoregressive output token for token.
+  Greedy chain and DDTree output equal autoregressive output token for token; sampled output
+  has the distribution of autoregressive sampling (sampling.py).
   Raises ValueError for a bad option (naming it), an empty or too long prompt, out-of-vocabulary
   ids, or a block size mismatch.
   """
@@ -273,21 +300,26 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
   if isinstance(steps_per_call, bool) or not isinstance(steps_per_call, (int, np.integer)) \
       or steps_per_call < 1:
     raise ValueError(f"steps_per_call={steps_per_call!r} must be an integer >= 1")
-  dec = resolve_config(draft, config, has_proposer=proposer is not None, **overrides)
+  samp_fields = {f.name for f in dataclasses.fields(SamplingConfig)}
+  sampling = dataclasses.replace(sampling or SamplingConfig(),
+                                 **{k: v for k, v in overrides.items() if k in samp_fields})
+  dec = resolve_config(draft, config, has_proposer=proposer is not None,
+                       **{k: v for k, v in overrides.items() if k not in samp_fields})
   ids = check_prompt(target, prompt_ids, dec)
   eog = _eog(target, eog_ids)
   t0 = time.perf_counter()
   if proposer is None:
     proposer, dparams = decode_lib.dflash_proposer, draft.params if draft is not None else None
-    state = _prefill(target, draft, ids, dec, eog)
+    state = _prefill(target, draft, ids, dec, eog, sampling)
   else:
     dparams = proposer_params
-    state = _prefill(target, None, ids, dec, eog)
+    state = _prefill(target, None, ids, dec, eog, sampling)
   dcfg = draft.config if (draft is not None and dec.mode != "ar") else None
   jax.block_until_ready(state.out)
   t1 = time.perf_counter()
   run = functools.partial(decode_lib.decode_loop, target.params, dparams,
-                          max_new=jnp.int32(max_new_tokens), eog_ids=eog, tcfg=target.config,
+                          max_new=jnp.int32(max_new_tokens), eog_ids=eog,
+                          sampling=sampling.params(), tcfg=target.config,
                           dcfg=dcfg, dec=dec, rt=target.runtime, proposer=proposer)
   state = _run_loop(lambda st, k: run(st, max_steps=jnp.int32(k)), state, max_new_tokens, dec,
                     on_tokens, steps_per_call)
@@ -300,4 +332,4 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
   return GenerateResult(tokens=tokens,
                         accept_lens=[int(x) for x in np.asarray(state.accept_lens[:n_steps])],
                         n_steps=n_steps, prompt_len=int(ids.size), stop_reason=stop,
-                        prefill_s=t1 - t0, decode_s=t2 - t1)
+                        prefill_s=t1 - t0, decode_s=t2 - t1, sampling=sampling)

@@ -242,6 +242,7 @@ class DraftConfig:
 
 
 MODES = ("ar", "chain", "ddtree")
+CHAIN_RULES = ("rejection", "match")
 # Bounds for sizes a user can set (sane limits checked before anything is allocated).
 MAX_BLOCK_SIZE = 64
 MAX_BUDGET = 256
@@ -271,9 +272,13 @@ class DecodeConfig:
       `generate`); ignored for "ar".
     max_ctx: cache capacity in tokens (prompt + generated must fit).
     prefill_chunk: tokens per prefill forward (prompts are padded to a multiple of it).
-    budget: DDTree nodes excluding the root. top_k: DDTree candidates per depth.
+    budget: DDTree nodes excluding the root. tree_top_k: DDTree candidates per depth.
     chain_seed: DDTree: insert the draft's top-1 chain first (acceptance never below chain).
     draft_temp: DDTree: temperature applied to the draft logits before scoring the tree.
+    chain_rule: how a chain is verified when sampling (temperature > 0; greedy ignores it):
+      "rejection" (drafts drawn from the draft's processed distribution, the standard
+      speculative sampling rule) or "match" (drafts = the draft's argmax, accepted while equal
+      to the target's own draws). Both are exact; see sampling.py.
 
   Raises ValueError naming the field (and the valid choices) for a bad value.
   """
@@ -283,9 +288,10 @@ class DecodeConfig:
   max_ctx: int = 2048
   prefill_chunk: int = 128
   budget: int = 22
-  top_k: int = 8
+  tree_top_k: int = 8
   chain_seed: bool = True
   draft_temp: float = 1.0
+  chain_rule: str = "rejection"
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -295,7 +301,9 @@ class DecodeConfig:
     _check_int(self, "max_ctx", 2)
     _check_int(self, "prefill_chunk", 1)
     _check_int(self, "budget", 1, MAX_BUDGET)
-    _check_int(self, "top_k", 1)
+    _check_int(self, "tree_top_k", 1)
+    if self.chain_rule not in CHAIN_RULES:
+      raise ValueError(f"DecodeConfig.chain_rule={self.chain_rule!r}: expected one of {CHAIN_RULES}")
     if not isinstance(self.chain_seed, bool):
       raise ValueError(f"DecodeConfig.chain_seed={self.chain_seed!r}: expected a bool")
     t = self.draft_temp

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax import draft as draft_lib
+from dflash_jax import sampling as sampling_lib
 from dflash_jax import target as target_lib
 from dflash_jax import tree as tree_lib
 from dflash_jax.config import DecodeConfig, DraftConfig, TargetConfig
@@ -43,6 +44,7 @@ class DecodeState:
     draft: DraftCache (context K/V for positions < pos - n_pending), None without a draft.
     pending: [L, F*D] float32 target features of committed rows the draft has not ingested.
     n_pending: [] int32 rows of `pending` that are real.
+    key: base PRNG key of the sampler (step n draws from fold_in(key, n); unused when greedy).
   """
 
   out: jax.Array
@@ -56,10 +58,11 @@ class DecodeState:
   draft: Optional[draft_lib.DraftCache]
   pending: Optional[jax.Array]
   n_pending: jax.Array
+  key: jax.Array
 
 
 def init_state(tcfg: TargetConfig, dcfg: Optional[DraftConfig], dec: DecodeConfig,
-               rt: Runtime) -> DecodeState:
+               rt: Runtime, seed: int = 0) -> DecodeState:
   """Zeroed state; the draft cache and pending features exist only with a draft (not "ar")."""
   s, L = dec.capacity, dec.L
   use_draft = dec.mode != "ar" and dcfg is not None
@@ -70,7 +73,15 @@ def init_state(tcfg: TargetConfig, dcfg: Optional[DraftConfig], dec: DecodeConfi
       target=target_lib.init_cache(tcfg, s, rt),
       draft=draft_lib.init_cache(dcfg, s) if use_draft else None,
       pending=(jnp.zeros((L, dcfg.n_features * tcfg.d_model), jnp.float32) if use_draft else None),
-      n_pending=jnp.int32(0))
+      n_pending=jnp.int32(0), key=jax.random.key(seed))
+
+
+def _next_token(logits: jax.Array, key: jax.Array, sampling) -> jax.Array:
+  """[R, V] logits -> [R] int32: the argmax (greedy, sampling None) or one draw per row from the
+  processed distribution (independent keys)."""
+  if sampling is None:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  return sampling_lib.draw(key, sampling_lib.process_logits(logits, sampling))
 
 
 def _feature_layers(dcfg, dec):
@@ -80,12 +91,13 @@ def _feature_layers(dcfg, dec):
 @functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "dec", "rt"),
                    donate_argnames=("state",))
 def prefill_chunk(tparams, dparams, state: DecodeState, tokens: jax.Array, start: jax.Array,
-                  n_valid: jax.Array, eog_ids: jax.Array, *, tcfg: TargetConfig,
+                  n_valid: jax.Array, eog_ids: jax.Array, sampling=None, *, tcfg: TargetConfig,
                   dcfg: Optional[DraftConfig], dec: DecodeConfig, rt: Runtime) -> DecodeState:
   """Prefill one chunk of the prompt: tokens [C] int32 (C = dec.prefill_chunk, padded), at
   positions start.., of which n_valid are real. Updates the target cache, feeds the chunk's
-  target features to the draft's context cache, and sets the first generated token (greedy
-  argmax after the last real row) as the bonus: it is final only after the last chunk."""
+  target features to the draft's context cache, and sets the first generated token (argmax, or
+  a draw when `sampling` (SamplingParams) is given, after the last real row) as the bonus: it
+  is final only after the last chunk."""
   feature_layers = _feature_layers(dcfg, dec)
   pre = target_lib.prefill(tparams, tcfg, tokens, start, n_valid, state.target, rt,
                            feature_layers=feature_layers)
@@ -93,7 +105,8 @@ def prefill_chunk(tparams, dparams, state: DecodeState, tokens: jax.Array, start
   if feature_layers:
     dcache = draft_lib.ingest(dparams, dcfg, pre.feats, start, dcache, rt)
   last = jax.lax.dynamic_slice_in_dim(pre.hidden, n_valid - 1, 1, axis=0)
-  first = jnp.argmax(target_lib.logits(tparams, tcfg, last, rt)[0]).astype(jnp.int32)
+  key = jax.random.fold_in(state.key, sampling_lib.PREFILL_STREAM)
+  first = _next_token(target_lib.logits(tparams, tcfg, last, rt), key, sampling)[0]
   return dataclasses.replace(
       state, target=pre.cache, draft=dcache, pos=start + n_valid, bonus=first,
       out=state.out.at[0].set(first), n_out=jnp.int32(1), done=jnp.any(first == eog_ids),
@@ -114,19 +127,52 @@ def dflash_proposer(tparams, dparams, s: DecodeState, *, dcfg: DraftConfig, dec:
                            rt, n_logits=dec.draft_depth)
 
 
-def build_verify_tree(dlogits: Optional[jax.Array], bonus: jax.Array,
-                      dec: DecodeConfig) -> tree_lib.Tree:
-  """The tree this mode verifies: "ar" the root alone; "chain" the path [bonus, argmax of each
-  draft row]; "ddtree" the best-first tree of dec.budget nodes from the rows' log-probs at
-  dec.draft_temp. dlogits: [D, V] float32 draft logits (None for "ar"); bonus: [] int32."""
+def _uses_rejection(dec: DecodeConfig, sampling) -> bool:
+  return sampling is not None and dec.mode == "chain" and dec.chain_rule == "rejection"
+
+
+def build_verify_tree(dlogits: Optional[jax.Array], bonus: jax.Array, dec: DecodeConfig,
+                      sampling=None, key: Optional[jax.Array] = None):
+  """The tree this mode verifies: "ar" the root alone; "chain" the path [bonus, drafts];
+  "ddtree" the best-first tree of dec.budget nodes from the rows' log-probs at dec.draft_temp.
+  Chain drafts are the rows' argmax, or, under the rejection rule (sampling given and
+  dec.chain_rule "rejection"), draws from the processed draft distribution q with `key`.
+  dlogits: [D, V] float32 draft logits (None for "ar"); bonus: [] int32.
+  Returns (tree, q [D, V] processed draft log-probs under the rejection rule, else None)."""
   if dec.mode == "ar":
-    return tree_lib.path_tree(bonus[None])
+    return tree_lib.path_tree(bonus[None]), None
   if dec.mode == "chain":
-    drafts = jnp.argmax(dlogits, axis=-1).astype(jnp.int32)
-    return tree_lib.path_tree(jnp.concatenate([bonus[None], drafts]))
+    q_logp = None
+    if _uses_rejection(dec, sampling):
+      q_logp = sampling_lib.process_logits(dlogits, sampling)
+      drafts = sampling_lib.draw(key, q_logp)
+    else:
+      drafts = jnp.argmax(dlogits, axis=-1).astype(jnp.int32)
+    return tree_lib.path_tree(jnp.concatenate([bonus[None], drafts])), q_logp
   logp = jax.nn.log_softmax(dlogits.astype(jnp.float32) / dec.draft_temp, axis=-1)
-  return tree_lib.build_tree(logp, bonus, budget=dec.budget, top_k=dec.top_k,
-                             chain_seed=dec.chain_seed)
+  return tree_lib.build_tree(logp, bonus, budget=dec.budget, top_k=dec.tree_top_k,
+                             chain_seed=dec.chain_seed), None
+
+
+def accept(tree: tree_lib.Tree, logits: jax.Array, q_logp: Optional[jax.Array],
+           dec: DecodeConfig, sampling, key: jax.Array):
+  """Which root path of the verified tree to keep, and the tokens it emits.
+
+  logits: [N, V] target logits per node. Greedy: follow the target's argmax. Sampling, "match":
+  follow independent draws of the processed target distribution at each node. Sampling,
+  chain "rejection": `sampling.rejection_chain` against q_logp.
+  Returns (path [L] int32 node ids, n_acc [] int32 accepted drafts, emit [L] int32: the
+  accepted drafts, then the bonus token at emit[n_acc])."""
+  L = dec.L
+  if _uses_rejection(dec, sampling):
+    p_logp = sampling_lib.process_logits(logits, sampling)
+    n_acc, bonus = sampling_lib.rejection_chain(key, p_logp, q_logp, tree.tokens[1:])
+    nxt = jnp.concatenate([tree.tokens[1:], jnp.zeros((1,), jnp.int32)])
+    return (jnp.arange(L, dtype=jnp.int32), n_acc,
+            jnp.where(jnp.arange(L) < n_acc, nxt, bonus))
+  post = _next_token(logits, key, sampling)                      # target's token per node
+  path, n_acc, _ = tree_lib.follow(tree, post, L - 1)            # path: [L] node ids
+  return path, n_acc, post if tree.is_path else post[path]
 
 
 def _advance(s: DecodeState, emit, n_acc, max_new, eog_ids, **changes) -> DecodeState:
@@ -144,32 +190,36 @@ def _advance(s: DecodeState, emit, n_acc, max_new, eog_ids, **changes) -> Decode
       n_pending=n_commit, **changes)
 
 
-def _step(tparams, dparams, s: DecodeState, max_new, eog_ids, *, tcfg, dcfg, dec, rt, proposer):
-  """One round: propose -> build tree -> verify -> follow -> commit."""
+def _step(tparams, dparams, s: DecodeState, max_new, eog_ids, sampling, *, tcfg, dcfg, dec, rt,
+          proposer):
+  """One round: propose -> build tree -> verify -> accept (follow) -> commit."""
   feature_layers = _feature_layers(dcfg, dec)
+  k_draft, k_accept = jax.random.split(jax.random.fold_in(s.key, s.n_steps))
   dlogits, dcache = None, s.draft
   if dec.mode != "ar":
     dlogits, dcache = proposer(tparams, dparams, s, dcfg=dcfg, dec=dec, rt=rt)
-  tree = build_verify_tree(dlogits, s.bonus, dec)
+  tree, q_logp = build_verify_tree(dlogits, s.bonus, dec, sampling, k_draft)
   ver = target_lib.verify(tparams, tcfg, tree, s.pos, s.target, rt, feature_layers=feature_layers)
-  post = jnp.argmax(ver.logits, axis=-1).astype(jnp.int32)       # target's next token per node
-  path, n_acc, _ = tree_lib.follow(tree, post, dec.L - 1)        # path: [L] node ids
+  path, n_acc, emit = accept(tree, ver.logits, q_logp, dec, sampling, k_accept)
   tcache = target_lib.commit_path(ver.cache, ver.steps, s.pos, path, n_acc + 1,
                                   rows_in_place=tree.is_path)
-  on_path = (lambda x: x) if tree.is_path else (lambda x: x[path])
-  pending = on_path(ver.feats) if feature_layers else s.pending
-  return _advance(s, on_path(post), n_acc, max_new, eog_ids, target=tcache, draft=dcache,
-                  pending=pending)
+  pending = s.pending
+  if feature_layers:
+    pending = ver.feats if tree.is_path else ver.feats[path]
+  return _advance(s, emit, n_acc, max_new, eog_ids, target=tcache, draft=dcache, pending=pending)
 
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "dec", "rt", "proposer"),
                    donate_argnames=("state",))
 def decode_loop(tparams, dparams, state: DecodeState, max_new: jax.Array, max_steps: jax.Array,
-                eog_ids: jax.Array, *, tcfg: TargetConfig, dcfg: Optional[DraftConfig],
-                dec: DecodeConfig, rt: Runtime, proposer=dflash_proposer) -> DecodeState:
+                eog_ids: jax.Array, sampling=None, *, tcfg: TargetConfig,
+                dcfg: Optional[DraftConfig], dec: DecodeConfig, rt: Runtime,
+                proposer=dflash_proposer) -> DecodeState:
   """Run decode steps until done, max_new tokens, a full cache, or max_steps more steps.
 
   max_new, max_steps: [] int32 (traced: no recompile across values). eog_ids: [E] int32.
+  sampling: None (greedy) or sampling.SamplingParams (traced: new settings do not recompile;
+  greedy and sampling are two compiled variants).
   """
   step_limit = state.n_steps + max_steps
 
@@ -181,8 +231,8 @@ def decode_loop(tparams, dparams, state: DecodeState, max_new: jax.Array, max_st
             & (s.n_steps < step_limit))                  # host asked for at most max_steps
 
   def one_round(s):
-    return _step(tparams, dparams, s, max_new, eog_ids, tcfg=tcfg, dcfg=dcfg, dec=dec, rt=rt,
-                 proposer=proposer)
+    return _step(tparams, dparams, s, max_new, eog_ids, sampling, tcfg=tcfg, dcfg=dcfg, dec=dec,
+                 rt=rt, proposer=proposer)
 
   return jax.lax.while_loop(keep_going, one_round, state)
 

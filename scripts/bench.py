@@ -35,7 +35,7 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per prompt and mode (m
 _MODES = flags.DEFINE_list("modes", ["ar", "chain"], "Modes to compare: ar, chain, ddtree.")
 _BUDGETS = flags.DEFINE_list("budgets", ["22"], "DDTree budgets (one column each) when "
                              "--modes has ddtree.")
-_TOP_K = flags.DEFINE_integer("top_k", 8, "DDTree candidates per depth.")
+_TREE_TOP_K = flags.DEFINE_integer("tree_top_k", 8, "DDTree candidates per depth.")
 _MAX_CTX = flags.DEFINE_integer("max_ctx", 1024, "Context capacity.")
 _JSON = flags.DEFINE_string("json_out", None, "Write results JSON here.")
 
@@ -114,7 +114,7 @@ def decode_configs():
   for m in _MODES.value:
     if m == "ddtree":
       for b in _BUDGETS.value:
-        out[f"ddtree@{b}"] = dj.DecodeConfig(mode="ddtree", budget=int(b), top_k=_TOP_K.value,
+        out[f"ddtree@{b}"] = dj.DecodeConfig(mode="ddtree", budget=int(b), tree_top_k=_TREE_TOP_K.value,
                                              max_ctx=_MAX_CTX.value)
     else:
       out[m] = dj.DecodeConfig(mode=m, max_ctx=_MAX_CTX.value)

@@ -18,7 +18,7 @@ _TARGET = flags.DEFINE_string("target", os.path.join(ROOT, "tests/data/qwen35_ti
                               "Target GGUF.")
 _DRAFT = flags.DEFINE_string("draft", os.path.join(ROOT, "tests/data/dflash_tiny"), "Draft directory.")
 _BUDGETS = flags.DEFINE_list("budgets", ["4", "8", "16", "22", "32"], "DDTree budgets.")
-_TOP_K = flags.DEFINE_integer("top_k", 8, "Candidates per depth.")
+_TREE_TOP_K = flags.DEFINE_integer("tree_top_k", 8, "DDTree candidates per depth.")
 _CTX = flags.DEFINE_integer("ctx", 256, "Committed context length before the verify.")
 _REPEATS = flags.DEFINE_integer("repeats", 50, "Timed calls per configuration.")
 _JSON = flags.DEFINE_string("json_out", None, "Write results JSON here.")
@@ -46,7 +46,7 @@ def _verify_fns(t, d):
   path_verify = jax.jit(lambda params, cache, tokens: verify_commit(
       params, cache, tree_lib.path_tree(tokens), tokens.shape[0] - 1))
   tree_verify = jax.jit(lambda params, cache, logp, root, budget: verify_commit(
-      params, cache, tree_lib.build_tree(logp, root, budget=budget, top_k=_TOP_K.value), L - 1),
+      params, cache, tree_lib.build_tree(logp, root, budget=budget, top_k=_TREE_TOP_K.value), L - 1),
       static_argnames=("budget",))
   return path_verify, tree_verify
 

@@ -143,7 +143,7 @@ def test_ddtree_lossless_through_second_ranked_siblings(which, qwen_f32, qwen_re
   pattern = [0, 3, 99, 7, 12, 1, 14]
   chain = _oracle_run(target, prompt, truth, pattern, 512, second=True)
   tree = _oracle_run(target, prompt, truth, pattern, 512, mode="ddtree", second=True, budget=22,
-                     top_k=4)
+                     tree_top_k=4)
   assert chain.tokens == truth.tolist() and tree.tokens == truth.tolist()
   n = 6
   assert chain.accept_lens[:n] == [min(p + 1, 16) for p in pattern[:n]]
@@ -156,16 +156,16 @@ def test_chain_shaped_tree_reproduces_chain(qwen_f32, qwen_draft, draft_ref, smo
   p = draft_ref["prompt_ids"]
   ch = dj.generate(qwen_f32, qwen_draft, p, max_new_tokens=40, mode="chain", max_ctx=256)
   tr = dj.generate(qwen_f32, qwen_draft, p, max_new_tokens=40, mode="ddtree", max_ctx=256,
-                   budget=15, top_k=1)
+                   budget=15, tree_top_k=1)
   assert tr.tokens == ch.tokens and tr.accept_lens == ch.accept_lens
   # a budget below L-1: the draft computes logits for 4 depths only; still lossless, <= 4 + bonus
   tr = dj.generate(qwen_f32, qwen_draft, p, max_new_tokens=40, mode="ddtree", max_ctx=256,
-                   budget=4, top_k=2)
+                   budget=4, tree_top_k=2)
   assert tr.tokens == ch.tokens and max(tr.accept_lens) <= 5
   d = _random_draft(smol)
   ids = smol_prompts[4]["prompt_ids"]
   ch = dj.generate(smol, d, ids, max_new_tokens=32, mode="chain", max_ctx=512)
-  tr = dj.generate(smol, d, ids, max_new_tokens=32, mode="ddtree", max_ctx=512, budget=15, top_k=1)
+  tr = dj.generate(smol, d, ids, max_new_tokens=32, mode="ddtree", max_ctx=512, budget=15, tree_top_k=1)
   ar = dj.generate(smol, d, ids, max_new_tokens=32, mode="ar", max_ctx=512)
   assert tr.tokens == ch.tokens == ar.tokens and tr.accept_lens == ch.accept_lens
 

@@ -1,0 +1,172 @@
+"""Sampling: the processed target distribution and the lossless speculative acceptance rules.
+
+The processed distribution follows llama.cpp's default sampler chain for these four settings
+(common/sampling.cpp; src/llama-sampling.cpp): top-k -> top-p -> min-p -> temperature -> draw.
+  * top-k (k > 0): keep the k highest logits (ties: the lower token id first).
+  * top-p (p < 1): softmax over the kept tokens, sort descending, keep the shortest prefix whose
+    probability mass reaches p (at least one token).
+  * min-p (m > 0): keep tokens whose logit >= max logit + log(m), i.e. p(x) >= m * p(top).
+  * temperature T > 0: softmax(logits / T) over the kept tokens. (T = 0 is greedy decoding, which
+    does not come here: the decode loop takes the argmax.)
+Truncation thus happens on the untempered logits, as in llama.cpp.
+
+Speculative rules (all exact: the distribution of generated sequences equals autoregressive
+sampling from the processed target distribution):
+  * "match" (sample-and-match; the z-lab DFlash and DDTree reference loops): at each node of
+    the verified tree, draw the target's token from its processed distribution with an
+    independent key, and follow the child carrying that token (`tree.follow` with the draws as
+    the posterior). Every emitted token is a fresh target draw given its own prefix. Works for
+    any tree; it is what DDTree uses here.
+  * "rejection" (the standard speculative sampling rule, Leviathan et al. 2023 / Chen et al.
+    2023; PyPI dflash 0.1.0 `_rejection_sample`): chain drafts are drawn from the draft's
+    processed distribution q; draft d_i is accepted with probability min(1, p_i(d_i)/q_i(d_i));
+    at the first rejection the token is drawn from normalize(max(p_i - q_i, 0)); after a fully
+    accepted block the bonus is drawn from p_L.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+# A key for the first generated token (drawn at the end of prefill); decode step n uses
+# fold_in(base key, n).
+PREFILL_STREAM = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """Sampling settings as a user gives them (host side).
+
+  Attributes:
+    temperature: 0 = greedy (bit-identical to the greedy decoder); > 0 samples.
+    top_k: keep the k most likely tokens (0 = off). top_p: nucleus mass in (0, 1] (1 = off).
+    min_p: relative probability floor in [0, 1) (0 = off). seed: base of the PRNG key.
+
+  Raises ValueError naming the field for a value out of range.
+  """
+
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  min_p: float = 0.0
+  seed: int = 0
+
+  def __post_init__(self):
+    def num(name, lo, hi, lo_open=False):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+          or v < lo or v > hi or (lo_open and v == lo):
+        side = "(" if lo_open else "["
+        raise ValueError(f"SamplingConfig.{name}={v!r}: must be a number in {side}{lo}, {hi}]")
+    num("temperature", 0.0, 1e4)
+    num("top_p", 0.0, 1.0, lo_open=True)
+    num("min_p", 0.0, 1.0)
+    for name in ("top_k", "seed"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v >= 2**31:
+        raise ValueError(f"SamplingConfig.{name}={v!r}: must be an integer in [0, 2^31)")
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0
+
+  def params(self) -> Optional["SamplingParams"]:
+    """The traced form the decode loop takes; None when greedy."""
+    if self.greedy:
+      return None
+    return SamplingParams(temperature=jnp.float32(self.temperature), top_k=jnp.int32(self.top_k),
+                          top_p=jnp.float32(self.top_p), min_p=jnp.float32(self.min_p))
+
+  def describe(self) -> str:
+    if self.greedy:
+      return "greedy"
+    return (f"temperature {self.temperature:g}, top_k {self.top_k}, top_p {self.top_p:g}, "
+            f"min_p {self.min_p:g}, seed {self.seed}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """Sampling settings as traced scalars (changing them does not recompile): temperature [] f32
+  (> 0), top_k [] int32 (0 = off), top_p [] f32 (1 = off), min_p [] f32 (0 = off)."""
+
+  temperature: jax.Array
+  top_k: jax.Array
+  top_p: jax.Array
+  min_p: jax.Array
+
+
+def _truncation_mask(x: jax.Array, sp: SamplingParams) -> jax.Array:
+  """[R, V] bool: tokens kept by top-k then top-p (sorted per row; a sort only when either is
+  on, chosen at run time by lax.cond)."""
+  r, v = x.shape
+
+  def sorted_keep(x):
+    order = jnp.argsort(-x, axis=-1, stable=True)                      # [R, V] ids, best first
+    xs = jnp.take_along_axis(x, order, axis=-1)
+    rank = jnp.arange(v)[None, :]
+    keep = (sp.top_k <= 0) | (rank < sp.top_k)
+    probs = jax.nn.softmax(jnp.where(keep, xs, -jnp.inf), axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs                        # mass of better tokens
+    keep = keep & ((sp.top_p >= 1.0) | (before < sp.top_p))
+    return jnp.zeros((r, v), bool).at[jnp.arange(r)[:, None], order].set(keep)
+
+  needs_sort = (sp.top_k > 0) | (sp.top_p < 1.0)
+  return jax.lax.cond(needs_sort, sorted_keep, lambda x: jnp.ones(x.shape, bool), x)
+
+
+def process_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:
+  """Log-probabilities of the processed distribution (llama.cpp chain: top-k, top-p, min-p,
+  temperature). logits: [R, V] float; returns [R, V] float32, -inf for removed tokens."""
+  x = logits.astype(jnp.float32)
+  keep = _truncation_mask(x, sp)
+  top = jnp.max(jnp.where(keep, x, -jnp.inf), axis=-1, keepdims=True)
+  keep = keep & ((sp.min_p <= 0) | (x >= top + jnp.log(jnp.maximum(sp.min_p, 1e-30))))
+  return jax.nn.log_softmax(jnp.where(keep, x / sp.temperature, -jnp.inf), axis=-1)
+
+
+def draw(key: jax.Array, logp: jax.Array) -> jax.Array:
+  """One token per row from log-probabilities logp [R, V], independent keys per row. [R] int32."""
+  keys = jax.random.split(key, logp.shape[0])
+  return jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)
+
+
+def accept_prob(p: jax.Array, q: jax.Array, d: jax.Array) -> jax.Array:
+  """min(1, p(d) / q(d)) per row: p, q [R, V] probabilities, d [R] int32 drafts (drawn from q,
+  so q(d) > 0). Returns [R] float32."""
+  pd = jnp.take_along_axis(p, d[:, None], axis=-1)[:, 0]
+  qd = jnp.take_along_axis(q, d[:, None], axis=-1)[:, 0]
+  return jnp.minimum(1.0, pd / jnp.maximum(qd, 1e-30))
+
+
+def residual(p: jax.Array, q: jax.Array) -> jax.Array:
+  """normalize(max(p - q, 0)) per row, as log-probabilities [R, V]; where p == q (nothing left,
+  a rejection then has probability 0) it falls back to p."""
+  r = jnp.maximum(p - q, 0.0)
+  s = jnp.sum(r, axis=-1, keepdims=True)
+  return jnp.log(jnp.where(s > 0, r / jnp.where(s > 0, s, 1.0), p))
+
+
+def rejection_chain(key: jax.Array, p_logp: jax.Array, q_logp: jax.Array, drafts: jax.Array):
+  """The standard speculative sampling rule over a chain of D drafts.
+
+  p_logp: [D + 1, V] processed target log-probs at the chain's nodes (node i predicts the token
+  after it); q_logp: [D, V] processed draft log-probs of the drafts; drafts: [D] int32, drafts[i]
+  drawn from q_logp[i] and placed at node i + 1. Returns (n_acc [] int32 accepted drafts,
+  bonus [] int32: the residual draw at the first rejection, or a draw from p at node D).
+  """
+  d = drafts.shape[0]
+  k_u, k_res, k_bonus = jax.random.split(key, 3)
+  p, q = jnp.exp(p_logp), jnp.exp(q_logp)
+  u = jax.random.uniform(k_u, (d,))
+  ok = u < accept_prob(p[:d], q, drafts)
+  n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32))).astype(jnp.int32)
+  i = jnp.minimum(n_acc, d - 1)
+  res = jax.random.categorical(k_res, residual(p[i][None], q[i][None])[0]).astype(jnp.int32)
+  full = jax.random.categorical(k_bonus, p_logp[d]).astype(jnp.int32)
+  return n_acc, jnp.where(n_acc == d, full, res)
