@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import importlib.util
 import json
@@ -88,11 +89,11 @@ def result_fields(r: GenerateResult) -> dict:
   return {"tokens": r.tokens, "n_prompt_tokens": r.prompt_len, "steps": r.n_steps,
           "accept_lens": r.accept_lens, "mean_accept_len": r.mean_accept_len,
           "prefill_tok_s": r.prefill_tok_s, "decode_tok_s": r.decode_tok_s,
-          "stop_reason": r.stop_reason}
+          "stop_reason": r.stop_reason, "sampling": dataclasses.asdict(r.sampling)}
 
 
 def stats_line(r: GenerateResult) -> str:
   return (f"prompt tokens {r.prompt_len} | prefill {r.prefill_tok_s:.1f} tok/s | "
           f"decode {r.decode_tok_s:.2f} tok/s ({len(r.tokens)} tokens) | "
           f"mean acceptance length {r.mean_accept_len:.2f} | steps {r.n_steps} | "
-          f"stop {r.stop_reason}")
+          f"stop {r.stop_reason} | {r.sampling.describe()}")

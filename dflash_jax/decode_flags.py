@@ -1,8 +1,8 @@
-"""The absl flags that build a `DecodeConfig`, shared by scripts/generate.py and scripts/bench.py.
+"""The absl flags that build a `DecodeConfig` and a `SamplingConfig`, shared by the scripts.
 
 Call `define()` once at a script's module level; `config(holders, mode=...)` then returns the
-validated DecodeConfig (a bad value is a ValueError naming the field). Kept out of `cli` so
-importing the library defines no flags.
+validated DecodeConfig and `sampling(holders, defaults)` the SamplingConfig (a bad value is a
+ValueError naming the flag). Kept out of `cli` so importing the library defines no flags.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import dataclasses
 
 from absl import flags
 
-from dflash_jax.config import MODES, DecodeConfig
+from dflash_jax.config import CHAIN_RULES, MODES, DecodeConfig
+from dflash_jax.sampling import SamplingConfig
 
 _DEFAULT = DecodeConfig()
 
@@ -24,14 +25,22 @@ class DecodeFlags:
   block_size: flags.FlagHolder
   max_ctx: flags.FlagHolder
   budget: flags.FlagHolder
-  top_k: flags.FlagHolder
+  tree_top_k: flags.FlagHolder
   chain_seed: flags.FlagHolder
   draft_temp: flags.FlagHolder
+  chain_rule: flags.FlagHolder
+  temperature: flags.FlagHolder
+  top_k: flags.FlagHolder
+  top_p: flags.FlagHolder
+  min_p: flags.FlagHolder
+  seed: flags.FlagHolder
 
 
 def define(flag_values: flags.FlagValues = flags.FLAGS, *,
            max_ctx: int = _DEFAULT.max_ctx) -> DecodeFlags:
-  """Defines --mode, --block_size, --max_ctx, --budget, --top_k, --chain_seed, --draft_temp."""
+  """Defines --mode, --block_size, --max_ctx, --budget, --tree_top_k, --chain_seed,
+  --draft_temp, --chain_rule and the sampling flags --temperature, --top_k, --top_p, --min_p,
+  --seed (unset sampling flags take the GGUF's recommended values, else greedy)."""
   fv = dict(flag_values=flag_values)
   return DecodeFlags(
       mode=flags.DEFINE_enum("mode", None, list(MODES), "Decoding: 'chain' (DFlash), 'ddtree' "
@@ -42,11 +51,25 @@ def define(flag_values: flags.FlagValues = flags.FLAGS, *,
       max_ctx=flags.DEFINE_integer("max_ctx", max_ctx, "Context capacity in tokens (prompt + "
                                    "output).", **fv),
       budget=flags.DEFINE_integer("budget", _DEFAULT.budget, "DDTree nodes besides the root.", **fv),
-      top_k=flags.DEFINE_integer("top_k", _DEFAULT.top_k, "DDTree candidates per depth.", **fv),
+      tree_top_k=flags.DEFINE_integer("tree_top_k", _DEFAULT.tree_top_k, "DDTree candidates "
+                                      "per depth.", **fv),
       chain_seed=flags.DEFINE_boolean("chain_seed", _DEFAULT.chain_seed, "DDTree: insert the "
                                       "draft's top-1 chain first.", **fv),
       draft_temp=flags.DEFINE_float("draft_temp", _DEFAULT.draft_temp, "DDTree: temperature of "
                                     "the draft log-probs.", **fv),
+      chain_rule=flags.DEFINE_enum("chain_rule", _DEFAULT.chain_rule, list(CHAIN_RULES),
+                                   "Chain verification when sampling: 'rejection' (standard "
+                                   "speculative sampling) or 'match' (accept while the draft's "
+                                   "argmax equals the target's draw).", **fv),
+      temperature=flags.DEFINE_float("temperature", None, "Sampling temperature; 0 = greedy. "
+                                     "Default: the GGUF's general.sampling.temp, else 0.", **fv),
+      top_k=flags.DEFINE_integer("top_k", None, "Sampling top-k (0 = off). Default: the GGUF's, "
+                                 "else 0.", **fv),
+      top_p=flags.DEFINE_float("top_p", None, "Sampling top-p (1 = off). Default: the GGUF's, "
+                               "else 1.", **fv),
+      min_p=flags.DEFINE_float("min_p", None, "Sampling min-p (0 = off). Default: the GGUF's, "
+                               "else 0.", **fv),
+      seed=flags.DEFINE_integer("seed", 0, "Sampling seed.", **fv),
   )
 
 
@@ -55,10 +78,24 @@ def config(f: DecodeFlags, **overrides) -> DecodeConfig:
   unset means "chain" here (the caller picks "ar" when there is no draft). Raises ValueError
   naming the flag for a bad value."""
   values = dict(mode=f.mode.value or "chain", block_size=f.block_size.value,
-                max_ctx=f.max_ctx.value, budget=f.budget.value, top_k=f.top_k.value,
-                chain_seed=f.chain_seed.value, draft_temp=f.draft_temp.value)
+                max_ctx=f.max_ctx.value, budget=f.budget.value, tree_top_k=f.tree_top_k.value,
+                chain_seed=f.chain_seed.value, draft_temp=f.draft_temp.value,
+                chain_rule=f.chain_rule.value)
   values.update(overrides)
   try:
     return DecodeConfig(**values)
   except ValueError as e:  # name the flag, not the dataclass field
     raise ValueError(str(e).replace("DecodeConfig.", "--")) from None
+
+
+def sampling(f: DecodeFlags, defaults: SamplingConfig | None = None) -> SamplingConfig:
+  """The SamplingConfig the flags name; a sampling flag left unset takes its value from
+  `defaults` (the GGUF's recommended sampling, `Target.sampling_defaults`), else greedy. Raises
+  ValueError naming the flag for a bad value."""
+  base = defaults or SamplingConfig()
+  values = {name: getattr(f, name).value for name in ("temperature", "top_k", "top_p", "min_p")}
+  values = {k: (getattr(base, k) if v is None else v) for k, v in values.items()}
+  try:
+    return SamplingConfig(seed=f.seed.value, **values)
+  except ValueError as e:
+    raise ValueError(str(e).replace("SamplingConfig.", "--")) from None

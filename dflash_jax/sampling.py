@@ -2,9 +2,11 @@
 
 The processed distribution follows llama.cpp's default sampler chain for these four settings
 (common/sampling.cpp; src/llama-sampling.cpp): top-k -> top-p -> min-p -> temperature -> draw.
-  * top-k (k > 0): keep the k highest logits (ties: the lower token id first).
+  * top-k (k > 0): keep the k highest logits.
   * top-p (p < 1): softmax over the kept tokens, sort descending, keep the shortest prefix whose
     probability mass reaches p (at least one token).
+  Ties exactly at a top-k / top-p boundary are all kept (llama.cpp keeps the subset its
+  unstable sort happens to put first).
   * min-p (m > 0): keep tokens whose logit >= max logit + log(m), i.e. p(x) >= m * p(top).
   * temperature T > 0: softmax(logits / T) over the kept tokens. (T = 0 is greedy decoding, which
     does not come here: the decode loop takes the argmax.)
@@ -101,23 +103,56 @@ class SamplingParams:
   min_p: jax.Array
 
 
+def _order_key(x: jax.Array) -> jax.Array:
+  """float32 -> uint32 with the same order (IEEE bits, sign folded)."""
+  i = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  return jnp.where(i >> 31 == 1, ~i, i | jnp.uint32(0x80000000))
+
+
+def _largest_threshold(keys: jax.Array, ok) -> jax.Array:
+  """Per row, the largest t in uint32 with ok(t) [R] bool true, by 32 bisection steps; ok must
+  be true at t = 0 and monotone (true up to the answer, false above). keys: [R, V] uint32 (only
+  the row count is used). Returns [R, 1] uint32."""
+  r = keys.shape[0]
+
+  def body(_, c):
+    lo, hi = c
+    d = hi - lo
+    mid = lo + (d >> 1) + (d & 1)                     # ceil((lo + hi) / 2), no overflow
+    good = ok(mid[:, None])
+    return jnp.where(good, mid, lo), jnp.where(good, hi, mid - 1)
+
+  lo, _ = jax.lax.fori_loop(0, 32, body, (jnp.zeros((r,), jnp.uint32),
+                                          jnp.full((r,), 0xFFFFFFFF, jnp.uint32)))
+  return lo[:, None]
+
+
+def _top_k_mask(x: jax.Array, k: jax.Array) -> jax.Array:
+  """[R, V] bool: logits >= the k-th largest of the row (k >= 1; ties at the boundary all kept)."""
+  keys = _order_key(x)
+  k = jnp.minimum(k, x.shape[-1])
+  t = _largest_threshold(keys, lambda t: jnp.sum(keys >= t, axis=-1) >= k)
+  return keys >= t
+
+
+def _top_p_mask(x: jax.Array, keep: jax.Array, top_p: jax.Array) -> jax.Array:
+  """[R, V] bool: the most likely kept tokens whose softmax mass (over `keep`) first reaches
+  top_p: probabilities >= the largest threshold t with mass(p >= t) >= top_p (ties at the
+  boundary all kept)."""
+  probs = jax.nn.softmax(jnp.where(keep, x, -jnp.inf), axis=-1)
+  keys = _order_key(probs)
+  t = _largest_threshold(
+      keys, lambda t: jnp.sum(jnp.where(keys >= t, probs, 0.0), axis=-1) >= top_p)
+  return keep & (keys >= t)
+
+
 def _truncation_mask(x: jax.Array, sp: SamplingParams) -> jax.Array:
-  """[R, V] bool: tokens kept by top-k then top-p (sorted per row; a sort only when either is
-  on, chosen at run time by lax.cond)."""
-  r, v = x.shape
-
-  def sorted_keep(x):
-    order = jnp.argsort(-x, axis=-1, stable=True)                      # [R, V] ids, best first
-    xs = jnp.take_along_axis(x, order, axis=-1)
-    rank = jnp.arange(v)[None, :]
-    keep = (sp.top_k <= 0) | (rank < sp.top_k)
-    probs = jax.nn.softmax(jnp.where(keep, xs, -jnp.inf), axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs                        # mass of better tokens
-    keep = keep & ((sp.top_p >= 1.0) | (before < sp.top_p))
-    return jnp.zeros((r, v), bool).at[jnp.arange(r)[:, None], order].set(keep)
-
-  needs_sort = (sp.top_k > 0) | (sp.top_p < 1.0)
-  return jax.lax.cond(needs_sort, sorted_keep, lambda x: jnp.ones(x.shape, bool), x)
+  """[R, V] bool: tokens kept by top-k then top-p. Both find their cut by bisection on the
+  values' bit patterns (32 passes over the row, no sort: a sort of [16, 49152] costs ~55 ms
+  on 2 CPU cores), each run only when on (lax.cond on the traced settings)."""
+  all_ = jnp.ones(x.shape, bool)
+  keep = jax.lax.cond(sp.top_k > 0, lambda: _top_k_mask(x, sp.top_k), lambda: all_)
+  return jax.lax.cond(sp.top_p < 1.0, lambda: _top_p_mask(x, keep, sp.top_p), lambda: keep)
 
 
 def process_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:

@@ -38,7 +38,7 @@ _WARMUP = flags.DEFINE_boolean("warmup", True, "Compile on a 1-token prompt firs
 
 
 def _load():
-  """(target, draft or None, DecodeConfig) as the flags say."""
+  """(target, draft or None, DecodeConfig, SamplingConfig) as the flags say."""
   import dflash_jax as dj
   from dflash_jax import cli
   from tqdm import tqdm
@@ -60,24 +60,24 @@ def _load():
       raise app.UsageError(f"--mode={dec.mode} needs a draft (--draft)")
     print(f"[dflash] no draft for {os.path.basename(path)}: decoding autoregressively",
           file=sys.stderr)
-  return target, draft, dec
+  return target, draft, dec, decode_flags.sampling(_DF, target.sampling_defaults)
 
 
-def _warm_up(target, draft, dec, ids):
+def _warm_up(target, draft, dec, samp, ids):
   import dflash_jax as dj
   t0 = time.perf_counter()
-  dj.generate(target, draft, ids[:1], max_new_tokens=2, config=dec,
+  dj.generate(target, draft, ids[:1], max_new_tokens=2, config=dec, sampling=samp,
               on_tokens=(lambda _: None) if _STREAM.value else None)
   print(f"[dflash] compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
 
-def _run_one(target, draft, dec, ids, max_new, stream):
+def _run_one(target, draft, dec, samp, ids, max_new, stream):
   """Generate for prompt ids; streams to stdout when `stream`. Returns (result, completion)."""
   import dflash_jax as dj
   from dflash_jax import cli
 
   printer = cli.StreamPrinter(target.tokenizer, sys.stdout) if stream else None
-  r = dj.generate(target, draft, ids, max_new_tokens=max_new, config=dec,
+  r = dj.generate(target, draft, ids, max_new_tokens=max_new, config=dec, sampling=samp,
                   on_tokens=printer.on_tokens if printer else None)
   completion = target.tokenizer.decode(r.tokens)
   if printer:
@@ -97,7 +97,7 @@ def _read_rows(path):
   return rows
 
 
-def _batch(target, draft, dec):
+def _batch(target, draft, dec, samp):
   """--prompt_file rows in order; results as JSONL to --output_file."""
   from dflash_jax import cli
   rows = _read_rows(_PROMPT_FILE.value)
@@ -106,7 +106,8 @@ def _batch(target, draft, dec):
     text = row.get("prompt", row.get("text"))
     print(f"--- [{row.get('id', i)}]", file=sys.stderr)
     ids = cli.build_prompt(target, text, chat=_CHAT.value, system=row.get("system", _SYSTEM.value))
-    r, completion = _run_one(target, draft, dec, ids, int(row.get("max_new_tokens", _MAX_NEW.value)),
+    r, completion = _run_one(target, draft, dec, samp, ids,
+                             int(row.get("max_new_tokens", _MAX_NEW.value)),
                              _STREAM.value and out is None)
     print(cli.stats_line(r), file=sys.stderr)
     if out is not None:
@@ -125,18 +126,18 @@ def main(argv):
   if _PROMPT.value is not None and _PROMPT_FILE.value:
     raise app.UsageError("give --prompt or --prompt_file, not both")
   from dflash_jax import api, cli
-  target, draft, dec = _load()
+  target, draft, dec, samp = _load()
   if _PROMPT_FILE.value:
     if _WARMUP.value:
-      _warm_up(target, draft, dec, cli.build_prompt(target, "hi", chat=_CHAT.value))
-    return _batch(target, draft, dec)
+      _warm_up(target, draft, dec, samp, cli.build_prompt(target, "hi", chat=_CHAT.value))
+    return _batch(target, draft, dec, samp)
   text = _PROMPT.value if _PROMPT.value is not None else sys.stdin.read()
   ids = api.check_prompt(target, cli.build_prompt(target, text, chat=_CHAT.value,
                                                   system=_SYSTEM.value), dec)
   if _WARMUP.value:
-    _warm_up(target, draft, dec, ids)
+    _warm_up(target, draft, dec, samp, ids)
   t0 = time.perf_counter()
-  r, completion = _run_one(target, draft, dec, ids, _MAX_NEW.value, _STREAM.value)
+  r, completion = _run_one(target, draft, dec, samp, ids, _MAX_NEW.value, _STREAM.value)
   if not _STREAM.value:
     print(completion)
   print(f"[dflash] mode {dec.mode} | {cli.stats_line(r)} | wall {time.perf_counter() - t0:.1f} s",
