@@ -8,6 +8,9 @@ or on 10 chat-formatted instruction prompts (written here; not in the training c
 If `llama_cpp` (llama-cpp-python) is importable, llama.cpp's autoregressive decode of the same
 GGUF and prompts is timed too (optional; never a dependency).
 
+With --temperatures 0,0.7,1.0 every mode is also run sampled (top_p --top_p, seed --seed);
+sampled outputs differ between modes by design (only greedy columns are compared for identity).
+
 Prints a table (per prompt: acceptance length, steps, decode tok/s per mode) and writes JSON.
 Decode tok/s = tokens produced by decode steps / decode wall time (prefill and compile excluded:
 each configuration is warmed up once first). Medians are over repeats, then over prompts.
@@ -36,6 +39,10 @@ _MODES = flags.DEFINE_list("modes", ["ar", "chain"], "Modes to compare: ar, chai
 _BUDGETS = flags.DEFINE_list("budgets", ["22"], "DDTree budgets (one column each) when "
                              "--modes has ddtree.")
 _TREE_TOP_K = flags.DEFINE_integer("tree_top_k", 8, "DDTree candidates per depth.")
+_TEMPS = flags.DEFINE_list("temperatures", ["0"], "Sampling temperatures, one column set each "
+                           "(0 = greedy; > 0 samples with --top_p and --seed).")
+_TOP_P = flags.DEFINE_float("top_p", 0.95, "Top-p of the sampled columns.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the sampled columns.")
 _MAX_CTX = flags.DEFINE_integer("max_ctx", 1024, "Context capacity.")
 _JSON = flags.DEFINE_string("json_out", None, "Write results JSON here.")
 
@@ -108,16 +115,22 @@ def load_prompts(target):
 
 
 def decode_configs():
-  """{column label: DecodeConfig} for --modes (ddtree: one column per --budgets entry)."""
+  """{column label: (DecodeConfig, SamplingConfig)} for --modes (ddtree: one column per
+  --budgets entry) x --temperatures (label suffix "/T0.7" for sampled columns)."""
   import dflash_jax as dj
-  out = {}
+  decs = {}
   for m in _MODES.value:
     if m == "ddtree":
       for b in _BUDGETS.value:
-        out[f"ddtree@{b}"] = dj.DecodeConfig(mode="ddtree", budget=int(b), tree_top_k=_TREE_TOP_K.value,
-                                             max_ctx=_MAX_CTX.value)
+        decs[f"ddtree@{b}"] = dj.DecodeConfig(mode="ddtree", budget=int(b),
+                                              tree_top_k=_TREE_TOP_K.value, max_ctx=_MAX_CTX.value)
     else:
-      out[m] = dj.DecodeConfig(mode=m, max_ctx=_MAX_CTX.value)
+      decs[m] = dj.DecodeConfig(mode=m, max_ctx=_MAX_CTX.value)
+  out = {}
+  for t in (float(x) for x in _TEMPS.value):
+    samp = dj.SamplingConfig(temperature=t, top_p=_TOP_P.value if t > 0 else 1.0, seed=_SEED.value)
+    for label, dec in decs.items():
+      out[label if t == 0 else f"{label}/T{t:g}"] = (dec, samp)
   return out
 
 
@@ -126,23 +139,26 @@ def measure(target, draft, encoded, configs):
   configuration is compiled first by a warm-up run."""
   import dflash_jax as dj
 
-  def run(ids, dec):
-    return dj.generate(target, draft, ids, max_new_tokens=_N_GEN.value, config=dec, eog_ids=())
+  def run(ids, cfg):
+    dec, samp = cfg
+    return dj.generate(target, draft, ids, max_new_tokens=_N_GEN.value, config=dec,
+                       sampling=samp, eog_ids=())
 
-  for dec in configs.values():
-    run(encoded[0][1], dec)
+  for cfg in configs.values():
+    run(encoded[0][1], cfg)
   rows = []
   for tid, ids in encoded:
     row = {"task_id": tid, "prompt_tokens": len(ids)}
     outputs = {}
-    for label, dec in configs.items():
-      runs = [run(ids, dec) for _ in range(_REPEATS.value)]
-      outputs[label] = runs[0].tokens
+    for label, cfg in configs.items():
+      runs = [run(ids, cfg) for _ in range(_REPEATS.value)]
+      if cfg[1].greedy:
+        outputs[label] = runs[0].tokens
       row[label] = {"decode_tok_s": statistics.median(x.decode_tok_s for x in runs),
                     "prefill_tok_s": statistics.median(x.prefill_tok_s for x in runs),
                     "mean_accept_len": runs[0].mean_accept_len, "steps": runs[0].n_steps,
                     "n_tokens": len(runs[0].tokens)}
-    row["outputs_identical"] = len({tuple(v) for v in outputs.values()}) == 1
+    row["outputs_identical"] = len({tuple(v) for v in outputs.values()}) <= 1  # greedy columns
     rows.append(row)
     print(json.dumps(row), file=sys.stderr)
   return rows
@@ -161,22 +177,26 @@ def summarize(rows, modes, llama):
     for r, v in zip(rows, llama):
       r["llama_cpp_ar_tok_s"] = v
     summary["llama_cpp_ar"] = {"decode_tok_s_median": statistics.median(llama)}
-  for base, key in (("ar", "speedup_vs_ar"), ("llama_cpp_ar", "speedup_vs_llama_cpp")):
-    for mode in modes if base in summary else ():
-      summary[mode][key] = summary[mode]["decode_tok_s_median"] / summary[base]["decode_tok_s_median"]
+  for mode in modes:   # vs autoregressive decoding at the same temperature, and vs llama.cpp
+    suffix = mode[mode.index("/"):] if "/" in mode else ""
+    for base, key in ((f"ar{suffix}", "speedup_vs_ar"), ("llama_cpp_ar", "speedup_vs_llama_cpp")):
+      if base in summary:
+        summary[mode][key] = (summary[mode]["decode_tok_s_median"]
+                              / summary[base]["decode_tok_s_median"])
   return summary
 
 
 def print_table(rows, modes, summary):
-  print(f"{'task':<14}" + "".join(f"{m + ' tok/s':>14}{m + ' AL':>10}{m + ' steps':>12}"
-                                  for m in modes))
+  w = {m: max(10, len(m) + 1) for m in modes}
+  print(f"{'':<14}" + "".join(f"{m:>{3 * w[m]}}" for m in modes))
+  print(f"{'task':<14}" + "".join(f"{'tok/s':>{w[m]}}{'AL':>{w[m]}}{'steps':>{w[m]}}" for m in modes))
   for r in rows:
     print(f"{r['task_id']:<14}" + "".join(
-        f"{r[m]['decode_tok_s']:>14.2f}{r[m]['mean_accept_len']:>10.2f}{r[m]['steps']:>12d}"
+        f"{r[m]['decode_tok_s']:>{w[m]}.2f}{r[m]['mean_accept_len']:>{w[m]}.2f}{r[m]['steps']:>{w[m]}d}"
         for m in modes))
   print(f"{'median/mean':<14}" + "".join(
-      f"{summary[m]['decode_tok_s_median']:>14.2f}{summary[m]['mean_accept_len']:>10.2f}"
-      f"{summary[m]['steps_total']:>12d}" for m in modes))
+      f"{summary[m]['decode_tok_s_median']:>{w[m]}.2f}{summary[m]['mean_accept_len']:>{w[m]}.2f}"
+      f"{summary[m]['steps_total']:>{w[m]}d}" for m in modes))
   if "llama_cpp_ar" in summary:
     print(f"llama.cpp autoregressive median {summary['llama_cpp_ar']['decode_tok_s_median']:.2f} tok/s")
 
