@@ -246,3 +246,25 @@ def test_same_seed_same_output_and_bad_settings(qwen_f32, qwen_draft, draft_ref)
       dj.generate(qwen_f32, qwen_draft, p, max_new_tokens=4, max_ctx=256, **bad)
   with pytest.raises(ValueError, match="chain_rule"):
     dj.DecodeConfig(chain_rule="typical")
+
+
+def test_gguf_recommended_sampling_and_flag_defaults():
+  from absl import flags
+  from dflash_jax import api, decode_flags
+  assert api._recommended_sampling({"general.name": "x"}, "m.gguf") is None
+  rec = api._recommended_sampling({"general.sampling.temp": 0.6, "general.sampling.top_k": 20,
+                                   "general.sampling.top_p": 0.95}, "m.gguf")
+  assert rec == SamplingConfig(temperature=0.6, top_k=20, top_p=0.95)
+  with pytest.raises(ValueError, match="m.gguf: bad recommended sampling"):
+    api._recommended_sampling({"general.sampling.top_p": 2.0}, "m.gguf")
+  fv = flags.FlagValues()
+  holders = decode_flags.define(fv)
+  fv(["prog"])
+  assert decode_flags.sampling(holders, rec) == rec            # unset flags: the GGUF's values
+  assert decode_flags.sampling(holders, None).greedy           # no recommendation: greedy
+  fv(["prog", "--temperature=0", "--top_k=5"])
+  got = decode_flags.sampling(holders, rec)
+  assert got.greedy and got.top_k == 5 and got.top_p == 0.95   # a given flag wins
+  fv(["prog", "--min_p=3"])
+  with pytest.raises(ValueError, match="--min_p=3.0"):
+    decode_flags.sampling(holders, rec)
