@@ -155,7 +155,8 @@ class GenerateResult:
     tokens: generated ids (first = greedy token after the prompt; an EOG token, if hit, is last).
     accept_lens: tokens committed per decode step (accepted drafts + bonus); mean = acceptance length.
     n_steps: decode steps (target verify forwards after prefill).
-    prompt_len: prompt tokens. stop_reason: "eog" | "max_new_tokens" | "max_ctx".
+    prompt_len: prompt tokens. stop_reason: "eog" | "max_new_tokens" | "max_ctx" | "stopped"
+      (on_tokens asked to stop).
     prefill_s, decode_s: wall seconds (compile excluded after the first call with these shapes).
     sampling: the SamplingConfig used (temperature 0 = greedy).
   """
@@ -258,19 +259,22 @@ def first_draft_logits(target: Target, draft: Draft, prompt_ids: Sequence[int], 
 
 def _run_loop(run, state, max_new_tokens: int, dec: DecodeConfig, on_tokens, steps_per_call: int):
   """Drive `run(state, max_steps)` to the end: one call, or `steps_per_call` steps per call
-  with the newly committed tokens passed to on_tokens after each."""
+  with the newly committed tokens passed to on_tokens after each. Returns (state, stopped:
+  on_tokens returned True)."""
   if on_tokens is None:
-    return run(state, 1 << 30)
-  on_tokens([int(state.out[0])])
+    return run(state, 1 << 30), False
+  if on_tokens([int(state.out[0])]) is True:
+    return state, True
   shown = 1
   while True:
+    if bool(state.done) or shown >= max_new_tokens or int(state.pos) >= dec.max_ctx:
+      return state, False
     state = run(state, steps_per_call)
     n_out = int(state.n_out)
     if n_out > shown:
-      on_tokens([int(x) for x in np.asarray(state.out[shown:n_out])])
-      shown = n_out
-    if bool(state.done) or n_out >= max_new_tokens or int(state.pos) >= dec.max_ctx:
-      return state
+      new, shown = [int(x) for x in np.asarray(state.out[shown:n_out])], n_out
+      if on_tokens(new) is True:
+        return state, True
 
 
 def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], *,
@@ -287,7 +291,9 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
   prompt_ids: [P] ints, P < max_ctx. max_new_tokens: tokens to generate at most (the loop also
   stops after an EOG token, or when the context reaches max_ctx).
   on_tokens: called with the newly committed token ids; the loop then runs `steps_per_call`
-    steps per device call (the same compiled function), else all steps in one call.
+    steps per device call (the same compiled function), else all steps in one call. Returning
+    True from it stops generation there (stop_reason "stopped"; a server's stop strings and
+    client disconnects).
   proposer / proposer_params: replace the DFlash draft (see decode.dflash_proposer), e.g. an oracle.
   Greedy chain and DDTree output equal autoregressive output token for token; sampled output
   has the distribution of autoregressive sampling (sampling.py).
@@ -321,14 +327,14 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
                           max_new=jnp.int32(max_new_tokens), eog_ids=eog,
                           sampling=sampling.params(), tcfg=target.config,
                           dcfg=dcfg, dec=dec, rt=target.runtime, proposer=proposer)
-  state = _run_loop(lambda st, k: run(st, max_steps=jnp.int32(k)), state, max_new_tokens, dec,
-                    on_tokens, steps_per_call)
+  state, stopped = _run_loop(lambda st, k: run(st, max_steps=jnp.int32(k)), state,
+                             max_new_tokens, dec, on_tokens, steps_per_call)
   jax.block_until_ready(state.out)
   t2 = time.perf_counter()
   n_out, n_steps = int(state.n_out), int(state.n_steps)
   tokens = [int(x) for x in np.asarray(state.out[:n_out])]
   stop = ("eog" if tokens and tokens[-1] in set(np.asarray(eog).tolist()) else
-          "max_new_tokens" if n_out >= max_new_tokens else "max_ctx")
+          "stopped" if stopped else "max_new_tokens" if n_out >= max_new_tokens else "max_ctx")
   return GenerateResult(tokens=tokens,
                         accept_lens=[int(x) for x in np.asarray(state.accept_lens[:n_steps])],
                         n_steps=n_steps, prompt_len=int(ids.size), stop_reason=stop,
