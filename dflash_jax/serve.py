@@ -250,24 +250,116 @@ def _final(kind: str, rid: str, created: int, model: str, out: Outcome, n_prompt
           "dflash": out.stats}
 
 
-def create_app(engine: Engine, api_key: Optional[str] = None):
-  """The FastAPI application around `engine`."""
+@dataclasses.dataclass
+class _Job:
+  """One request running on the engine: the executor future, the queue of streamed text pieces
+  (None ends it), the cancel flag and the disconnect watcher."""
+
+  task: asyncio.Future
+  pieces: asyncio.Queue
+  cancel: threading.Event
+  watcher: asyncio.Future
+
+  def close(self):
+    self.cancel.set()
+    self.watcher.cancel()
+
+
+def _launch(engine: Engine, ids, max_new, stops, samp, request: fastapi.Request) -> _Job:
+  """Queue the decode on a worker thread (it waits for the engine's lock) and watch the client:
+  a disconnect sets the cancel flag, which stops the decode between decode calls."""
+  loop = asyncio.get_running_loop()
+  cancel, pieces = threading.Event(), asyncio.Queue()
+
+  def work():
+    try:
+      return engine.run(ids, max_new, stops, samp,
+                        lambda t: loop.call_soon_threadsafe(pieces.put_nowait, t), cancel.is_set)
+    except ValueError as e:   # the library's clear errors for bad input
+      engine.metrics["requests_failed"] += 1
+      raise ApiError(400, str(e)) from None
+    except Exception:
+      engine.metrics["requests_failed"] += 1
+      raise
+    finally:
+      loop.call_soon_threadsafe(pieces.put_nowait, None)
+
+  async def watch_disconnect():
+    while not cancel.is_set():
+      if await request.is_disconnected():
+        cancel.set()
+      await asyncio.sleep(0.05)
+
+  engine.waiting += 1
+  task = loop.run_in_executor(None, work)
+  task.add_done_callback(lambda _: setattr(engine, "waiting", engine.waiting - 1))
+  return _Job(task, pieces, cancel, asyncio.ensure_future(watch_disconnect()))
+
+
+async def _events(engine: Engine, job: _Job, kind: str, rid: str, created: int, req, n_prompt: int):
+  """The server-sent events of a streamed request, ending with `data: [DONE]`."""
+  name = engine.model_name
+  try:
+    if kind == "chat":
+      yield f"data: {json.dumps(_chunk(kind, rid, created, name, None, None, role=True))}\n\n"
+    while (text := await job.pieces.get()) is not None:
+      yield f"data: {json.dumps(_chunk(kind, rid, created, name, text, None))}\n\n"
+    try:
+      out = await job.task
+    except ApiError as e:   # headers are sent: report the error as an event
+      yield f"data: {json.dumps(e.body())}\n\n"
+      yield "data: [DONE]\n\n"
+      return
+    last = _chunk(kind, rid, created, name, None, out.finish_reason)
+    last["dflash"] = out.stats
+    if (getattr(req, "stream_options", None) or {}).get("include_usage"):
+      last["usage"] = _final(kind, rid, created, name, out, n_prompt)["usage"]
+    yield f"data: {json.dumps(last)}\n\n"
+    yield "data: [DONE]\n\n"
+  finally:
+    job.close()
+
+
+async def _complete(engine: Engine, kind: str, req, request: fastapi.Request):
+  """Validate, queue and answer one (chat) completion request."""
+  from fastapi.responses import StreamingResponse
+  ids = engine.prompt_ids(req)
+  max_new, stops = engine.check(req, ids)
+  samp = engine.sampling(req)
+  if engine.waiting >= engine.max_queue:
+    raise ApiError(503, "the server is busy (queue full); retry later", type_="server_error",
+                   code="queue_full")
+  rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+  created = int(time.time())
+  job = _launch(engine, ids, max_new, stops, samp, request)
+  if req.stream:
+    return StreamingResponse(_events(engine, job, kind, rid, created, req, len(ids)),
+                             media_type="text/event-stream")
+  try:
+    out = await job.task
+  finally:
+    job.close()
+  return _final(kind, rid, created, engine.model_name, out, len(ids))
+
+
+def _validation_error(e) -> ApiError:
+  errs = e.errors()
+  loc = ".".join(str(x) for x in errs[0].get("loc", ())[1:]) if errs else None
+  msg = "; ".join(f"{'.'.join(str(x) for x in d.get('loc', ())[1:]) or 'body'}: {d.get('msg')}"
+                  for d in errs) or "invalid request"
+  return ApiError(400, msg, param=loc or None)
+
+
+def create_app(engine: Engine, api_key: Optional[str] = None) -> fastapi.FastAPI:
+  """The FastAPI application around `engine` (api_key: required as a Bearer token on /v1)."""
   from fastapi.exceptions import RequestValidationError
-  from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+  from fastapi.responses import JSONResponse, PlainTextResponse
 
   api = fastapi.FastAPI(title="dflash-jax")
-
-  @api.exception_handler(ApiError)
-  async def _api_error(_, e: ApiError):
-    return JSONResponse(e.body(), status_code=e.status)
-
-  @api.exception_handler(RequestValidationError)
-  async def _bad_request(_, e: RequestValidationError):
-    errs = e.errors()
-    loc = ".".join(str(x) for x in errs[0].get("loc", ())[1:]) if errs else None
-    msg = "; ".join(f"{'.'.join(str(x) for x in d.get('loc', ())[1:]) or 'body'}: {d.get('msg')}"
-                    for d in errs) or "invalid request"
-    return JSONResponse(ApiError(400, msg, param=loc or None).body(), status_code=400)
+  api.exception_handler(ApiError)(
+      lambda _, e: JSONResponse(e.body(), status_code=e.status))
+  api.exception_handler(RequestValidationError)(
+      lambda _, e: JSONResponse(_validation_error(e).body(), status_code=400))
 
   @api.middleware("http")
   async def _auth(request: fastapi.Request, call_next):
@@ -277,93 +369,18 @@ def create_app(engine: Engine, api_key: Optional[str] = None):
                                    code="invalid_api_key").body(), status_code=401)
     return await call_next(request)
 
-  @api.get("/health")
-  async def health():
-    return {"status": "ok", "model": engine.model_name, "waiting": engine.waiting}
-
-  @api.get("/metrics")
-  async def metrics():
-    return PlainTextResponse(engine.metrics_text())
-
-  @api.get("/v1/models")
-  async def models():
-    return {"object": "list", "data": [{"id": engine.model_name, "object": "model",
-                                        "created": 0, "owned_by": "dflash-jax"}]}
-
-  async def complete(kind: str, req, request: fastapi.Request):
-    ids = engine.prompt_ids(req)
-    max_new, stops = engine.check(req, ids)
-    samp = engine.sampling(req)
-    if engine.waiting >= engine.max_queue:
-      raise ApiError(503, "the server is busy (queue full); retry later", type_="server_error",
-                     code="queue_full")
-    loop = asyncio.get_running_loop()
-    rid, created = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
-    cancel = threading.Event()
-    pieces: asyncio.Queue = asyncio.Queue()
-
-    def work():
-      try:
-        return engine.run(ids, max_new, stops, samp,
-                          lambda t: loop.call_soon_threadsafe(pieces.put_nowait, t), cancel.is_set)
-      except ValueError as e:   # the library's clear errors for bad input
-        engine.metrics["requests_failed"] += 1
-        raise ApiError(400, str(e)) from None
-      except Exception:
-        engine.metrics["requests_failed"] += 1
-        raise
-      finally:
-        loop.call_soon_threadsafe(pieces.put_nowait, None)
-
-    async def watch_disconnect():
-      while not cancel.is_set():
-        if await request.is_disconnected():
-          cancel.set()
-        await asyncio.sleep(0.05)
-
-    engine.waiting += 1
-    task = loop.run_in_executor(None, work)
-    task.add_done_callback(lambda _: setattr(engine, "waiting", engine.waiting - 1))
-    watcher = asyncio.ensure_future(watch_disconnect())
-    if not req.stream:
-      try:
-        out = await task
-      finally:
-        cancel.set()
-        watcher.cancel()
-      return _final(kind, rid, created, engine.model_name, out, len(ids))
-
-    async def events():
-      try:
-        if kind == "chat":
-          yield f"data: {json.dumps(_chunk(kind, rid, created, engine.model_name, None, None, role=True))}\n\n"
-        while (text := await pieces.get()) is not None:
-          yield f"data: {json.dumps(_chunk(kind, rid, created, engine.model_name, text, None))}\n\n"
-        try:
-          out = await task
-        except ApiError as e:   # headers are sent: report the error as an event
-          yield f"data: {json.dumps(e.body())}\n\n"
-          yield "data: [DONE]\n\n"
-          return
-        last = _chunk(kind, rid, created, engine.model_name, None, out.finish_reason)
-        last["dflash"] = out.stats
-        if (getattr(req, "stream_options", None) or {}).get("include_usage"):
-          last["usage"] = _final(kind, rid, created, engine.model_name, out, len(ids))["usage"]
-        yield f"data: {json.dumps(last)}\n\n"
-        yield "data: [DONE]\n\n"
-      finally:
-        cancel.set()
-        watcher.cancel()
-
-    return StreamingResponse(events(), media_type="text/event-stream")
+  api.get("/health")(lambda: {"status": "ok", "model": engine.model_name, "waiting": engine.waiting})
+  api.get("/metrics")(lambda: PlainTextResponse(engine.metrics_text()))
+  api.get("/v1/models")(lambda: {"object": "list", "data": [
+      {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "dflash-jax"}]})
 
   @api.post("/v1/chat/completions")
   async def chat(req: ChatRequest, request: fastapi.Request):
-    return await complete("chat", req, request)
+    return await _complete(engine, "chat", req, request)
 
   @api.post("/v1/completions")
   async def completions(req: CompletionRequest, request: fastapi.Request):
-    return await complete("completion", req, request)
+    return await _complete(engine, "completion", req, request)
 
   return api
 

@@ -20,27 +20,45 @@ MAX_CTX = 256
 PROMPTS = ["What is 2 + 2?", "Name a colour.", "Say hello in French."]
 
 
-@pytest.fixture(scope="module")
-def server(smol):
+def _start(engine, api_key=None):
+  """(base URL, uvicorn server, thread) of the app on a free loopback port."""
   import uvicorn
-  draft = dj.load_draft(cli.find_draft_dir(smol), smol)
-  dec = dj.api.resolve_config(draft, dj.DecodeConfig(mode="chain", max_ctx=MAX_CTX))
-  engine = serve.Engine(smol, draft, dec, None, "smol", max_queue=64)
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-  srv = uvicorn.Server(uvicorn.Config(serve.create_app(engine), host="127.0.0.1", port=port,
-                                      log_level="warning"))
+  srv = uvicorn.Server(uvicorn.Config(serve.create_app(engine, api_key), host="127.0.0.1",
+                                      port=port, log_level="warning"))
   th = threading.Thread(target=srv.run, daemon=True)
   th.start()
   for _ in range(200):
     if srv.started:
       break
     time.sleep(0.05)
-  base = f"http://127.0.0.1:{port}"
+  return f"http://127.0.0.1:{port}", srv, th
+
+
+@pytest.fixture(scope="module")
+def server(smol):
+  draft = dj.load_draft(cli.find_draft_dir(smol), smol)
+  dec = dj.api.resolve_config(draft, dj.DecodeConfig(mode="chain", max_ctx=MAX_CTX))
+  engine = serve.Engine(smol, draft, dec, None, "smol", max_queue=64)
+  base, srv, th = _start(engine)
   yield base, engine, draft, dec
   srv.should_exit = True
   th.join(timeout=10)
+
+
+def test_api_key(server):
+  base, srv, th = _start(server[1], api_key="k")
+  try:
+    status, r = _http(base, "GET", "/v1/models")
+    assert status == 401 and r["error"]["code"] == "invalid_api_key"
+    assert _http(base, "GET", "/health")[0] == 200          # health needs no key
+    c = openai.OpenAI(base_url=base + "/v1", api_key="k", max_retries=0, timeout=300)
+    assert c.completions.create(model="smol", prompt="1, 2,", max_tokens=2).usage.completion_tokens == 2
+  finally:
+    srv.should_exit = True
+    th.join(timeout=10)
 
 
 def _http(base, method, path, body=None, raw=None, timeout=300):
