@@ -201,6 +201,9 @@ def _step(tparams, dparams, s: DecodeState, max_new, eog_ids, sampling, *, tcfg,
   tree, q_logp = build_verify_tree(dlogits, s.bonus, dec, sampling, k_draft)
   ver = target_lib.verify(tparams, tcfg, tree, s.pos, s.target, rt, feature_layers=feature_layers)
   path, n_acc, emit = accept(tree, ver.logits, q_logp, dec, sampling, k_accept)
+  # Never commit past max_ctx: the output then ends exactly where autoregressive decoding's does
+  # (emit[n_acc] stays a target token: an accepted draft or the bonus).
+  n_acc = jnp.minimum(n_acc, dec.max_ctx - 1 - s.pos)
   tcache = target_lib.commit_path(ver.cache, ver.steps, s.pos, path, n_acc + 1,
                                   rows_in_place=tree.is_path)
   pending = s.pending

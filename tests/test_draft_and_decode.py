@@ -149,6 +149,20 @@ def test_context_limit_stops_generation(qwen_f32, qwen_draft, qwen_ref):
   assert r.tokens == ar.tokens
 
 
+def test_full_acceptance_stops_exactly_at_max_ctx(qwen_f32, qwen_ref):
+  """A draft that is always right must not emit tokens past max_ctx: same length as AR."""
+  prompt = np.asarray(qwen_ref["tokens"][1, :20], np.int32)
+  truth = np.asarray(dj.generate(qwen_f32, None, prompt, max_new_tokens=200, mode="ar",
+                                 max_ctx=50, eog_ids=()).tokens, np.int32)
+  seq = np.zeros(50 + 512, np.int32)
+  seq[:20 + len(truth)] = np.concatenate([prompt, truth])
+  r = dj.generate(qwen_f32, None, prompt, max_new_tokens=200, mode="chain", max_ctx=50,
+                  block_size=16, eog_ids=(), proposer=make_oracle(qwen_f32.config.n_vocab),
+                  proposer_params={"seq": jnp.asarray(seq), "pattern": jnp.asarray([99], jnp.int32)})
+  assert r.stop_reason == "max_ctx" and r.tokens == truth.tolist()
+  assert len(truth) == 50 - 20 + 1   # prompt + output = max_ctx + 1 (the last token is not fed)
+
+
 def test_draft_config_variants():
   with open(os.path.join(DRAFT, "config.json")) as fh:
     base = json.load(fh)
