@@ -5,7 +5,8 @@
   python scripts/generate.py --prompt_file prompts.jsonl --output_file out.jsonl
 
 Prompt files are JSONL: one object per line with "prompt" (or "text"), optional "id",
-"system", "max_new_tokens". Output lines add "completion", "tokens" and the stats.
+"system", "max_new_tokens". Output lines add "completion", "tokens" and the stats; a row that
+fails is written as {"id", "line", "error"} and the batch goes on (exit status 1 at the end).
 """
 
 import json
@@ -27,7 +28,9 @@ _DRAFT = flags.DEFINE_string("draft", None, "z-lab DFlash draft directory (confi
 _PROMPT = flags.DEFINE_string("prompt", None, "Prompt text; read from stdin when neither "
                               "--prompt nor --prompt_file is given.")
 _PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "JSONL batch of prompts.")
-_OUTPUT_FILE = flags.DEFINE_string("output_file", None, "JSONL results (with --prompt_file).")
+_OUTPUT_FILE = flags.DEFINE_string("output_file", None, "JSONL results (with --prompt_file); "
+                                   "written to <file>.partial and renamed when the batch ends.")
+_OVERWRITE = flags.DEFINE_boolean("overwrite", False, "Replace an existing --output_file.")
 _CHAT = flags.DEFINE_boolean("chat", True, "Wrap the prompt in the GGUF chat template "
                              "(--nochat: raw completion).")
 _SYSTEM = flags.DEFINE_string("system", None, "System message (chat only).")
@@ -86,36 +89,83 @@ def _run_one(target, draft, dec, samp, ids, max_new, stream):
 
 
 def _read_rows(path):
+  """[(line number, row dict or an error message)] of a JSONL prompt file: a row is an object
+  with a string "prompt" (or "text"); a bad line becomes an error message naming file and line.
+  Raises ValueError naming the file when it cannot be read."""
+  try:
+    with open(path, encoding="utf-8") as fh:
+      lines = fh.readlines()
+  except (OSError, UnicodeDecodeError) as e:
+    raise ValueError(f"--prompt_file {path}: cannot read it ({e})") from None
   rows = []
-  with open(path) as fh:
-    for n, line in enumerate(fh, 1):
-      if line.strip():
-        row = json.loads(line)
-        if "prompt" not in row and "text" not in row:
-          raise app.UsageError(f"{path}:{n}: no 'prompt' or 'text' field")
-        rows.append(row)
+  for n, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError as e:
+      rows.append((n, f"{path}:{n}: not valid JSON ({e.msg})"))
+      continue
+    text = row.get("prompt", row.get("text")) if isinstance(row, dict) else None
+    if not isinstance(text, str):
+      rows.append((n, f"{path}:{n}: expected a JSON object with a string 'prompt' (or 'text')"))
+    else:
+      rows.append((n, row))
   return rows
 
 
-def _batch(target, draft, dec, samp):
-  """--prompt_file rows in order; results as JSONL to --output_file."""
+def _check_output(path):
+  """Raises ValueError for an existing --output_file without --overwrite, the prompt file as
+  output, or a directory (checked before the model loads)."""
+  if os.path.isdir(path):
+    raise ValueError(f"--output_file {path} is a directory")
+  if os.path.realpath(path) == os.path.realpath(_PROMPT_FILE.value):
+    raise ValueError(f"--output_file {path} is the prompt file")
+  if os.path.exists(path) and os.path.getsize(path) > 0 and not _OVERWRITE.value:
+    raise ValueError(f"--output_file {path} exists; pass --overwrite to replace it")
+
+
+def _batch_row(target, draft, dec, samp, row, key, stream):
+  """The output record of one prompt row (raises ValueError for bad input in it)."""
   from dflash_jax import cli
-  rows = _read_rows(_PROMPT_FILE.value)
-  out = open(_OUTPUT_FILE.value, "w") if _OUTPUT_FILE.value else None
-  for i, row in enumerate(rows):
-    text = row.get("prompt", row.get("text"))
-    print(f"--- [{row.get('id', i)}]", file=sys.stderr)
-    ids = cli.build_prompt(target, text, chat=_CHAT.value, system=row.get("system", _SYSTEM.value))
-    r, completion = _run_one(target, draft, dec, samp, ids,
-                             int(row.get("max_new_tokens", _MAX_NEW.value)),
-                             _STREAM.value and out is None)
-    print(cli.stats_line(r), file=sys.stderr)
+  text = row.get("prompt", row.get("text"))
+  max_new = row.get("max_new_tokens", _MAX_NEW.value)
+  if isinstance(max_new, bool) or not isinstance(max_new, int):
+    raise ValueError(f"max_new_tokens={max_new!r} must be an integer")
+  ids = cli.build_prompt(target, text, chat=_CHAT.value, system=row.get("system", _SYSTEM.value))
+  r, completion = _run_one(target, draft, dec, samp, ids, max_new, stream)
+  print(cli.stats_line(r), file=sys.stderr)
+  return dict(id=key, prompt=text, completion=completion, mode=dec.mode, **cli.result_fields(r))
+
+
+def _batch(target, draft, dec, samp, rows):
+  """Prompt rows (from `_read_rows`) in order, results as JSONL to --output_file (written to
+  <file>.partial and renamed onto it at the end, even after an error or Ctrl-C, so finished rows
+  survive). A row that fails (bad line, bad field, a prompt longer than the context) is recorded
+  as {"id", "line", "error"} and the batch goes on. Returns the number of failed rows."""
+  out = open(_OUTPUT_FILE.value + ".partial", "w", encoding="utf-8") if _OUTPUT_FILE.value else None
+  n_failed = 0
+  try:
+    for i, (line, row) in enumerate(rows):
+      key = row.get("id", i) if isinstance(row, dict) else i
+      print(f"--- [{key}]", file=sys.stderr)
+      try:
+        if isinstance(row, str):
+          raise ValueError(row)
+        rec = _batch_row(target, draft, dec, samp, row, key, _STREAM.value and out is None)
+      except (ValueError, NotImplementedError) as e:
+        n_failed += 1
+        rec = {"id": key, "line": line, "error": str(e)}
+        print(f"error: {e}", file=sys.stderr)
+      if out is not None:
+        out.write(json.dumps(rec) + "\n")
+        out.flush()
+  finally:
     if out is not None:
-      out.write(json.dumps(dict(id=row.get("id", i), prompt=text, completion=completion,
-                                mode=dec.mode, **cli.result_fields(r))) + "\n")
-      out.flush()
-  if out is not None:
-    out.close()
+      out.close()
+      os.replace(out.name, _OUTPUT_FILE.value)
+  print(f"[dflash] {len(rows) - n_failed} rows ok, {n_failed} failed", file=sys.stderr)
+  return n_failed
 
 
 def main(argv):
@@ -126,11 +176,16 @@ def main(argv):
   if _PROMPT.value is not None and _PROMPT_FILE.value:
     raise app.UsageError("give --prompt or --prompt_file, not both")
   from dflash_jax import api, cli
+  rows = _read_rows(_PROMPT_FILE.value) if _PROMPT_FILE.value else None
+  if _OUTPUT_FILE.value:
+    _check_output(_OUTPUT_FILE.value)
   target, draft, dec, samp = _load()
-  if _PROMPT_FILE.value:
+  if rows is not None:
     if _WARMUP.value:
       _warm_up(target, draft, dec, samp, cli.build_prompt(target, "hi", chat=_CHAT.value))
-    return _batch(target, draft, dec, samp)
+    if _batch(target, draft, dec, samp, rows):
+      sys.exit(1)
+    return
   text = _PROMPT.value if _PROMPT.value is not None else sys.stdin.read()
   ids = api.check_prompt(target, cli.build_prompt(target, text, chat=_CHAT.value,
                                                   system=_SYSTEM.value), dec)

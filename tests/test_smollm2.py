@@ -87,3 +87,39 @@ def test_generate_script_clear_error_for_long_prompt():
   assert r.returncode == 1
   assert "error: prompt has" in r.stderr and "max_ctx=64" in r.stderr
   assert "Traceback" not in r.stderr
+
+
+def test_generate_script_batch_keeps_going_and_protects_output(tmp_path):
+  """Bad lines and rows are recorded in the output with file:line / row id while the batch goes
+  on; the exit status is 1 when a row failed; an existing output (or the prompt file itself) is
+  never overwritten without --overwrite."""
+  script = os.path.join(ROOT, "scripts", "generate.py")
+  prompts = tmp_path / "p.jsonl"
+  prompts.write_text("\n".join([
+      json.dumps({"id": "ok", "prompt": "def add(a, b):", "max_new_tokens": 3}),
+      "{not json", json.dumps("just a string"),
+      json.dumps({"id": "bad_n", "prompt": "x", "max_new_tokens": "many"}),
+      json.dumps({"id": "long", "prompt": "word " * 300}),
+      json.dumps({"id": "ok2", "text": "1, 2, 3,", "max_new_tokens": 2})]) + "\n")
+  out = tmp_path / "out.jsonl"
+  out.write_text("precious\n")
+  base = [sys.executable, script, "--prompt_file", str(prompts), "--nochat", "--draft", "none",
+          "--max_ctx", "64", "--nowarmup", "--nostream"]
+  r = subprocess.run(base + ["--output_file", str(out)], capture_output=True, text=True,
+                     timeout=600, cwd=ROOT)
+  assert r.returncode == 1 and "exists; pass --overwrite" in r.stderr and "Traceback" not in r.stderr
+  assert out.read_text() == "precious\n"
+  r = subprocess.run(base + ["--output_file", str(prompts)], capture_output=True, text=True,
+                     timeout=600, cwd=ROOT)
+  assert r.returncode == 1 and "is the prompt file" in r.stderr
+  r = subprocess.run(base + ["--output_file", str(out), "--overwrite"], capture_output=True,
+                     text=True, timeout=900, cwd=ROOT)
+  assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+  rows = [json.loads(l) for l in out.read_text().splitlines()]
+  assert [x["id"] for x in rows] == ["ok", 1, 2, "bad_n", "long", "ok2"]
+  assert "completion" in rows[0] and "completion" in rows[5]
+  assert rows[1]["error"].startswith(f"{prompts}:2: not valid JSON") and rows[1]["line"] == 2
+  assert rows[2]["error"].startswith(f"{prompts}:3: expected a JSON object")
+  assert "max_new_tokens='many'" in rows[3]["error"] and "max_ctx=64" in rows[4]["error"]
+  assert "4 rows ok" not in r.stderr and "2 rows ok, 4 failed" in r.stderr
+  assert not os.path.exists(str(out) + ".partial")
