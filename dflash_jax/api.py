@@ -228,12 +228,22 @@ def _eog(target: Target, eog_ids):
   return jnp.asarray(list(eog_ids) or [-1], jnp.int32)
 
 
+def _draft_config(draft: Optional[Draft], dec: DecodeConfig) -> Optional[DraftConfig]:
+  """The DraftConfig the decode functions get: the draft's in speculative modes, else None."""
+  return draft.config if (draft is not None and dec.mode != "ar") else None
+
+
+def _positive_int(name: str, value):
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    raise ValueError(f"{name}={value!r} must be an integer >= 1")
+
+
 def _prefill(target: Target, draft: Optional[Draft], ids: np.ndarray, dec: DecodeConfig, eog,
              sampling: SamplingConfig = SamplingConfig()):
   """Prefill `ids` chunk by chunk into a fresh DecodeState (the draft ingests the prompt's
   target features when given and the mode is speculative); the first token is drawn as
   `sampling` says."""
-  dcfg = draft.config if (draft is not None and dec.mode != "ar") else None
+  dcfg = _draft_config(draft, dec)
   state = decode_lib.init_state(target.config, dcfg, dec, target.runtime, seed=sampling.seed)
   c = dec.prefill_chunk
   for s0 in range(0, ids.size, c):
@@ -300,12 +310,8 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
   Raises ValueError for a bad option (naming it), an empty or too long prompt, out-of-vocabulary
   ids, or a block size mismatch.
   """
-  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
-      or max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
-  if isinstance(steps_per_call, bool) or not isinstance(steps_per_call, (int, np.integer)) \
-      or steps_per_call < 1:
-    raise ValueError(f"steps_per_call={steps_per_call!r} must be an integer >= 1")
+  _positive_int("max_new_tokens", max_new_tokens)
+  _positive_int("steps_per_call", steps_per_call)
   samp_fields = {f.name for f in dataclasses.fields(SamplingConfig)}
   sampling = dataclasses.replace(sampling or SamplingConfig(),
                                  **{k: v for k, v in overrides.items() if k in samp_fields})
@@ -316,11 +322,10 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
   t0 = time.perf_counter()
   if proposer is None:
     proposer, dparams = decode_lib.dflash_proposer, draft.params if draft is not None else None
-    state = _prefill(target, draft, ids, dec, eog, sampling)
-  else:
-    dparams = proposer_params
-    state = _prefill(target, None, ids, dec, eog, sampling)
-  dcfg = draft.config if (draft is not None and dec.mode != "ar") else None
+  else:            # a proposer replaces the DFlash draft: no draft cache, no target features
+    draft, dparams = None, proposer_params
+  state = _prefill(target, draft, ids, dec, eog, sampling)
+  dcfg = _draft_config(draft, dec)
   jax.block_until_ready(state.out)
   t1 = time.perf_counter()
   run = functools.partial(decode_lib.decode_loop, target.params, dparams,

@@ -61,27 +61,61 @@ def build_prompt(target: Target, text: str, *, chat: bool, system: Optional[str]
   return tok.encode(text)
 
 
+class StopScanner:
+  """Decodes the growing list of generated tokens and finds the first stop string; `safe_text`
+  is the prefix that can be shown now (nothing that might still become a stop string, no
+  trailing incomplete UTF-8 character)."""
+
+  def __init__(self, tokenizer, stops: list[str]):
+    self.tok, self.stops = tokenizer, [s for s in stops if s]
+    self.ids: list[int] = []
+    self.text, self.cut, self.n_tokens = "", None, 0
+
+  def add(self, new_ids: list[int]) -> bool:
+    """Add tokens; True once a stop string appeared (self.text is then cut before it and
+    n_tokens counts the tokens up to the one that completed it). With stop strings the text is
+    decoded token by token (to know that token); without, once per call."""
+    if not self.stops:
+      self.ids.extend(new_ids)
+      self.n_tokens = len(self.ids)
+      self.text = self.tok.decode(self.ids)
+      return False
+    for t in new_ids:
+      self.ids.append(t)
+      self.n_tokens += 1
+      self.text = self.tok.decode(self.ids)
+      hits = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
+      if hits:
+        self.text, self.cut = self.text[:min(hits)], min(hits)
+        return True
+    return False
+
+  def safe_text(self) -> str:
+    hold = max((len(s) - 1 for s in self.stops), default=0)
+    text = self.text if self.cut is not None else self.text[:max(len(self.text) - hold, 0)]
+    return text.rstrip("\ufffd")
+
+
 class StreamPrinter:
   """Writes generated text to `out` as tokens arrive (`on_tokens`), holding back an incomplete
   UTF-8 sequence; `finish(completion)` writes the rest and a newline."""
 
   def __init__(self, tokenizer, out):
-    self.tokenizer, self.out = tokenizer, out
-    self.ids: list[int] = []
-    self.text = ""
+    self.scan, self.out, self.shown = StopScanner(tokenizer, []), out, 0
 
   def on_tokens(self, new: list[int]):
-    self.ids.extend(new)
-    text_now = self.tokenizer.decode(self.ids)
-    if text_now.endswith("\ufffd"):  # incomplete UTF-8 sequence: wait for more tokens
-      return
-    self.out.write(text_now[len(self.text):])
-    self.out.flush()
-    self.text = text_now
+    self.scan.add(new)
+    self._write(self.scan.safe_text())
 
   def finish(self, completion: str):
-    self.out.write(completion[len(self.text):] + "\n")
+    self._write(completion)
+    self.out.write("\n")
     self.out.flush()
+
+  def _write(self, text: str):
+    self.out.write(text[self.shown:])
+    self.out.flush()
+    self.shown = max(self.shown, len(text))
 
 
 def result_fields(r: GenerateResult) -> dict:

@@ -5,6 +5,7 @@ DecodeConfig (decode-loop shapes and options). All are static jit arguments. How
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from typing import Any, Mapping
 
@@ -248,8 +249,9 @@ MAX_BLOCK_SIZE = 64
 MAX_BUDGET = 256
 
 
-def _check_int(cfg, name: str, lo: int, hi: int | None = None):
-  """Check that field `name` of frozen dataclass `cfg` is an integer in [lo, hi]; store it as int."""
+def check_int(cfg, name: str, lo: int, hi: int | None = None):
+  """Check that field `name` of frozen dataclass `cfg` is an integer in [lo, hi]; store it as
+  int. Raises ValueError naming the class and field."""
   value = getattr(cfg, name)
   if isinstance(value, bool) or not isinstance(value, numbers.Integral):
     raise ValueError(f"{type(cfg).__name__}.{name}={value!r}: expected an integer")
@@ -257,6 +259,16 @@ def _check_int(cfg, name: str, lo: int, hi: int | None = None):
     bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
     raise ValueError(f"{type(cfg).__name__}.{name}={value!r}: must be {bound}")
   object.__setattr__(cfg, name, int(value))
+
+
+def check_number(cfg, name: str, lo: float, hi: float, *, lo_open: bool = False):
+  """Check that field `name` of frozen dataclass `cfg` is a finite real number in [lo, hi]
+  ((lo, hi] with lo_open). Raises ValueError naming the class and field."""
+  v = getattr(cfg, name)
+  if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) \
+      or v < lo or v > hi or (lo_open and v == lo):
+    raise ValueError(f"{type(cfg).__name__}.{name}={v!r}: must be a number in "
+                     f"{'(' if lo_open else '['}{lo}, {hi}]")
 
 
 @jax.tree_util.register_static
@@ -297,18 +309,16 @@ class DecodeConfig:
     if self.mode not in MODES:
       raise ValueError(f"DecodeConfig.mode={self.mode!r}: expected one of {MODES}")
     if self.block_size is not None:
-      _check_int(self, "block_size", 2, MAX_BLOCK_SIZE)
-    _check_int(self, "max_ctx", 2)
-    _check_int(self, "prefill_chunk", 1)
-    _check_int(self, "budget", 1, MAX_BUDGET)
-    _check_int(self, "tree_top_k", 1)
+      check_int(self, "block_size", 2, MAX_BLOCK_SIZE)
+    check_int(self, "max_ctx", 2)
+    check_int(self, "prefill_chunk", 1)
+    check_int(self, "budget", 1, MAX_BUDGET)
+    check_int(self, "tree_top_k", 1)
     if self.chain_rule not in CHAIN_RULES:
       raise ValueError(f"DecodeConfig.chain_rule={self.chain_rule!r}: expected one of {CHAIN_RULES}")
     if not isinstance(self.chain_seed, bool):
       raise ValueError(f"DecodeConfig.chain_seed={self.chain_seed!r}: expected a bool")
-    t = self.draft_temp
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 < t < float("inf")):
-      raise ValueError(f"DecodeConfig.draft_temp={t!r}: must be a finite number > 0")
+    check_number(self, "draft_temp", 0.0, math.inf, lo_open=True)
 
   @property
   def L(self) -> int:

@@ -184,10 +184,11 @@ def mixer_prefill(x, p, cfg: TargetConfig, ssm, conv, n_valid, rt: Runtime):
   return _output(o, z, p, cfg, rt), new_ssm, new_conv
 
 
-def mixer_verify(x, p, cfg: TargetConfig, ssm, conv, tree, rt: Runtime):
+def mixer_verify(x, p, cfg: TargetConfig, ssm, conv, tree, anc, rt: Runtime):
   """Verify form over the N nodes of a draft tree (tree.Tree; a chain is a path tree): each
   node continues its parent's SSM state and conv window; the committed ssm/conv stay as they
-  are. x: [N, D]; ssm: [Hv, Dk, Dv]; conv: [K-1, C].
+  are. x: [N, D]; ssm: [Hv, Dk, Dv]; conv: [K-1, C]; anc: [N, K] the nodes' ancestor columns
+  (tree.ancestor_columns(K - 1), shared by all layers; None for a path tree).
   Returns (out [N, D], states [N, Hv, Dk, Dv] after each node, xin [N, C] pre-conv inputs): what
   `target.commit_path` needs to commit any root path without replay.
   """
@@ -195,8 +196,7 @@ def mixer_verify(x, p, cfg: TargetConfig, ssm, conv, tree, rt: Runtime):
   if tree.is_path:
     mixed = causal_conv(xin, conv, p.conv)
   else:
-    mixed = causal_conv_tree(xin, conv, p.conv, tree.ancestor_columns(p.conv.shape[1] - 1),
-                             tree.depths)
+    mixed = causal_conv_tree(xin, conv, p.conv, anc, tree.depths)
   q, k, v = _qkv(jax.nn.silu(mixed), cfg)
   o, states = gated_delta_rule_tree(q, k, v, g, beta, ssm, tree.parents, rt, is_path=tree.is_path)
   return _output(o, z, p, cfg, rt), states, xin

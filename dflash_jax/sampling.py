@@ -29,11 +29,12 @@ sampling from the processed target distribution):
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
+
+from dflash_jax.config import check_int, check_number
 
 # A key for the first generated token (drawn at the end of prefill); decode step n uses
 # fold_in(base key, n).
@@ -59,19 +60,11 @@ class SamplingConfig:
   seed: int = 0
 
   def __post_init__(self):
-    def num(name, lo, hi, lo_open=False):
-      v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-          or v < lo or v > hi or (lo_open and v == lo):
-        side = "(" if lo_open else "["
-        raise ValueError(f"SamplingConfig.{name}={v!r}: must be a number in {side}{lo}, {hi}]")
-    num("temperature", 0.0, 1e4)
-    num("top_p", 0.0, 1.0, lo_open=True)
-    num("min_p", 0.0, 1.0)
-    for name in ("top_k", "seed"):
-      v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v >= 2**31:
-        raise ValueError(f"SamplingConfig.{name}={v!r}: must be an integer in [0, 2^31)")
+    check_number(self, "temperature", 0.0, 1e4)
+    check_number(self, "top_p", 0.0, 1.0, lo_open=True)
+    check_number(self, "min_p", 0.0, 1.0)
+    check_int(self, "top_k", 0, 2**31 - 1)
+    check_int(self, "seed", 0, 2**31 - 1)
 
   @property
   def greedy(self) -> bool:

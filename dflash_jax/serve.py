@@ -26,7 +26,7 @@ from absl import app, flags
 import fastapi
 import pydantic
 
-from dflash_jax import decode_flags, target_flags
+from dflash_jax import cli, decode_flags, target_flags
 
 _TF = target_flags.define()
 _DF = decode_flags.define()
@@ -86,34 +86,6 @@ class Outcome:
   completion_tokens: int
   finish_reason: str
   stats: dict
-
-
-class StopScanner:
-  """Decodes the growing token list and finds the first stop string; `safe_text` is the prefix
-  that can be streamed (nothing that might still become a stop string or an incomplete UTF-8
-  character)."""
-
-  def __init__(self, tokenizer, stops: list[str]):
-    self.tok, self.stops = tokenizer, [s for s in stops if s]
-    self.ids: list[int] = []
-    self.text, self.cut, self.n_tokens = "", None, 0
-
-  def add(self, new_ids: list[int]) -> bool:
-    """Add tokens one by one; True once a stop string appeared (self.text is then cut)."""
-    for t in new_ids:
-      self.ids.append(t)
-      self.n_tokens += 1
-      self.text = self.tok.decode(self.ids)
-      hits = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
-      if hits:
-        self.text, self.cut = self.text[:min(hits)], min(hits)
-        return True
-    return False
-
-  def safe_text(self) -> str:
-    hold = max((len(s) - 1 for s in self.stops), default=0)
-    text = self.text if self.cut is not None else self.text[:max(len(self.text) - hold, 0)]
-    return text[:-1] if text.endswith("\ufffd") else text
 
 
 class Engine:
@@ -179,7 +151,7 @@ class Engine:
     """Decode one request (holds the lock). on_text(str) gets streamable text increments;
     cancelled() is polled between decode calls."""
     import dflash_jax as dj
-    scan = StopScanner(self.target.tokenizer, stops)
+    scan = cli.StopScanner(self.target.tokenizer, stops)
     sent = [0]
 
     def on_tokens(new):
@@ -193,12 +165,12 @@ class Engine:
     with self.lock:
       r = dj.generate(self.target, self.draft, ids, max_new_tokens=max_new, config=self.dec,
                       sampling=samp, on_tokens=on_tokens)
-    if scan.cut is None:  # no stop string: everything held back is final now (control tokens
-      scan.text = self.target.tokenizer.decode(r.tokens)   # such as <|im_end|> are dropped)
+    # Every token went through on_tokens: scan.text is the whole completion (cut at a stop
+    # string; control tokens such as <|im_end|> dropped); send what was held back.
     if len(scan.text) > sent[0]:
       on_text(scan.text[sent[0]:])
     finish = "stop" if (scan.cut is not None or r.stop_reason == "eog") else "length"
-    n_tok = scan.n_tokens if scan.cut is not None else len(r.tokens)
+    n_tok = scan.n_tokens
     m = self.metrics
     m["requests_total"] += 1
     m["tokens_generated_total"] += n_tok

@@ -240,9 +240,10 @@ def verify(params: TargetParams, cfg: TargetConfig, tree: Tree, start: jax.Array
   n = tree.n
   pos = start + (jnp.arange(n, dtype=jnp.int32) if tree.is_path else tree.depths)
   mask = _verify_mask(tree, start, cache.k.shape[1])
+  anc = None if tree.is_path or not cfg.gdn_layers else tree.ancestor_columns(cfg.conv_kernel - 1)
 
   def mixer(x, p, ig, c):
-    o, states, xin = gdn.mixer_verify(x, p, cfg, c.ssm[ig], c.conv[ig], tree, rt)
+    o, states, xin = gdn.mixer_verify(x, p, cfg, c.ssm[ig], c.conv[ig], tree, anc, rt)
     return o, c, (states, xin)
 
   x = take_rows(params.embed, tree.tokens)
