@@ -308,7 +308,7 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
   Greedy chain and DDTree output equal autoregressive output token for token; sampled output
   has the distribution of autoregressive sampling (sampling.py).
   Raises ValueError for a bad option (naming it), an empty or too long prompt, out-of-vocabulary
-  ids, or a block size mismatch.
+  ids, a block size mismatch, or non-finite logits after prefill (naming the GGUF).
   """
   _positive_int("max_new_tokens", max_new_tokens)
   _positive_int("steps_per_call", steps_per_call)
@@ -326,7 +326,9 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
     draft, dparams = None, proposer_params
   state = _prefill(target, draft, ids, dec, eog, sampling)
   dcfg = _draft_config(draft, dec)
-  jax.block_until_ready(state.out)
+  if not bool(state.finite):
+    raise ValueError(f"{target.path}: the target's logits after prefill are not finite (NaN or "
+                     f"inf): corrupt weights or metadata")
   t1 = time.perf_counter()
   run = functools.partial(decode_lib.decode_loop, target.params, dparams,
                           max_new=jnp.int32(max_new_tokens), eog_ids=eog,

@@ -12,6 +12,56 @@ from typing import Any, Mapping
 import jax
 
 SUPPORTED_ARCHS = ("qwen35", "llama", "qwen3")
+# Sane bounds for model sizes read from files (far above any released model; a corrupt or hostile
+# value fails here with the key named instead of as a huge allocation or a division by zero).
+MAX_DIM = 1 << 20
+MAX_LAYERS = 4096
+MAX_CTX = 1 << 24
+
+
+class _Fields:
+  """Typed, bounded reads of a metadata mapping (GGUF metadata or config.json). Errors name the
+  file and the key: "{path}: {what} {key}={value!r}: ..."."""
+
+  def __init__(self, src: Mapping[str, Any], path: str, what: str, prefix: str = ""):
+    self.src, self.path, self.what, self.prefix = src, path, what, prefix
+
+  def raw(self, key: str, default: Any = None):
+    full = self.prefix + key
+    if full in self.src and self.src[full] is not None:
+      return self.src[full]
+    if default is None:
+      raise ValueError(f"{self.path}: missing {self.what} {full!r}")
+    return default
+
+  def fail(self, key: str, value: Any, msg: str):
+    raise ValueError(f"{self.path}: {self.what} {self.prefix + key}={value!r}: {msg}")
+
+  def int(self, key: str, lo: int, hi: int, default: Any = None) -> int:
+    v = self.raw(key, default)
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+      self.fail(key, v, "expected an integer")
+    if not lo <= v <= hi:
+      self.fail(key, v, f"must be in [{lo}, {hi}]")
+    return int(v)
+
+  def number(self, key: str, lo: float, hi: float, default: Any = None) -> float:
+    """A finite real number in (lo, hi]."""
+    v = self.raw(key, default)
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) \
+        or not lo < v <= hi:
+      self.fail(key, v, f"must be a finite number in ({lo}, {hi}]")
+    return float(v)
+
+  def int_list(self, key: str, lo: int, hi: int, default: Any = None) -> tuple[int, ...]:
+    v = self.raw(key, default)
+    if isinstance(v, (str, bytes, Mapping)) or not hasattr(v, "__iter__"):
+      self.fail(key, v, "expected a list of integers")
+    v = list(v)
+    if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) or not lo <= x <= hi
+           for x in v):
+      self.fail(key, v, f"expected a list of integers in [{lo}, {hi}]")
+    return tuple(int(x) for x in v)
 
 
 @jax.tree_util.register_static
@@ -79,52 +129,57 @@ class TargetConfig:
                 has_rope_freqs: bool = False) -> "TargetConfig":
     """Build from GGUF metadata (`GGUFReader.fields[k].contents()` values).
 
-    Raises ValueError naming the file for an unsupported architecture or a missing key.
+    Raises ValueError naming the file and key for an unsupported architecture, a missing key,
+    or a value of the wrong type or out of range (zero heads, an odd rope.dimension_count, ...).
     """
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
       raise ValueError(f"{path}: unsupported architecture general.architecture={arch!r}; "
                        f"supported: {', '.join(SUPPORTED_ARCHS)}")
 
-    def get(key, default=None, required=True):
-      full = f"{arch}.{key}"
-      if full in meta:
-        return meta[full]
-      if default is None and required:
-        raise ValueError(f"{path}: missing GGUF metadata key {full!r}")
-      return default
-
-    n_layer = int(get("block_count")) - int(get("nextn_predict_layers", 0))
-    d_model = int(get("embedding_length"))
-    n_head = int(get("attention.head_count"))
-    head_dim = int(get("attention.key_length", d_model // n_head))
-    v_head_dim = int(get("attention.value_length", head_dim))
+    m = _Fields(meta, path, "GGUF metadata key", prefix=f"{arch}.")
+    n_block = m.int("block_count", 1, MAX_LAYERS)
+    n_layer = n_block - m.int("nextn_predict_layers", 0, n_block - 1, default=0)
+    d_model = m.int("embedding_length", 1, MAX_DIM)
+    n_head = m.int("attention.head_count", 1, MAX_DIM)
+    n_kv_head = m.int("attention.head_count_kv", 1, n_head, default=n_head)
+    if n_head % n_kv_head:
+      m.fail("attention.head_count_kv", n_kv_head, f"must divide attention.head_count={n_head}")
+    head_dim = m.int("attention.key_length", 1, MAX_DIM, default=max(d_model // n_head, 1))
+    rope_dim = m.int("rope.dimension_count", 2, head_dim, default=head_dim)
+    if rope_dim % 2:
+      m.fail("rope.dimension_count", rope_dim, "must be even (RoPE rotates pairs)")
     common = dict(
-        arch=arch, n_layer=n_layer, d_model=d_model, d_ff=int(get("feed_forward_length")),
-        n_vocab=int(n_vocab), n_head=n_head, n_kv_head=int(get("attention.head_count_kv", n_head)),
-        head_dim=head_dim, v_head_dim=v_head_dim,
-        rope_dim=int(get("rope.dimension_count", head_dim)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rms_eps=float(get("attention.layer_norm_rms_epsilon")),
-        n_ctx_train=int(get("context_length", 0, required=False)),
+        arch=arch, n_layer=n_layer, d_model=d_model, d_ff=m.int("feed_forward_length", 1, MAX_DIM),
+        n_vocab=int(n_vocab), n_head=n_head, n_kv_head=n_kv_head, head_dim=head_dim,
+        v_head_dim=m.int("attention.value_length", 1, MAX_DIM, default=head_dim),
+        rope_dim=rope_dim, rope_theta=m.number("rope.freq_base", 0.0, 1e30, default=10000.0),
+        rms_eps=m.number("attention.layer_norm_rms_epsilon", 0.0, 1.0),
+        n_ctx_train=m.int("context_length", 0, 1 << 40, default=0),
         has_rope_freqs=has_rope_freqs)
     if arch in ("llama", "qwen3"):
       return cls(**common, rope_style="norm" if arch == "llama" else "neox",
                  qk_norm=arch == "qwen3", attn_gate=False, recurrent=(False,) * n_layer)
     # qwen35: hybrid Gated DeltaNet + gated attention.
-    rec = get("attention.recurrent_layers", [], required=False)
-    if len(rec):
+    rec = meta.get(f"{arch}.attention.recurrent_layers")
+    if rec is not None and len(rec):
+      if len(rec) < n_layer:
+        m.fail("attention.recurrent_layers", f"<{len(rec)} entries>",
+               f"needs one entry per layer ({n_layer})")
       recurrent = tuple(bool(x) for x in list(rec)[:n_layer])
     else:
-      every = int(get("full_attention_interval", 4))
+      every = m.int("full_attention_interval", 1, MAX_LAYERS, default=4)
       recurrent = tuple((i + 1) % every != 0 for i in range(n_layer))
-    n_v = int(get("ssm.time_step_rank"))
-    n_k = int(get("ssm.group_count"))
+    n_v = m.int("ssm.time_step_rank", 1, MAX_DIM)
+    n_k = m.int("ssm.group_count", 1, n_v)
     if n_v % n_k:
-      raise ValueError(f"{path}: ssm.time_step_rank={n_v} is not a multiple of ssm.group_count={n_k}")
+      m.fail("ssm.time_step_rank", n_v, f"must be a multiple of ssm.group_count={n_k}")
+    inner = m.int("ssm.inner_size", n_v, MAX_DIM)
+    if inner % n_v:
+      m.fail("ssm.inner_size", inner, f"must be a multiple of ssm.time_step_rank={n_v}")
     return cls(**common, rope_style="neox", qk_norm=True, attn_gate=True, recurrent=recurrent,
-               gdn_n_k_head=n_k, gdn_n_v_head=n_v, gdn_d_k=int(get("ssm.state_size")),
-               gdn_d_v=int(get("ssm.inner_size")) // n_v, conv_kernel=int(get("ssm.conv_kernel")))
+               gdn_n_k_head=n_k, gdn_n_v_head=n_v, gdn_d_k=m.int("ssm.state_size", 1, MAX_DIM),
+               gdn_d_v=inner // n_v, conv_kernel=m.int("ssm.conv_kernel", 1, 64))
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -177,49 +232,53 @@ class DraftConfig:
 
     Raises ValueError naming the file when a field is missing or invalid.
     """
+    if not isinstance(cfg, Mapping):
+      raise ValueError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
     dfc = cfg.get("dflash_config") or {}
-
-    def dval(name, default=None):
-      if name in dfc:
-        return dfc[name]
-      if name in cfg:
-        return cfg[name]
-      if default is None:
-        raise ValueError(f"{path}: missing draft config field {name!r}")
-      return default
-
-    def need(name):
-      if name not in cfg:
-        raise ValueError(f"{path}: missing draft config field {name!r}")
-      return cfg[name]
-
-    n_layer = int(need("num_hidden_layers"))
-    d_model = int(need("hidden_size"))
-    n_head = int(need("num_attention_heads"))
-    rope_theta = cfg.get("rope_theta")
-    if rope_theta is None:
-      rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta")
-    if rope_theta is None:
+    if not isinstance(dfc, Mapping):
+      raise ValueError(f"{path}: dflash_config must be a JSON object, got {type(dfc).__name__}")
+    top = _Fields(cfg, path, "draft config field")
+    # DFlash fields: dflash_config first, then the top level.
+    dfl = _Fields({**{k: v for k, v in cfg.items() if v is not None},
+                   **{k: v for k, v in dfc.items() if v is not None}}, path, "draft config field")
+    n_layer = top.int("num_hidden_layers", 1, MAX_LAYERS)
+    d_model = top.int("hidden_size", 1, MAX_DIM)
+    n_head = top.int("num_attention_heads", 1, MAX_DIM)
+    n_kv_head = top.int("num_key_value_heads", 1, n_head, default=n_head)
+    if n_head % n_kv_head:
+      top.fail("num_key_value_heads", n_kv_head, f"must divide num_attention_heads={n_head}")
+    rope = cfg.get("rope_parameters")
+    if cfg.get("rope_theta") is None and isinstance(rope, Mapping) and "rope_theta" in rope:
+      rope_theta = _Fields(rope, path, "draft config field rope_parameters.").number(
+          "rope_theta", 0.0, 1e30)
+    elif cfg.get("rope_theta") is None:
       raise ValueError(f"{path}: no rope_theta or rope_parameters.rope_theta")
+    else:
+      rope_theta = top.number("rope_theta", 0.0, 1e30)
     if cfg.get("rope_scaling"):
       raise NotImplementedError(f"{path}: rope_scaling={cfg['rope_scaling']!r} is not supported yet")
     if "target_layer_ids" in dfc or "target_layer_ids" in cfg:
-      layer_ids = [int(x) for x in dval("target_layer_ids")]
+      layer_ids = dfl.int_list("target_layer_ids", 0, MAX_LAYERS)
+      if not layer_ids:
+        dfl.fail("target_layer_ids", [], "needs at least one layer")
     else:
-      layer_ids = default_target_layer_ids(int(dval("num_target_layers")), n_layer)
+      layer_ids = tuple(default_target_layer_ids(dfl.int("num_target_layers", 4, MAX_LAYERS),
+                                                 n_layer))
     layer_types = cfg.get("layer_types") or ["full_attention"] * n_layer
-    if len(layer_types) != n_layer:
-      raise ValueError(f"{path}: layer_types has {len(layer_types)} entries for {n_layer} layers")
+    if not isinstance(layer_types, list) or len(layer_types) != n_layer or not all(
+        t in ("full_attention", "sliding_attention") for t in layer_types):
+      top.fail("layer_types", layer_types, f"expected {n_layer} entries, each "
+               f"'full_attention' or 'sliding_attention'")
     sliding = tuple(t == "sliding_attention" for t in layer_types)
     return cls(
-        d_model=d_model, n_layer=n_layer, n_head=n_head,
-        n_kv_head=int(cfg.get("num_key_value_heads", n_head)),
-        head_dim=int(cfg.get("head_dim") or d_model // n_head),
-        d_ff=int(need("intermediate_size")), n_vocab=int(need("vocab_size")),
-        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(rope_theta),
-        block_size=int(dval("block_size", 16)), mask_token_id=int(dval("mask_token_id")),
-        target_layer_ids=tuple(layer_ids), sliding=sliding,
-        sliding_window=int(cfg.get("sliding_window") or 0) if any(sliding) else 0)
+        d_model=d_model, n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head,
+        head_dim=top.int("head_dim", 1, MAX_DIM, default=max(d_model // n_head, 1)),
+        d_ff=top.int("intermediate_size", 1, MAX_DIM), n_vocab=top.int("vocab_size", 1, 1 << 31),
+        rms_eps=top.number("rms_norm_eps", 0.0, 1.0, default=1e-6), rope_theta=rope_theta,
+        block_size=dfl.int("block_size", 2, MAX_BLOCK_SIZE, default=16),
+        mask_token_id=dfl.int("mask_token_id", 0, 1 << 31),
+        target_layer_ids=layer_ids, sliding=sliding,
+        sliding_window=top.int("sliding_window", 1, MAX_CTX) if any(sliding) else 0)
 
   def to_json(self) -> dict[str, Any]:
     """The z-lab config.json fields this config came from (transformers Qwen3 + dflash_config)."""

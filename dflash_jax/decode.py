@@ -45,6 +45,8 @@ class DecodeState:
     pending: [L, F*D] float32 target features of committed rows the draft has not ingested.
     n_pending: [] int32 rows of `pending` that are real.
     key: base PRNG key of the sampler (step n draws from fold_in(key, n); unused when greedy).
+    finite: [] bool the logits the first token came from (end of prefill) were all finite
+      (False: corrupt weights or metadata; `api.generate` raises).
   """
 
   out: jax.Array
@@ -59,6 +61,7 @@ class DecodeState:
   pending: Optional[jax.Array]
   n_pending: jax.Array
   key: jax.Array
+  finite: jax.Array
 
 
 def init_state(tcfg: TargetConfig, dcfg: Optional[DraftConfig], dec: DecodeConfig,
@@ -73,7 +76,7 @@ def init_state(tcfg: TargetConfig, dcfg: Optional[DraftConfig], dec: DecodeConfi
       target=target_lib.init_cache(tcfg, s, rt),
       draft=draft_lib.init_cache(dcfg, s) if use_draft else None,
       pending=(jnp.zeros((L, dcfg.n_features * tcfg.d_model), jnp.float32) if use_draft else None),
-      n_pending=jnp.int32(0), key=jax.random.key(seed))
+      n_pending=jnp.int32(0), key=jax.random.key(seed), finite=jnp.bool_(True))
 
 
 def _next_token(logits: jax.Array, key: jax.Array, sampling) -> jax.Array:
@@ -106,9 +109,11 @@ def prefill_chunk(tparams, dparams, state: DecodeState, tokens: jax.Array, start
     dcache = draft_lib.ingest(dparams, dcfg, pre.feats, start, dcache, rt)
   last = jax.lax.dynamic_slice_in_dim(pre.hidden, n_valid - 1, 1, axis=0)
   key = jax.random.fold_in(state.key, sampling_lib.PREFILL_STREAM)
-  first = _next_token(target_lib.logits(tparams, tcfg, last, rt), key, sampling)[0]
+  logits = target_lib.logits(tparams, tcfg, last, rt)
+  first = _next_token(logits, key, sampling)[0]
   return dataclasses.replace(
       state, target=pre.cache, draft=dcache, pos=start + n_valid, bonus=first,
+      finite=jnp.all(jnp.isfinite(logits)),
       out=state.out.at[0].set(first), n_out=jnp.int32(1), done=jnp.any(first == eog_ids),
       n_steps=jnp.int32(0), n_pending=jnp.int32(0))
 

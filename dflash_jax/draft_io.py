@@ -93,8 +93,6 @@ def validate(cfg: DraftConfig, tcfg: TargetConfig, *, path: str = "?"):
                      f"the target's {tcfg.n_layer} layers")
   if not 0 <= cfg.mask_token_id < tcfg.n_vocab:
     raise ValueError(f"{path}: mask_token_id={cfg.mask_token_id} is outside the target vocab")
-  if cfg.block_size < 2:
-    raise ValueError(f"{path}: block_size={cfg.block_size} must be >= 2")
 
 
 def load(draft_dir: str, tcfg: TargetConfig) -> tuple[DraftConfig, draft_lib.DraftParams]:
@@ -108,8 +106,12 @@ def load(draft_dir: str, tcfg: TargetConfig) -> tuple[DraftConfig, draft_lib.Dra
   for p in (cfg_path, st_path):
     if not os.path.isfile(p):
       raise FileNotFoundError(f"draft file not found: {p}")
-  with open(cfg_path) as fh:
-    cfg = DraftConfig.from_json(json.load(fh), path=cfg_path)
+  try:
+    with open(cfg_path, encoding="utf-8") as fh:
+      raw = json.load(fh)
+  except (ValueError, OSError) as e:   # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    raise ValueError(f"{cfg_path}: not a readable JSON file: {e}") from None
+  cfg = DraftConfig.from_json(raw, path=cfg_path)
   validate(cfg, tcfg, path=draft_dir)
   try:
     arrays = _load_safetensors(st_path)

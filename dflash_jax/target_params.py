@@ -102,21 +102,26 @@ def fuse_projections(ws: Sequence[QuantWeight], fuse: bool = True) -> layers.Pro
 
 
 def _expect(f: GGUFFile, name: str, shape: tuple[int, ...]):
-  t = f.tensors.get(name)
-  if t is None:
-    raise ValueError(f"{f.path}: missing tensor {name!r}")
+  t = f.tensor(name)
   if tuple(t.shape) != tuple(shape):
     raise ValueError(f"{f.path}: tensor {name!r} has shape {t.shape}, expected {shape}")
   return t
 
 
+def _dense(f: GGUFFile, name: str, shape: tuple[int, ...]) -> np.ndarray:
+  """A small tensor (norm weights, biases, the conv kernel) as float32 on the host, whatever
+  its GGUF type."""
+  t = _expect(f, name, shape)
+  if t.fmt == "f32":
+    return np.asarray(t.data, np.float32).reshape(shape)
+  rows = int(np.prod(shape[:-1]))
+  w = from_numpy(t.data, t.fmt, (rows, shape[-1]), name=f"{f.path}:{name}")
+  return np.asarray(to_dtype(w, "f32").data, np.float32).reshape(shape)
+
+
 def _vec(f: GGUFFile, name: str, n: int) -> np.ndarray:
   """A 1-D tensor (norm weights, biases) as [n] float32 on the host."""
-  t = _expect(f, name, (n,))
-  if t.fmt == "f32":
-    return np.asarray(t.data, np.float32).reshape(n)
-  w = from_numpy(t.data, t.fmt, (1, n), name=f"{f.path}:{name}")
-  return np.asarray(to_dtype(w, "f32").data, np.float32).reshape(n)
+  return _dense(f, name, (n,))
 
 
 def _mat(f: GGUFFile, name: str, shape: tuple[int, int], weights: str) -> QuantWeight:
@@ -143,7 +148,7 @@ def _gdn_layer(f: GGUFFile, cfg: TargetConfig, p: str, weights: str, fuse: bool)
                                 _mat(f, p + "attn_gate.weight", (hv * dv, d), weights),
                                 _mat(f, p + "ssm_beta.weight", (hv, d), weights),
                                 _mat(f, p + "ssm_alpha.weight", (hv, d), weights)], fuse),
-      conv=np.asarray(_expect(f, p + "ssm_conv1d.weight", (c, cfg.conv_kernel)).data, np.float32),
+      conv=_dense(f, p + "ssm_conv1d.weight", (c, cfg.conv_kernel)),
       dt_bias=_vec(f, p + "ssm_dt.bias", hv), ssm_a=_vec(f, p + "ssm_a", hv),
       ssm_norm=_vec(f, p + "ssm_norm.weight", dv),
       w_out=_mat(f, p + "ssm_out.weight", (d, hv * dv), weights),
@@ -164,6 +169,21 @@ def _attn_layer(f: GGUFFile, cfg: TargetConfig, p: str, weights: str, fuse: bool
       ffn=_ffn(f, cfg, p, weights, fuse))
 
 
+def _check_all_used(f: GGUFFile, cfg: TargetConfig):
+  """Every tensor of the file must be one the forward reads, as llama.cpp requires ("wrong number
+  of tensors"), except blocks past the trunk (multi-token-prediction layers). A renamed tensor
+  would otherwise be ignored silently (e.g. a missing `output.weight` falls back to tied
+  embeddings). Raises ValueError naming the tensors."""
+  def trunk(name):
+    parts = name.split(".")
+    return not (parts[0] == "blk" and len(parts) > 1 and parts[1].isdigit()
+                and int(parts[1]) >= cfg.n_layer)
+  extra = sorted(n for n in set(f.tensors) - f.used if trunk(n))
+  if extra:
+    raise ValueError(f"{f.path}: tensor(s) {extra[:5]}{' ...' if len(extra) > 5 else ''} are not "
+                     f"used by the {cfg.arch} architecture (renamed or corrupt tensor names?)")
+
+
 def load_params(f: GGUFFile, cfg: TargetConfig, *, weights: str = "quantized",
                 fuse: bool = True) -> TargetParams:
   """Read every tensor the forward needs, check its shape against cfg.
@@ -182,5 +202,7 @@ def load_params(f: GGUFFile, cfg: TargetConfig, *, weights: str = "quantized",
   out = [(_gdn_layer if cfg.recurrent[i] else _attn_layer)(f, cfg, f"blk.{i}.", weights, fuse)
          for i in range(cfg.n_layer)]
   rope_freqs = _vec(f, "rope_freqs.weight", cfg.rope_dim // 2) if cfg.has_rope_freqs else None
-  return TargetParams(embed=embed, out_norm=_vec(f, "output_norm.weight", d), lm_head=lm_head,
-                      layers=tuple(out), rope_freqs=rope_freqs)
+  params = TargetParams(embed=embed, out_norm=_vec(f, "output_norm.weight", d), lm_head=lm_head,
+                        layers=tuple(out), rope_freqs=rope_freqs)
+  _check_all_used(f, cfg)
+  return params

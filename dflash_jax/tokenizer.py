@@ -35,6 +35,45 @@ _EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endofte
 _CONTROL, _USER_DEFINED = 3, 4
 
 
+def _vocab(meta: Mapping[str, Any], path: str):
+  """tokens [V] str, token types [V] int, merges [(left, right)] from the metadata, checked.
+  Raises ValueError naming the file and key."""
+  key = "tokenizer.ggml.tokens"
+  tokens = meta.get(key)
+  if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+    raise ValueError(f"{path}: GGUF metadata key {key!r} is missing or not a non-empty list of "
+                     f"strings (the tokenizer needs it; load with tokenizer=False to skip)")
+  types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
+  if not isinstance(types, list) or len(types) != len(tokens) or not all(
+      isinstance(t, int) and not isinstance(t, bool) for t in types):
+    raise ValueError(f"{path}: GGUF metadata key 'tokenizer.ggml.token_type' must be "
+                     f"{len(tokens)} integers, one per token")
+  raw_merges = meta.get("tokenizer.ggml.merges", [])
+  if not isinstance(raw_merges, list):
+    raise ValueError(f"{path}: GGUF metadata key 'tokenizer.ggml.merges' must be a list of strings")
+  known, merges = set(tokens), []
+  for i, m in enumerate(raw_merges):
+    cut = m.find(" ", 1) if isinstance(m, str) else -1   # llama.cpp: first space after index 0
+    pair = (m[:cut], m[cut + 1:]) if cut > 0 else None
+    if pair is None or not pair[1] or not all(p in known for p in pair):
+      raise ValueError(f"{path}: tokenizer.ggml.merges[{i}]={m!r}: expected two tokens of "
+                       f"tokenizer.ggml.tokens separated by a space")
+    merges.append(pair)
+  return tokens, types, merges
+
+
+def _token_id(meta: Mapping[str, Any], key: str, n_tokens: int, path: str):
+  """An optional token id from the metadata (None if absent). Raises ValueError naming the key
+  when it is not an id of the vocabulary."""
+  v = meta.get(key)
+  if v is None:
+    return None
+  if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < n_tokens:
+    raise ValueError(f"{path}: GGUF metadata key {key!r}={v!r} is not a token id in "
+                     f"[0, {n_tokens})")
+  return v
+
+
 class GGUFTokenizer:
   """Byte-level BPE tokenizer + chat template of a GGUF file.
 
@@ -56,11 +95,12 @@ class GGUFTokenizer:
     if pre not in PRE_TOKENIZERS:
       raise NotImplementedError(f"{path}: tokenizer.ggml.pre={pre!r} is not supported yet; "
                                 f"supported: {', '.join(sorted(PRE_TOKENIZERS))}")
-    tokens = list(meta["tokenizer.ggml.tokens"])
-    types = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    tokens, types, merges = _vocab(meta, path)
     vocab = {t: i for i, t in enumerate(tokens)}
-    bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in ("llama-bpe", "llama3"))
+    try:
+      bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in ("llama-bpe", "llama3"))
+    except Exception as e:  # tokenizers raises its own Exception type
+      raise ValueError(f"{path}: tokenizer vocabulary/merges rejected: {e}") from None
     tok = Tokenizer(bpe)
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZERS[pre]]
@@ -69,14 +109,16 @@ class GGUFTokenizer:
     special = [i for i, ty in enumerate(types) if ty in (_CONTROL, _USER_DEFINED)]
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
     self._tok = tok
+    self.path = path
     self.tokens = tokens
     self.control_ids = frozenset(i for i, ty in enumerate(types) if ty == _CONTROL)
-    self.bos_id = meta.get("tokenizer.ggml.bos_token_id")
-    self.eos_id = meta.get("tokenizer.ggml.eos_token_id")
+    self.bos_id = _token_id(meta, "tokenizer.ggml.bos_token_id", len(tokens), path)
+    self.eos_id = _token_id(meta, "tokenizer.ggml.eos_token_id", len(tokens), path)
     self.add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
     self.chat_template = meta.get("tokenizer.chat_template")
-    eog = {meta.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                                 "tokenizer.ggml.eom_token_id")} - {None}
+    eog = {_token_id(meta, k, len(tokens), path) for k in (
+        "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+        "tokenizer.ggml.eom_token_id")} - {None}
     eog |= {i for i in special if tokens[i] in _EOG_TEXTS}
     self.eog_ids = tuple(sorted(int(i) for i in eog))
 
@@ -85,8 +127,13 @@ class GGUFTokenizer:
     return len(self.tokens)
 
   def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
-    """Text -> token ids (special tokens in the text are parsed). add_bos default: the GGUF's."""
+    """Text -> token ids (special tokens in the text are parsed). add_bos default: the GGUF's.
+    Raises ValueError when the ids would not decode back to `text` (a vocabulary that lacks
+    tokens for some characters: they would be dropped silently)."""
     ids = self._tok.encode(text, add_special_tokens=False).ids
+    if self._tok.decode(ids, skip_special_tokens=False) != text:
+      raise ValueError(f"{self.path}: the vocabulary cannot encode this text exactly (characters "
+                       f"without a token; byte-level BPE needs all 256 byte tokens)")
     if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
       ids = [int(self.bos_id)] + ids
     return ids
@@ -102,21 +149,89 @@ class GGUFTokenizer:
     """Render `tokenizer.chat_template` with jinja2 (sandboxed, trim_blocks, lstrip_blocks, as
     transformers and llama-cpp-python's Jinja2ChatFormatter do).
 
-    Raises ValueError if the GGUF has no chat template.
+    Raises ValueError naming the file if the GGUF has no chat template or it fails (see
+    render_chat_template).
     """
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     if not self.chat_template:
       raise ValueError("this GGUF has no tokenizer.chat_template; use raw prompts (--nochat)")
+    tok = lambda i: self.tokens[i] if i is not None else ""
+    try:
+      return render_chat_template(
+          self.chat_template, messages=list(messages), add_generation_prompt=add_generation_prompt,
+          bos_token=tok(self.bos_id), eos_token=tok(self.eos_id), **kwargs)
+    except ValueError as e:
+      raise ValueError(f"{self.path}: {e}") from None
 
-    def raise_exception(msg):
-      raise jinja2.exceptions.TemplateError(msg)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    tmpl = env.from_string(self.chat_template)
-    tok = lambda i: self.tokens[i] if i is not None and 0 <= i < len(self.tokens) else ""
-    return tmpl.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                       bos_token=tok(self.bos_id), eos_token=tok(self.eos_id), **kwargs)
+_TEMPLATE_CHARS = 1 << 22       # longest string / list a template may build, plus the messages
+_TEMPLATE_RANGE = 1 << 20       # range() items a render may iterate over in all
+
+
+def render_chat_template(template: str, **context) -> str:
+  """Render a chat template (`tokenizer.chat_template`) in a bounded jinja2 sandbox: an immutable
+  SandboxedEnvironment with trim_blocks / lstrip_blocks (as transformers and llama-cpp-python's
+  Jinja2ChatFormatter render them), `raise_exception` and `strftime_now`; strings and lists the
+  template builds (`*`, `**`, `+`, call arguments, namespace attributes, the output) are capped
+  at 4 Mi items plus 4x the messages' length, and range() at 1 Mi items per render.
+
+  Raises ValueError naming tokenizer.chat_template for a syntax error, a sandbox violation, an
+  exceeded bound, a raise_exception() or any other failure of the template.
+  """
+  import jinja2
+  from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+  limit = _TEMPLATE_CHARS + 4 * sum(len(str(m)) for m in context.get("messages", []))
+  budget = [_TEMPLATE_RANGE]
+
+  def check(v, size=None):
+    if size is None:
+      size = len(v) if isinstance(v, (str, list, tuple, dict)) else 0
+    if size > limit:
+      raise jinja2.exceptions.SecurityError(f"a value of {size} items exceeds the limit {limit}")
+    return v
+
+  class Env(ImmutableSandboxedEnvironment):
+    intercepted_binops = frozenset({"*", "**", "+"})
+
+    def call_binop(self, ctx, op, left, right):
+      if op == "**" and isinstance(right, (int, float)) and abs(right) > 64:
+        raise jinja2.exceptions.SecurityError(f"exponent {right} is too large")
+      if op == "*" and isinstance(left, int) and isinstance(right, (str, list, tuple)):
+        left, right = right, left
+      if op == "*" and isinstance(left, (str, list, tuple)) and isinstance(right, int):
+        check(left, size=len(left) * right)
+      return check(super().call_binop(ctx, op, left, right))
+
+    def call(self, ctx, obj, *args, **kwargs):
+      for a in (*args, *kwargs.values()):
+        check(a)
+      return check(super().call(ctx, obj, *args, **kwargs))
+
+  class Namespace(jinja2.utils.Namespace):
+    def __setitem__(self, name, value):
+      super().__setitem__(name, check(value))
+
+  def bounded_range(*args):
+    r = range(*args)
+    budget[0] -= len(r)
+    if budget[0] < 0:
+      raise jinja2.exceptions.SecurityError(f"range() over more than {_TEMPLATE_RANGE} items in all")
+    return r
+
+  def raise_exception(msg):
+    raise jinja2.exceptions.TemplateError(msg)
+
+  env = Env(trim_blocks=True, lstrip_blocks=True)
+  env.globals.update(raise_exception=raise_exception, range=bounded_range, namespace=Namespace,
+                     strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+  try:
+    out, n = [], 0
+    for chunk in env.from_string(template).generate(**context):
+      n += len(chunk)
+      if n > limit:
+        raise jinja2.exceptions.SecurityError(f"output exceeds {limit} characters")
+      out.append(chunk)
+    return "".join(out)
+  except (jinja2.exceptions.TemplateError, RecursionError, MemoryError, ArithmeticError,
+          TypeError, ValueError, LookupError, AttributeError) as e:
+    raise ValueError(f"tokenizer.chat_template failed: {type(e).__name__}: {e}"[:500]) from None
