@@ -150,19 +150,23 @@ def _bounded_reader_class():
       return super()._get_tensor_info_field(orig_offs)
 
     def _build_tensors(self, start_offs, fields):
-      _check_tensor_infos(fields, int(start_offs), len(self.data), self.alignment,
+      _check_tensor_infos(fields, int(start_offs), self.data, self.alignment,
                           GGMLQuantizationType, GGML_QUANT_SIZES)
       super()._build_tensors(start_offs, fields)
 
   return _BoundedReader
 
 
-def _check_tensor_infos(fields, start: int, file_size: int, alignment: int, qtypes, sizes):
+def _check_tensor_infos(fields, start: int, data: np.ndarray, alignment: int, qtypes, sizes):
   """Type, shape, byte size and offset of every tensor, in Python ints. As llama.cpp's
   gguf_init_from_file requires, tensor i's data starts where tensor i-1's (padded to the
   alignment) ends, so a wrapped, misaligned or overlapping offset, or a type or shape changed to
-  one of another byte size, is an error. Raises GGUFFormatError naming the tensor."""
+  one of another byte size, is an error; the padding must be zeros (as gguf-py and llama.cpp
+  write it), which also catches a type changed to a smaller one within the padding. Raises
+  GGUFFormatError naming the tensor."""
+  file_size = len(data)
   expect = end = 0
+  prev = None
   for field in fields:
     _, name_data, _, dims, raw_dtype, offset = field.parts
     try:
@@ -190,6 +194,9 @@ def _check_tensor_infos(fields, start: int, file_size: int, alignment: int, qtyp
                             f"{qtype.name} block size {block}")
     n_bytes = n_el // block * type_size
     off = int(offset[0])
+    if off == expect and prev is not None and np.any(data[start + end:start + off]):
+      raise GGUFFormatError(f"tensor {prev!r}: the padding after its data is not zeros (a "
+                            f"changed type or shape?)")
     if off != expect:
       raise GGUFFormatError(
           f"{where}: data offset {off}, expected {expect} (where the previous tensor's "
@@ -199,9 +206,9 @@ def _check_tensor_infos(fields, start: int, file_size: int, alignment: int, qtyp
       raise GGUFFormatError(f"{where}: {qtype.name} {ne} needs data [{start + off}, "
                             f"{start + off + n_bytes}) but the file has {file_size} bytes: "
                             f"truncated, or a changed type or shape")
-    end = off + n_bytes
+    end, prev = off + n_bytes, name
     expect = off + -(-n_bytes // alignment) * alignment
-  if fields and not 0 <= file_size - (start + end) < alignment:
+  if fields and (not 0 <= file_size - (start + end) < alignment or np.any(data[start + end:])):
     raise GGUFFormatError(f"the tensor data ends at byte {start + end} but the file has "
                           f"{file_size} bytes: a changed type or shape of the last tensor, or "
                           f"data appended to the file")
