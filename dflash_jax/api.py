@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import warnings
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -206,6 +207,48 @@ def resolve_config(draft: Optional[Draft], config: Optional[DecodeConfig] = None
   return dec
 
 
+def state_bytes(target: Target, draft: Optional[Draft], dec: DecodeConfig) -> int:
+  """Bytes of the DecodeState `generate` allocates for `dec` (target KV / SSM / conv cache,
+  draft context cache, target-feature buffer, output buffers), from the shapes alone
+  (jax.eval_shape: nothing is allocated)."""
+  shapes = jax.eval_shape(lambda: decode_lib.init_state(
+      target.config, _draft_config(draft, dec), dec, target.runtime))
+  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)
+                 if hasattr(x, "dtype") and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)))
+
+
+def available_bytes() -> Optional[int]:
+  """Memory free for new buffers on the default device: GPU/TPU `memory_stats()` (limit - in
+  use), else the host's MemAvailable (/proc/meminfo); None when unknown."""
+  stats = jax.devices()[0].memory_stats() or {}
+  if "bytes_limit" in stats:
+    return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+  try:
+    with open("/proc/meminfo") as fh:
+      for line in fh:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return None
+
+
+def check_config(target: Target, draft: Optional[Draft], dec: DecodeConfig):
+  """Checks made before anything is compiled or allocated: the decode state must fit in the
+  memory available (ValueError saying how much it needs and has; lower max_ctx); warns when
+  max_ctx exceeds the model's trained context length (`context_length`)."""
+  need, have = state_bytes(target, draft, dec), available_bytes()
+  if have is not None and need > have:
+    raise ValueError(f"max_ctx={dec.max_ctx}: the decode cache needs {need / 2**30:.2f} GiB but "
+                     f"only {have / 2**30:.2f} GiB is available on {jax.devices()[0].platform}; "
+                     f"lower --max_ctx")
+  n_train = target.config.n_ctx_train
+  if n_train and dec.max_ctx > n_train:
+    warnings.warn(f"max_ctx={dec.max_ctx} exceeds the model's context_length={n_train} "
+                  f"({target.path}): quality past it is not what the model was trained for",
+                  stacklevel=3)
+
+
 def check_prompt(target: Target, prompt_ids, dec: DecodeConfig) -> np.ndarray:
   """prompt_ids as [P] int32, checked: non-empty, integer, P < dec.max_ctx, ids in the
   vocabulary. Raises ValueError saying which."""
@@ -308,7 +351,8 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
   Greedy chain and DDTree output equal autoregressive output token for token; sampled output
   has the distribution of autoregressive sampling (sampling.py).
   Raises ValueError for a bad option (naming it), an empty or too long prompt, out-of-vocabulary
-  ids, a block size mismatch, or non-finite logits after prefill (naming the GGUF).
+  ids, a block size mismatch, a decode state larger than the memory available (check_config),
+  or non-finite logits after prefill (naming the GGUF).
   """
   _positive_int("max_new_tokens", max_new_tokens)
   _positive_int("steps_per_call", steps_per_call)
@@ -318,6 +362,8 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
   dec = resolve_config(draft, config, has_proposer=proposer is not None,
                        **{k: v for k, v in overrides.items() if k not in samp_fields})
   ids = check_prompt(target, prompt_ids, dec)
+  check_config(target, draft if proposer is None else None, dec)
+  max_new_tokens = min(max_new_tokens, dec.max_ctx)    # never more than the context holds
   eog = _eog(target, eog_ids)
   t0 = time.perf_counter()
   if proposer is None:

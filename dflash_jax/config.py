@@ -369,7 +369,7 @@ class DecodeConfig:
       raise ValueError(f"DecodeConfig.mode={self.mode!r}: expected one of {MODES}")
     if self.block_size is not None:
       check_int(self, "block_size", 2, MAX_BLOCK_SIZE)
-    check_int(self, "max_ctx", 2)
+    check_int(self, "max_ctx", 2, MAX_CTX)
     check_int(self, "prefill_chunk", 1)
     check_int(self, "budget", 1, MAX_BUDGET)
     check_int(self, "tree_top_k", 1)

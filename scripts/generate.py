@@ -34,7 +34,7 @@ _OVERWRITE = flags.DEFINE_boolean("overwrite", False, "Replace an existing --out
 _CHAT = flags.DEFINE_boolean("chat", True, "Wrap the prompt in the GGUF chat template "
                              "(--nochat: raw completion).")
 _SYSTEM = flags.DEFINE_string("system", None, "System message (chat only).")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Tokens to generate at most.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Tokens to generate at most.", lower_bound=1)
 _STREAM = flags.DEFINE_boolean("stream", True, "Print text as tokens are committed.")
 _WARMUP = flags.DEFINE_boolean("warmup", True, "Compile on a 1-token prompt first, so the stats "
                                "line measures decoding, not compilation.")
@@ -168,6 +168,15 @@ def _batch(target, draft, dec, samp, rows):
   return n_failed
 
 
+def _read_stdin() -> str:
+  """The prompt from stdin as UTF-8 text. Raises ValueError saying so when it is not UTF-8."""
+  data = sys.stdin.buffer.read()
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise ValueError(f"stdin is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 4]!r})") from None
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -179,6 +188,7 @@ def main(argv):
   rows = _read_rows(_PROMPT_FILE.value) if _PROMPT_FILE.value else None
   if _OUTPUT_FILE.value:
     _check_output(_OUTPUT_FILE.value)
+  text = _PROMPT.value if (_PROMPT.value is not None or rows is not None) else _read_stdin()
   target, draft, dec, samp = _load()
   if rows is not None:
     if _WARMUP.value:
@@ -186,7 +196,6 @@ def main(argv):
     if _batch(target, draft, dec, samp, rows):
       sys.exit(1)
     return
-  text = _PROMPT.value if _PROMPT.value is not None else sys.stdin.read()
   ids = api.check_prompt(target, cli.build_prompt(target, text, chat=_CHAT.value,
                                                   system=_SYSTEM.value), dec)
   if _WARMUP.value:
@@ -200,11 +209,17 @@ def main(argv):
 
 
 def _main_with_clear_errors(argv):
+  """main, with bad input (and file-system errors) as one `error:` line and exit status 1, and
+  Ctrl-C as exit status 130 (a batch's finished rows are in --output_file by then)."""
   try:
     main(argv)
-  except (ValueError, FileNotFoundError, NotImplementedError) as e:
+  except (ValueError, OSError, NotImplementedError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(1)
+  except KeyboardInterrupt:
+    done = f"; finished rows are in {_OUTPUT_FILE.value}" if _OUTPUT_FILE.value else ""
+    print(f"\n[dflash] interrupted{done}", file=sys.stderr)
+    sys.exit(130)
 
 
 if __name__ == "__main__":

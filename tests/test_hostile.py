@@ -198,3 +198,20 @@ def test_draft_config_parse_unit():
   with pytest.raises(ValueError, match=r"x: draft config field mask_token_id=-1"):
     DraftConfig.from_json({**json.load(open(os.path.join(DRAFT, "config.json"))),
                            "mask_token_id": -1, "dflash_config": {}}, path="x")
+
+
+def test_max_ctx_checks_before_compiling(qwen_f32, monkeypatch):
+  from dflash_jax import api
+  dec = api.resolve_config(None, mode="ar", max_ctx=1 << 20)
+  need = api.state_bytes(qwen_f32, None, dec)
+  # 2 attention layers x (K + V) x 2 KV heads x 64 dims x 4 bytes per token, plus the rest.
+  assert 2 * 2 * 2 * 64 * 4 * (1 << 20) < need < 2 * 2 * 2 * 64 * 4 * (1 << 20) * 1.2
+  monkeypatch.setattr(api, "available_bytes", lambda: need - 1)
+  with pytest.raises(ValueError, match=r"max_ctx=1048576: the decode cache needs 2\.\d\d GiB but only"):
+    api.check_config(qwen_f32, None, dec)
+  monkeypatch.undo()
+  with pytest.raises(ValueError, match=r"DecodeConfig\.max_ctx=100000000: must be in"):
+    api.resolve_config(None, mode="ar", max_ctx=100_000_000)
+  assert qwen_f32.config.n_ctx_train == 4096
+  with pytest.warns(UserWarning, match=r"max_ctx=8192 exceeds the model's context_length=4096"):
+    api.check_config(qwen_f32, None, api.resolve_config(None, mode="ar", max_ctx=8192))

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import dflash_jax as dj
 from conftest import SMOL, mean_kl
@@ -86,7 +87,7 @@ def test_generate_script_clear_error_for_long_prompt():
                      capture_output=True, text=True, timeout=600, cwd=ROOT)
   assert r.returncode == 1
   assert "error: prompt has" in r.stderr and "max_ctx=64" in r.stderr
-  assert "Traceback" not in r.stderr
+  assert "Traceback" not in r.stderr and "compiled in" not in r.stderr
 
 
 def test_generate_script_batch_keeps_going_and_protects_output(tmp_path):
@@ -123,3 +124,51 @@ def test_generate_script_batch_keeps_going_and_protects_output(tmp_path):
   assert "max_new_tokens='many'" in rows[3]["error"] and "max_ctx=64" in rows[4]["error"]
   assert "4 rows ok" not in r.stderr and "2 rows ok, 4 failed" in r.stderr
   assert not os.path.exists(str(out) + ".partial")
+
+
+@pytest.mark.parametrize("args,stdin,match", [
+    (["--nochat"], b"\xff\xfe bad bytes", "error: stdin is not UTF-8 text"),
+    (["--prompt_file", "{tmp}"], b"", "error: --prompt_file {tmp}: cannot read it"),
+    (["--prompt_file", "{tmp}/p.jsonl", "--output_file", "{tmp}"], b"", "is a directory"),
+    (["--prompt", "x", "--max_new_tokens", "0"], b"", "max_new_tokens"),
+    (["--prompt", "x", "--mode", "ddtree", "--budget", "100000"], b"", "budget=100000: must be in"),
+    (["--prompt", "x", "--max_ctx", "10000000", "--draft", "none"], b"",
+     "error: max_ctx=10000000: the decode cache needs"),
+])
+def test_generate_script_bad_input_is_one_line(tmp_path, args, stdin, match):
+  """Bad input to generate.py is one `error:` line (no traceback), found before compiling."""
+  (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "x"}) + "\n")
+  args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "generate.py"), *args],
+                     input=stdin, capture_output=True, timeout=600, cwd=ROOT)
+  err = r.stderr.decode()
+  assert r.returncode == 1 and match.replace("{tmp}", str(tmp_path)) in err, err[-2000:]
+  assert "Traceback" not in err and "compiled in" not in err
+
+
+def test_generate_script_sigint_keeps_finished_rows(tmp_path):
+  """Ctrl-C in a batch: the rows finished so far are in --output_file (complete JSON lines, the
+  .partial file renamed), exit status 130, no traceback."""
+  import signal
+  import time
+  prompts = tmp_path / "p.jsonl"
+  prompts.write_text("".join(json.dumps({"id": i, "prompt": f"{i} + {i} =", "max_new_tokens": 40})
+                             + "\n" for i in range(200)))
+  out = tmp_path / "out.jsonl"
+  proc = subprocess.Popen(
+      [sys.executable, os.path.join(ROOT, "scripts", "generate.py"), "--prompt_file", str(prompts),
+       "--output_file", str(out), "--nochat", "--draft", "none", "--max_ctx", "128",
+       "--nostream"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+  partial = str(out) + ".partial"
+  deadline = time.time() + 600
+  while time.time() < deadline and proc.poll() is None:
+    if os.path.exists(partial) and open(partial).read().count("\n") >= 2:
+      break
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=120)
+  err = err.decode()
+  assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
+  rows = [json.loads(l) for l in out.read_text().splitlines()]
+  assert 2 <= len(rows) < 200 and [r["id"] for r in rows] == list(range(len(rows)))
+  assert all("completion" in r for r in rows) and not os.path.exists(partial)
