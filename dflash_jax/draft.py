@@ -138,7 +138,7 @@ def propose(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: 
               & (pos[:, None] - key_pos[None, :] < cfg.sliding_window))
     else:
       mask = full_mask
-    o = layers.attention(_queries(x, lay, pos, cfg, rt), k_all[i], v_all[i], mask)
+    o = layers.attention_live(_queries(x, lay, pos, cfg, rt), k_all, v_all, i, mask, start + L)
     h = _mlp_residual(h, o.reshape(L, cfg.n_head * cfg.head_dim), lay, cfg, rt)
   h = layers.rms_norm(h, params.norm, cfg.rms_eps)
   return layers.linear(h[1:1 + n_logits], lm_head, rt), DraftCache(k_all, v_all)

@@ -151,6 +151,51 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
   return o.reshape(t, h, v.shape[-1])
 
 
+def attention_live(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int,
+                   mask: jax.Array, n_live: jax.Array, chunk: int = 256) -> jax.Array:
+  """Softmax attention over the live rows of a stacked KV cache only, chunk by chunk with an
+  online softmax (FlashAttention's running max / sum, arXiv:2205.14135): the work is
+  proportional to n_live, not to the cache capacity S.
+
+  q: [T, H, Dh] float32; k_all / v_all: [n_layer, S, Hkv, Dh|Dv] (any float dtype, read as
+  float32); layer: static row of k_all; mask: [T, S] bool visible keys (every visible key must
+  lie below n_live); n_live: [] int32 rows that may be visible (e.g. start + T). Returns
+  [T, H, Dv] float32, equal to `attention(q, k_all[layer], v_all[layer], mask)` up to float
+  rounding (a different summation order). Chunks are `chunk` rows (S if smaller); the last one
+  is slid back to end at S and its already-seen rows masked, so any S works.
+  """
+  t, h, dh = q.shape
+  _, s_cap, hkv, dv = v_all.shape
+  c = min(chunk, s_cap)
+  r = h // hkv
+  qg = q.reshape(t, hkv, r, dh) * (dh ** -0.5)
+  n_chunks = (n_live + c - 1) // c
+
+  def body(i, carry):
+    m, l, acc = carry
+    c0 = jnp.minimum(i * c, s_cap - c)                 # slid back for the last partial chunk
+    kc = jax.lax.dynamic_slice(k_all, (layer, c0, 0, 0), (1, c, hkv, dh))[0].astype(jnp.float32)
+    vc = jax.lax.dynamic_slice(v_all, (layer, c0, 0, 0), (1, c, hkv, dv))[0].astype(jnp.float32)
+    cols = c0 + jnp.arange(c, dtype=jnp.int32)
+    vis = jax.lax.dynamic_slice_in_dim(mask, c0, c, axis=1) & (cols >= i * c)[None, :]
+    sc = jnp.einsum("tgrd,sgd->grts", qg, kc, precision=jax.lax.Precision.HIGHEST)
+    sc = jnp.where(vis[None, None], sc, -jnp.inf)
+    m_new = jnp.maximum(m, sc.max(-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(sc - m_safe[..., None])
+    corr = jnp.exp(m - m_safe)
+    l = l * corr + p.sum(-1)
+    acc = acc * corr[..., None] + jnp.einsum("grts,sgd->grtd", p, vc,
+                                             precision=jax.lax.Precision.HIGHEST)
+    return m_new, l, acc
+
+  init = (jnp.full((hkv, r, t), -jnp.inf, jnp.float32), jnp.zeros((hkv, r, t), jnp.float32),
+          jnp.zeros((hkv, r, t, dv), jnp.float32))
+  _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+  o = acc / l[..., None]                                # [Hkv, R, T, Dv]
+  return o.transpose(2, 0, 1, 3).reshape(t, h, dv)
+
+
 def swiglu_mlp(y: jax.Array, gate_up: Projections, down: QuantWeight, rt: Runtime) -> jax.Array:
   """SwiGLU feed-forward (target FFN, draft MLP): down(silu(gate(y)) * up(y)).
 

@@ -152,7 +152,7 @@ def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_all, v_all, li: int, star
   q, k = rope(q), rope(k)
   k_all = layers.write_rows(k_all, li, start, k)
   v_all = layers.write_rows(v_all, li, start, v)
-  o = layers.attention(q, k_all[li].astype(jnp.float32), v_all[li].astype(jnp.float32), mask)
+  o = layers.attention_live(q, k_all, v_all, li, mask, start + t)
   o = o.reshape(t, h * dv)
   if gate is not None:
     o = o * jax.nn.sigmoid(gate)

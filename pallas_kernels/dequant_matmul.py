@@ -55,7 +55,7 @@ def dequant_matmul_reference(x: jax.Array, w, compute_dtype=jnp.float32) -> jax.
   """
   wd = dequantize(w, compute_dtype)
   prec = jax.lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
-  return jnp.dot(x.astype(compute_dtype), wd.T, precision=prec, preferred_element_type=jnp.float32)
+  return jnp.dot(wd, x.astype(compute_dtype).T, precision=prec, preferred_element_type=jnp.float32).T
 
 
 @dataclasses.dataclass(frozen=True)

@@ -219,7 +219,7 @@ def main(argv):
   result = {
       "dataset": _DATASET.value, "target": os.path.basename(path), "draft": draft_dir,
       "n_prompts": len(rows), "n_gen": _N_GEN.value, "repeats": _REPEATS.value,
-      "weights": _TF.weights.value, "compute_dtype": _TF.compute_dtype.value,
+      "weights": target.weights, "compute_dtype": _TF.compute_dtype.value,
       "device": str(jax.devices()[0]),
       "all_outputs_identical": all(r["outputs_identical"] for r in rows),
       "summary": summary, "per_prompt": rows, "time": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -23,7 +23,8 @@ from conftest import QWEN, mean_kl, rel_err
 
 @pytest.fixture(scope="module")
 def qwen_q(request):
-  return {q: dj.load_target(os.path.join(QWEN, f"model-{q}.gguf")) for q in ("q8_0", "q4_k_m")}
+  return {q: dj.load_target(os.path.join(QWEN, f"model-{q}.gguf"), weights="quantized")
+          for q in ("q8_0", "q4_k_m")}
 
 
 def test_f32_logits_match_transformers(qwen_f32, qwen_ref):
@@ -193,7 +194,8 @@ def test_fused_projections_match_unfused(qwen_q, qwen_ref, q):
   """Loading with fuse_projections=True (default) stacks projections (checked: fewer groups than
   members somewhere) and gives the same logits as separate matmuls (max abs < 1e-5)."""
   fused = qwen_q[q]
-  sep = dj.load_target(os.path.join(QWEN, f"model-{q}.gguf"), fuse_projections=False)
+  sep = dj.load_target(os.path.join(QWEN, f"model-{q}.gguf"), weights="quantized",
+                       fuse_projections=False)
   lay = fused.params.layers
   assert any(len(l.in_proj.groups) < 4 for l in lay if hasattr(l, "in_proj"))
   assert any(len(l.qkv.groups) < 3 for l in lay if hasattr(l, "qkv"))
