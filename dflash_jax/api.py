@@ -257,9 +257,12 @@ def available_bytes() -> Optional[int]:
 
 
 def check_config(target: Target, draft: Optional[Draft], dec: DecodeConfig):
-  """Checks made before anything is compiled or allocated: the decode state must fit in the
-  memory available (ValueError saying how much it needs and has; lower max_ctx); warns when
+  """Checks made before anything is compiled or allocated: tree_top_k within the vocabulary; the
+  decode state must fit in the memory available (ValueError saying how much it needs and has;
+  lower max_ctx); warns when
   max_ctx exceeds the model's trained context length (`context_length`)."""
+  if dec.mode == "ddtree" and dec.tree_top_k > target.config.n_vocab:
+    raise ValueError(f"tree_top_k={dec.tree_top_k} exceeds the vocabulary ({target.config.n_vocab})")
   need, have = state_bytes(target, draft, dec), available_bytes()
   if have is not None and need > have:
     raise ValueError(f"max_ctx={dec.max_ctx}: the decode cache needs {need / 2**30:.2f} GiB but "
