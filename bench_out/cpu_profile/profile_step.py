@@ -8,7 +8,6 @@ Usage: python bench_out/cpu_profile/profile_step.py [--quick]
 
 import json
 import statistics
-import sys
 import time
 
 import jax
@@ -71,7 +70,7 @@ def main():
     k = w.shape[1]
     x = x_by_k.setdefault(k, jnp.ones((1, k), jnp.float32))
     f = jax.jit(lambda x, w: layers.linear(x, w, rt))
-    wf = jax.tree.map(lambda a: a, w)
+    jax.tree.map(lambda a: a, w)
     deq = jax.jit(lambda w: dj.quants.dequantize(w))
     ms = med(lambda: f(x, w))
     ms_deq = med(lambda: deq(w))
@@ -90,7 +89,7 @@ def main():
     ms = med(lambda: f(q, k, k, mask))
     out["attention"][s] = ms
     rows.append((f"attention one layer, S={s}", ms))
-  n_attn = len(cfg.attn_layers)
+  len(cfg.attn_layers)
   out["n_layer"] = cfg.n_layer
   for name, v in rows:
     print(f"{name:70s} {v if isinstance(v, tuple) else round(v, 3)}")
