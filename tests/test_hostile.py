@@ -213,8 +213,8 @@ def test_max_ctx_checks_before_compiling(qwen_f32, monkeypatch):
   with pytest.raises(ValueError, match=r"DecodeConfig\.max_ctx=100000000: must be in"):
     api.resolve_config(None, mode="ar", max_ctx=100_000_000)
   with pytest.raises(ValueError, match=r"tree_top_k=5000 exceeds the vocabulary \(1024\)"):
-    api.check_config(qwen_f32, None, api.resolve_config(None, mode="ddtree", block_size=16,
-                                                        tree_top_k=5000))
+    api.check_config(qwen_f32, None, api.resolve_config(None, has_proposer=True, mode="ddtree",
+                                                        block_size=16, tree_top_k=5000))
   assert qwen_f32.config.n_ctx_train == 4096
   with pytest.warns(UserWarning, match=r"max_ctx=8192 exceeds the model's context_length=4096"):
     api.check_config(qwen_f32, None, api.resolve_config(None, mode="ar", max_ctx=8192))
