@@ -109,11 +109,14 @@ def test_dequant_matmul_interpret_vs_gguf(fmt, m, tiles):
   assert _rel(y32, yr) < F32_TOL, f"seed {seed}"
 
 
-def test_dequant_matmul_smollm2_q4_1_tensor(smol):
+def test_dequant_matmul_smollm2_q4_1_tensor(smol_path):
   """A real GGUF tensor (SmolLM2 Q4_1 ffn_down: K = 1536, 48 blocks per row) through the
   kernel's default tiles, vs gguf-py's dequantize."""
-  w = smol.params.layers[0].ffn.down
-  assert w.fmt in dm.KERNEL_FORMATS
+  from dflash_jax.gguf_io import read_gguf
+  from dflash_jax.quants import from_numpy
+  t = read_gguf(smol_path).tensors["blk.0.ffn_down.weight"]
+  w = jax.tree.map(jnp.asarray, from_numpy(t.data, t.fmt, t.shape, name=t.name))
+  assert w.fmt == "q4_1" and w.fmt in dm.KERNEL_FORMATS
   rng, seed = _fresh_rng()
   x = rng.standard_normal((3, w.shape[1])).astype(np.float32)
   w64 = gq.dequantize(np.asarray(w.data), QT[w.fmt.upper()]).astype(np.float64)
