@@ -233,9 +233,15 @@ def resolve_config(draft: Optional[Draft], config: Optional[DecodeConfig] = None
 def state_bytes(target: Target, draft: Optional[Draft], dec: DecodeConfig) -> int:
   """Bytes of the DecodeState `generate` allocates for `dec` (target KV / SSM / conv cache,
   draft context cache, target-feature buffer, output buffers), from the shapes alone
-  (jax.eval_shape: nothing is allocated)."""
-  shapes = jax.eval_shape(lambda: decode_lib.init_state(
-      target.config, _draft_config(draft, dec), dec, target.runtime))
+  (jax.eval_shape: nothing is allocated; cached per static configuration, since generate asks
+  on every call)."""
+  return _state_bytes(target.config, _draft_config(draft, dec), dec, target.runtime)
+
+
+@functools.lru_cache(maxsize=64)
+def _state_bytes(tcfg: TargetConfig, dcfg: Optional[DraftConfig], dec: DecodeConfig,
+                 rt: Runtime) -> int:
+  shapes = jax.eval_shape(lambda: decode_lib.init_state(tcfg, dcfg, dec, rt))
   return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)
                  if hasattr(x, "dtype") and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)))
 
@@ -259,8 +265,8 @@ def available_bytes() -> Optional[int]:
 def check_config(target: Target, draft: Optional[Draft], dec: DecodeConfig):
   """Checks made before anything is compiled or allocated: tree_top_k within the vocabulary; the
   decode state must fit in the memory available (ValueError saying how much it needs and has;
-  lower max_ctx); warns when
-  max_ctx exceeds the model's trained context length (`context_length`)."""
+  lower max_ctx); warns when max_ctx exceeds the model's trained context length
+  (`context_length`)."""
   if dec.mode == "ddtree" and dec.tree_top_k > target.config.n_vocab:
     raise ValueError(f"tree_top_k={dec.tree_top_k} exceeds the vocabulary ({target.config.n_vocab})")
   need, have = state_bytes(target, draft, dec), available_bytes()

@@ -19,6 +19,21 @@ MAX_LAYERS = 4096
 MAX_CTX = 1 << 24
 
 
+def _int_problem(v: Any, lo: int, hi: int | None) -> str | None:
+  """Why v is not an integer (bools excluded) in [lo, hi] (no upper bound when hi is None), or
+  None when it is."""
+  if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+    return "expected an integer"
+  if v < lo or (hi is not None and v > hi):
+    return f"must be in [{lo}, {hi}]" if hi is not None else f"must be >= {lo}"
+  return None
+
+
+def _is_finite_real(v: Any) -> bool:
+  """A finite real number (bools excluded)."""
+  return not isinstance(v, bool) and isinstance(v, numbers.Real) and math.isfinite(v)
+
+
 class _Fields:
   """Typed, bounded reads of a metadata mapping (GGUF metadata or config.json). Errors name the
   file and the key: "{path}: {what} {key}={value!r}: ..."."""
@@ -39,17 +54,15 @@ class _Fields:
 
   def int(self, key: str, lo: int, hi: int, default: Any = None) -> int:
     v = self.raw(key, default)
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-      self.fail(key, v, "expected an integer")
-    if not lo <= v <= hi:
-      self.fail(key, v, f"must be in [{lo}, {hi}]")
+    problem = _int_problem(v, lo, hi)
+    if problem:
+      self.fail(key, v, problem)
     return int(v)
 
   def number(self, key: str, lo: float, hi: float, default: Any = None) -> float:
     """A finite real number in (lo, hi]."""
     v = self.raw(key, default)
-    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) \
-        or not lo < v <= hi:
+    if not _is_finite_real(v) or not lo < v <= hi:
       self.fail(key, v, f"must be a finite number in ({lo}, {hi}]")
     return float(v)
 
@@ -58,8 +71,7 @@ class _Fields:
     if isinstance(v, (str, bytes, Mapping)) or not hasattr(v, "__iter__"):
       self.fail(key, v, "expected a list of integers")
     v = list(v)
-    if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) or not lo <= x <= hi
-           for x in v):
+    if any(_int_problem(x, lo, hi) for x in v):
       self.fail(key, v, f"expected a list of integers in [{lo}, {hi}]")
     return tuple(int(x) for x in v)
 
@@ -248,13 +260,13 @@ class DraftConfig:
     if n_head % n_kv_head:
       top.fail("num_key_value_heads", n_kv_head, f"must divide num_attention_heads={n_head}")
     rope = cfg.get("rope_parameters")
-    if cfg.get("rope_theta") is None and isinstance(rope, Mapping) and "rope_theta" in rope:
+    if cfg.get("rope_theta") is not None:
+      rope_theta = top.number("rope_theta", 0.0, 1e30)
+    elif isinstance(rope, Mapping) and "rope_theta" in rope:
       rope_theta = _Fields(rope, path, "draft config field rope_parameters.").number(
           "rope_theta", 0.0, 1e30)
-    elif cfg.get("rope_theta") is None:
-      raise ValueError(f"{path}: no rope_theta or rope_parameters.rope_theta")
     else:
-      rope_theta = top.number("rope_theta", 0.0, 1e30)
+      raise ValueError(f"{path}: no rope_theta or rope_parameters.rope_theta")
     if cfg.get("rope_scaling"):
       raise NotImplementedError(f"{path}: rope_scaling={cfg['rope_scaling']!r} is not supported yet")
     if "target_layer_ids" in dfc or "target_layer_ids" in cfg:
@@ -312,11 +324,9 @@ def check_int(cfg, name: str, lo: int, hi: int | None = None):
   """Check that field `name` of frozen dataclass `cfg` is an integer in [lo, hi]; store it as
   int. Raises ValueError naming the class and field."""
   value = getattr(cfg, name)
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise ValueError(f"{type(cfg).__name__}.{name}={value!r}: expected an integer")
-  if value < lo or (hi is not None and value > hi):
-    bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
-    raise ValueError(f"{type(cfg).__name__}.{name}={value!r}: must be {bound}")
+  problem = _int_problem(value, lo, hi)
+  if problem:
+    raise ValueError(f"{type(cfg).__name__}.{name}={value!r}: {problem}")
   object.__setattr__(cfg, name, int(value))
 
 
@@ -324,8 +334,7 @@ def check_number(cfg, name: str, lo: float, hi: float, *, lo_open: bool = False)
   """Check that field `name` of frozen dataclass `cfg` is a finite real number in [lo, hi]
   ((lo, hi] with lo_open). Raises ValueError naming the class and field."""
   v = getattr(cfg, name)
-  if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) \
-      or v < lo or v > hi or (lo_open and v == lo):
+  if not _is_finite_real(v) or v < lo or v > hi or (lo_open and v == lo):
     raise ValueError(f"{type(cfg).__name__}.{name}={v!r}: must be a number in "
                      f"{'(' if lo_open else '['}{lo}, {hi}]")
 

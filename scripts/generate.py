@@ -188,7 +188,9 @@ def main(argv):
   rows = _read_rows(_PROMPT_FILE.value) if _PROMPT_FILE.value else None
   if _OUTPUT_FILE.value:
     _check_output(_OUTPUT_FILE.value)
-  text = _PROMPT.value if (_PROMPT.value is not None or rows is not None) else _read_stdin()
+  text = None                      # a single prompt: --prompt, else stdin (read before loading)
+  if rows is None:
+    text = _PROMPT.value if _PROMPT.value is not None else _read_stdin()
   target, draft, dec, samp = _load()
   if rows is not None:
     if _WARMUP.value:

@@ -15,6 +15,17 @@ DRAFT = os.path.join(DATA, "dflash_tiny")
 SMOL = os.path.join(DATA, "smollm2")
 
 
+def draft_copy(tmp_path, edit):
+  """A copy of the fixture draft directory under tmp_path with its config.json replaced by
+  edit(config dict); returns the directory path."""
+  import json
+  d = tmp_path / "draft"
+  shutil.copytree(DRAFT, d)
+  cfg = edit(json.loads((d / "config.json").read_text()))
+  (d / "config.json").write_text(json.dumps(cfg))
+  return str(d)
+
+
 def rel_err(x, ref):
   """max over rows of ||x - ref||_2 / ||ref||_2 along the last axis, in float64."""
   x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)

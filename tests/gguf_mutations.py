@@ -56,6 +56,12 @@ def header_slots(path):
   return slots, int(r.data_offset)
 
 
+def write_slot(buf: bytearray, slot: Slot, value):
+  """Overwrite `slot` in the file bytes `buf` with `value` in the slot's dtype."""
+  dt = np.dtype(slot.dtype)
+  buf[slot.offset:slot.offset + dt.itemsize] = np.array([value]).astype(dt).tobytes()
+
+
 def _values(slot, rng):
   dt = np.dtype(slot.dtype)
   if dt.kind == "f":
@@ -80,8 +86,7 @@ def mutations(path, n_cases, seed=0):
       slot = slots[rng.integers(len(slots))]
       vals = _values(slot, rng)
       v = vals[rng.integers(len(vals))]
-      dt = np.dtype(slot.dtype)
-      buf[slot.offset:slot.offset + dt.itemsize] = np.array([v]).astype(dt).tobytes()
+      write_slot(buf, slot, v)
       name = f"{slot.what}={v}"
     elif kind < 8:
       k = int(rng.integers(1, 9))
@@ -96,6 +101,6 @@ def mutations(path, n_cases, seed=0):
     else:
       slot = [s for s in slots if s.what.endswith(":offset")][rng.integers(len(slots) // 8 or 1) % 8]
       v = int([(1 << 64) - 1, 0, 1, 32, (1 << 64) - 32][rng.integers(5)])
-      buf[slot.offset:slot.offset + 8] = np.array([v], np.uint64).astype("<u8").tobytes()
+      write_slot(buf, slot, v)
       name = f"{slot.what}={v}"
     yield f"{i}:{name}", bytes(buf)

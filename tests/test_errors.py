@@ -1,6 +1,5 @@
 """Bad input gets a clear error naming the file, tensor or value."""
 
-import json
 import os
 import shutil
 
@@ -8,7 +7,7 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from conftest import DRAFT, QWEN
+from conftest import DRAFT, QWEN, draft_copy
 
 
 def _write_gguf(path, arch, tensors, extra_kv=()):
@@ -67,15 +66,9 @@ def test_missing_file():
     ("dflash_config", {"mask_token_id": 1023, "target_layer_ids": [1, 3, 9]}, r"target_layer_ids.*\[9\]"),
 ])
 def test_mismatched_draft(tmp_path, qwen_f32, field, value, match):
-  d = tmp_path / "draft"
-  shutil.copytree(DRAFT, d)
-  with open(d / "config.json") as fh:
-    cfg = json.load(fh)
-  cfg[field] = value
-  with open(d / "config.json", "w") as fh:
-    json.dump(cfg, fh)
+  d = draft_copy(tmp_path, lambda cfg: {**cfg, field: value})
   with pytest.raises(ValueError, match=match):
-    dj.load_draft(str(d), qwen_f32)
+    dj.load_draft(d, qwen_f32)
 
 
 def test_draft_with_wrong_tensor_shape(tmp_path, qwen_f32):

@@ -4,17 +4,16 @@ Each must be a ValueError / NotImplementedError naming the file and key or tenso
 
 import json
 import os
-import shutil
 import time
 
 import numpy as np
 import pytest
 
 import dflash_jax as dj
-from conftest import DRAFT, QWEN
+from conftest import DRAFT, QWEN, draft_copy
 from dflash_jax.config import DraftConfig, TargetConfig
 from dflash_jax.gguf_io import GGUFFormatError, read_gguf
-from gguf_mutations import header_slots
+from gguf_mutations import header_slots, write_slot
 
 SRC = os.path.join(QWEN, "model-q8_0.gguf")
 
@@ -25,9 +24,7 @@ def _patched(tmp_path, edits, name="bad.gguf"):
   slots = {s.what: s for s in header_slots(SRC)[0]}
   buf = bytearray(open(SRC, "rb").read())
   for what, value in edits.items():
-    s = slots[what]
-    dt = np.dtype(s.dtype)
-    buf[s.offset:s.offset + dt.itemsize] = np.array([value]).astype(dt).tobytes()
+    write_slot(buf, slots[what], value)
   p = tmp_path / name
   p.write_bytes(bytes(buf))
   return str(p)
@@ -156,15 +153,6 @@ def test_hostile_chat_templates(template, match):
   assert time.perf_counter() - t0 < 10.0
 
 
-def _draft_with(tmp_path, edit):
-  d = tmp_path / "draft"
-  shutil.copytree(DRAFT, d)
-  cfg = json.load(open(d / "config.json"))
-  cfg = edit(cfg)
-  (d / "config.json").write_text(json.dumps(cfg))
-  return str(d)
-
-
 @pytest.mark.parametrize("edit,match", [
     (lambda c: [], r"expected a JSON object, got list"),
     (lambda c: None, r"expected a JSON object, got NoneType"),
@@ -183,11 +171,11 @@ def _draft_with(tmp_path, edit):
 ])
 def test_bad_draft_configs(tmp_path, qwen_f32, edit, match):
   with pytest.raises(ValueError, match=r"config\.json: .*" + match):
-    dj.load_draft(_draft_with(tmp_path, edit), qwen_f32)
+    dj.load_draft(draft_copy(tmp_path, edit), qwen_f32)
 
 
 def test_draft_config_not_json(tmp_path, qwen_f32):
-  d = _draft_with(tmp_path, lambda c: c)
+  d = draft_copy(tmp_path, lambda c: c)
   with open(os.path.join(d, "config.json"), "wb") as fh:
     fh.write(b"\xff\xfe{not json")
   with pytest.raises(ValueError, match=r"config\.json: not a readable JSON file"):
