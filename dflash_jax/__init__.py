@@ -7,16 +7,19 @@ Public API (see README.md):
   first_draft_logits(target, draft, prompt_ids) -> np.ndarray [block_size-1, V] float32
   generate(target, draft, prompt_ids, *, max_new_tokens, config=DecodeConfig(...), **fields)
       -> GenerateResult
+  generate_batch(target, draft, prompts, *, max_new_tokens, batch_size=None, **fields)
+      -> list[GenerateResult]   (B slots in one compiled loop, continuous batching)
   DecodeConfig (mode, block size, context, DDTree options), Runtime (kernels, dtypes).
 """
 
 from dflash_jax.api import (Draft, GenerateResult, Target, first_draft_logits, forward_logits,
-                            generate, load_draft, load_target)
+                            generate, generate_batch, load_draft, load_target)
 from dflash_jax.config import DecodeConfig, DraftConfig, TargetConfig
 from dflash_jax.runtime import Runtime
 from dflash_jax.sampling import SamplingConfig
 
 __all__ = ["Draft", "GenerateResult", "Target", "first_draft_logits", "forward_logits", "generate",
+           "generate_batch",
            "load_draft", "load_target", "DecodeConfig", "DraftConfig", "Runtime", "SamplingConfig",
            "TargetConfig"]
 __version__ = "0.1.0"

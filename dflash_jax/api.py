@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax import batching
 from dflash_jax import decode as decode_lib
 from dflash_jax import draft as draft_lib
 from dflash_jax import draft_io
@@ -77,7 +78,7 @@ def _resolve_weights(weights: str, f, rt: Runtime) -> str:
     raise ValueError(f"weights={weights!r}: expected one of {WEIGHTS}")
   if weights != "auto":
     return weights
-  if rt.kernels != "reference" or jax.default_backend() != "cpu":
+  if rt.pallas or jax.default_backend() != "cpu":
     return "quantized"
   need = 4 * sum(int(np.prod(t.shape)) for t in f.tensors.values())
   have = available_bytes()
@@ -220,7 +221,7 @@ def resolve_config(draft: Optional[Draft], config: Optional[DecodeConfig] = None
     raise ValueError(f"unknown option(s) {unknown}; DecodeConfig fields: {sorted(fields)}, "
                      f"SamplingConfig fields: {sorted(f.name for f in dataclasses.fields(SamplingConfig))}")
   dec = dataclasses.replace(config or DecodeConfig(), **overrides)
-  if dec.mode != "ar" and draft is None and not has_proposer:
+  if dec.speculative and draft is None and not has_proposer:
     raise ValueError(f"mode={dec.mode!r} needs a draft (or a proposer)")
   if draft is not None and dec.block_size not in (None, draft.config.block_size):
     raise ValueError(f"block_size={dec.block_size} differs from the draft's block_size="
@@ -230,18 +231,18 @@ def resolve_config(draft: Optional[Draft], config: Optional[DecodeConfig] = None
   return dec
 
 
-def state_bytes(target: Target, draft: Optional[Draft], dec: DecodeConfig) -> int:
-  """Bytes of the DecodeState `generate` allocates for `dec` (target KV / SSM / conv cache,
-  draft context cache, target-feature buffer, output buffers), from the shapes alone
-  (jax.eval_shape: nothing is allocated; cached per static configuration, since generate asks
-  on every call)."""
-  return _state_bytes(target.config, _draft_config(draft, dec), dec, target.runtime)
+def state_bytes(target: Target, draft: Optional[Draft], dec: DecodeConfig, batch: int = 1) -> int:
+  """Bytes of the DecodeState `generate` / `generate_batch` allocate for `dec` and `batch` rows
+  (target KV / SSM / conv cache, draft context cache, target-feature buffer, output buffers),
+  from the shapes alone (jax.eval_shape: nothing is allocated; cached per static
+  configuration, since generate asks on every call)."""
+  return batch * _state_bytes(target.config, _draft_config(draft, dec), dec, target.runtime)
 
 
 @functools.lru_cache(maxsize=64)
 def _state_bytes(tcfg: TargetConfig, dcfg: Optional[DraftConfig], dec: DecodeConfig,
                  rt: Runtime) -> int:
-  shapes = jax.eval_shape(lambda: decode_lib.init_state(tcfg, dcfg, dec, rt))
+  shapes = jax.eval_shape(lambda: decode_lib.init_row(decode_lib.Plan(tcfg, dcfg, dec, rt)))
   return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)
                  if hasattr(x, "dtype") and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)))
 
@@ -262,18 +263,20 @@ def available_bytes() -> Optional[int]:
   return None
 
 
-def check_config(target: Target, draft: Optional[Draft], dec: DecodeConfig):
+def check_config(target: Target, draft: Optional[Draft], dec: DecodeConfig, batch: int = 1):
   """Checks made before anything is compiled or allocated: tree_top_k within the vocabulary; the
-  decode state must fit in the memory available (ValueError saying how much it needs and has;
-  lower max_ctx); warns when max_ctx exceeds the model's trained context length
+  decode state of `batch` rows must fit in the memory available (ValueError saying how much it
+  needs and has; lower max_ctx or the batch size); warns when max_ctx exceeds the model's trained context length
   (`context_length`)."""
-  if dec.mode == "ddtree" and dec.tree_top_k > target.config.n_vocab:
+  if dec.uses_tree and dec.tree_top_k > target.config.n_vocab:
     raise ValueError(f"tree_top_k={dec.tree_top_k} exceeds the vocabulary ({target.config.n_vocab})")
-  need, have = state_bytes(target, draft, dec), available_bytes()
+  need, have = state_bytes(target, draft, dec, batch), available_bytes()
   if have is not None and need > have:
-    raise ValueError(f"max_ctx={dec.max_ctx}: the decode cache needs {need / 2**30:.2f} GiB but "
-                     f"only {have / 2**30:.2f} GiB is available on {jax.devices()[0].platform}; "
-                     f"lower --max_ctx")
+    rows = f" x batch {batch}" if batch > 1 else ""
+    raise ValueError(f"max_ctx={dec.max_ctx}{rows}: the decode cache needs {need / 2**30:.2f} GiB "
+                     f"but only {have / 2**30:.2f} GiB is available on "
+                     f"{jax.devices()[0].platform}; lower --max_ctx" +
+                     (" or --batch_size" if batch > 1 else ""))
   n_train = target.config.n_ctx_train
   if n_train and dec.max_ctx > n_train:
     warnings.warn(f"max_ctx={dec.max_ctx} exceeds the model's context_length={n_train} "
@@ -305,30 +308,12 @@ def _eog(target: Target, eog_ids):
 
 def _draft_config(draft: Optional[Draft], dec: DecodeConfig) -> Optional[DraftConfig]:
   """The DraftConfig the decode functions get: the draft's in speculative modes, else None."""
-  return draft.config if (draft is not None and dec.mode != "ar") else None
+  return draft.config if (draft is not None and dec.speculative) else None
 
 
 def _positive_int(name: str, value):
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
     raise ValueError(f"{name}={value!r} must be an integer >= 1")
-
-
-def _prefill(target: Target, draft: Optional[Draft], ids: np.ndarray, dec: DecodeConfig, eog,
-             sampling: SamplingConfig = SamplingConfig()):
-  """Prefill `ids` chunk by chunk into a fresh DecodeState (the draft ingests the prompt's
-  target features when given and the mode is speculative); the first token is drawn as
-  `sampling` says."""
-  dcfg = _draft_config(draft, dec)
-  state = decode_lib.init_state(target.config, dcfg, dec, target.runtime, seed=sampling.seed)
-  c = dec.prefill_chunk
-  for s0 in range(0, ids.size, c):
-    chunk = ids[s0:s0 + c]
-    n = chunk.size
-    state = decode_lib.prefill_chunk(
-        target.params, draft.params if dcfg is not None else None, state,
-        jnp.asarray(np.pad(chunk, (0, c - n))), jnp.int32(s0), jnp.int32(n), eog,
-        sampling.params(), tcfg=target.config, dcfg=dcfg, dec=dec, rt=target.runtime)
-  return state
 
 
 def first_draft_logits(target: Target, draft: Draft, prompt_ids: Sequence[int], *,
@@ -337,29 +322,30 @@ def first_draft_logits(target: Target, draft: Draft, prompt_ids: Sequence[int], 
   prompt's target features. Returns draft logits [block_size-1, V] float32 (row j predicts the
   token at position P+1+j)."""
   dec = resolve_config(draft, mode="chain", max_ctx=max_ctx, prefill_chunk=prefill_chunk)
-  state = _prefill(target, draft, check_prompt(target, prompt_ids, dec), dec, _eog(target, None))
-  return np.asarray(decode_lib.draft_once(target.params, draft.params, state, dcfg=draft.config,
-                                          rt=target.runtime))
+  b = batching.SlotBatch(target, draft, dec, 1, _eog(target, None))
+  b.prefill(0, check_prompt(target, prompt_ids, dec), 2, SamplingConfig())
+  return np.asarray(decode_lib.draft_once(target.params, draft.params, b.state, jnp.int32(0),
+                                          plan=b.plan))
 
 
-def _run_loop(run, state, max_new_tokens: int, dec: DecodeConfig, on_tokens, steps_per_call: int):
-  """Drive `run(state, max_steps)` to the end: one call, or `steps_per_call` steps per call
-  with the newly committed tokens passed to on_tokens after each. Returns (state, stopped:
-  on_tokens returned True)."""
-  if on_tokens is None:
-    return run(state, 1 << 30), False
-  if on_tokens([int(state.out[0])]) is True:
-    return state, True
-  shown = 1
-  while True:
-    if bool(state.done) or shown >= max_new_tokens or int(state.pos) >= dec.max_ctx:
-      return state, False
-    state = run(state, steps_per_call)
-    n_out = int(state.n_out)
-    if n_out > shown:
-      new, shown = [int(x) for x in np.asarray(state.out[shown:n_out])], n_out
-      if on_tokens(new) is True:
-        return state, True
+def _split_overrides(sampling: Optional[SamplingConfig], overrides: dict):
+  """(SamplingConfig, DecodeConfig overrides): keyword fields split by which config owns them."""
+  samp_fields = {f.name for f in dataclasses.fields(SamplingConfig)}
+  sampling = dataclasses.replace(sampling or SamplingConfig(),
+                                 **{k: v for k, v in overrides.items() if k in samp_fields})
+  return sampling, {k: v for k, v in overrides.items() if k not in samp_fields}
+
+
+def _stop_reason(row, max_new: int, eog, stopped: bool) -> str:
+  tokens = row.tokens
+  return ("eog" if tokens and tokens[-1] in set(np.asarray(eog).tolist()) else
+          "stopped" if stopped else "max_new_tokens" if len(tokens) >= max_new else "max_ctx")
+
+
+def _check_finite(target: Target, row):
+  if not row.finite:
+    raise ValueError(f"{target.path}: the target's logits after prefill are not finite (NaN or "
+                     f"inf): corrupt weights or metadata")
 
 
 def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], *,
@@ -372,6 +358,7 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
   ("ar"), as `config` (a DecodeConfig) says, greedy or sampled as `sampling` (a SamplingConfig;
   default greedy) says. DecodeConfig and SamplingConfig fields may also be given as keywords
   (e.g. mode="ddtree", budget=8, temperature=0.7, top_p=0.95, seed=1); they override the two.
+  The one-prompt form of `generate_batch` (a batch of one slot, the same compiled loop).
 
   prompt_ids: [P] ints, P < max_ctx. max_new_tokens: tokens to generate at most (the loop also
   stops after an EOG token, or when the context reaches max_ctx).
@@ -388,39 +375,144 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
   """
   _positive_int("max_new_tokens", max_new_tokens)
   _positive_int("steps_per_call", steps_per_call)
-  samp_fields = {f.name for f in dataclasses.fields(SamplingConfig)}
-  sampling = dataclasses.replace(sampling or SamplingConfig(),
-                                 **{k: v for k, v in overrides.items() if k in samp_fields})
-  dec = resolve_config(draft, config, has_proposer=proposer is not None,
-                       **{k: v for k, v in overrides.items() if k not in samp_fields})
+  sampling, overrides = _split_overrides(sampling, overrides)
+  dec = resolve_config(draft, config, has_proposer=proposer is not None, **overrides)
   ids = check_prompt(target, prompt_ids, dec)
   check_config(target, draft if proposer is None else None, dec)
   max_new_tokens = min(max_new_tokens, dec.max_ctx)    # never more than the context holds
   eog = _eog(target, eog_ids)
   t0 = time.perf_counter()
-  if proposer is None:
-    proposer, dparams = decode_lib.dflash_proposer, draft.params if draft is not None else None
-  else:            # a proposer replaces the DFlash draft: no draft cache, no target features
-    draft, dparams = None, proposer_params
-  state = _prefill(target, draft, ids, dec, eog, sampling)
-  dcfg = _draft_config(draft, dec)
-  if not bool(state.finite):
-    raise ValueError(f"{target.path}: the target's logits after prefill are not finite (NaN or "
-                     f"inf): corrupt weights or metadata")
+  b = batching.SlotBatch(target, draft, dec, 1, eog, proposer=proposer,
+                         proposer_params=proposer_params)
+  b.prefill(0, ids, max_new_tokens, sampling)
+  _check_finite(target, b.row(0))
   t1 = time.perf_counter()
-  run = functools.partial(decode_lib.decode_loop, target.params, dparams,
-                          max_new=jnp.int32(max_new_tokens), eog_ids=eog,
-                          sampling=sampling.params(), tcfg=target.config,
-                          dcfg=dcfg, dec=dec, rt=target.runtime, proposer=proposer)
-  state, stopped = _run_loop(lambda st, k: run(st, max_steps=jnp.int32(k)), state,
-                             max_new_tokens, dec, on_tokens, steps_per_call)
-  jax.block_until_ready(state.out)
+  stopped = False
+  if on_tokens is None:
+    b.run(1 << 30)
+  else:
+    shown = 0
+    while True:
+      n_out, idle, _ = b.progress()
+      if n_out[0] > shown:
+        new, shown = b.new_tokens(0, shown, int(n_out[0])), int(n_out[0])
+        if on_tokens(new) is True:
+          stopped = True
+          break
+      if idle[0]:
+        break
+      b.run(steps_per_call)
+  jax.block_until_ready(b.state.out)
   t2 = time.perf_counter()
-  n_out, n_steps = int(state.n_out), int(state.n_steps)
-  tokens = [int(x) for x in np.asarray(state.out[:n_out])]
-  stop = ("eog" if tokens and tokens[-1] in set(np.asarray(eog).tolist()) else
-          "stopped" if stopped else "max_new_tokens" if n_out >= max_new_tokens else "max_ctx")
-  return GenerateResult(tokens=tokens,
-                        accept_lens=[int(x) for x in np.asarray(state.accept_lens[:n_steps])],
-                        n_steps=n_steps, prompt_len=int(ids.size), stop_reason=stop,
+  row = b.row(0)
+  return GenerateResult(tokens=row.tokens, accept_lens=row.accept_lens, n_steps=row.n_steps,
+                        prompt_len=int(ids.size),
+                        stop_reason=_stop_reason(row, max_new_tokens, eog, stopped),
                         prefill_s=t1 - t0, decode_s=t2 - t1, sampling=sampling)
+
+
+def _per_prompt(name: str, value, n: int, check) -> list:
+  """One value per prompt from a scalar or a length-n sequence; ValueError naming `name`."""
+  if isinstance(value, (list, tuple, np.ndarray)):
+    if len(value) != n:
+      raise ValueError(f"{name}: {len(value)} values for {n} prompts")
+    vals = list(value)
+  else:
+    vals = [value] * n
+  for i, v in enumerate(vals):
+    try:
+      check(v)
+    except ValueError as e:
+      raise ValueError(f"{name}[{i}]: {e}") from None
+  return vals
+
+
+def default_batch_size() -> int:
+  """Rows decoded together by default: 8 on CPU (an autoregressive step of 8 rows costs about
+  two of one row there: the weights are read once), 32 on accelerators."""
+  return 8 if jax.default_backend() == "cpu" else 32
+
+
+def generate_batch(target: Target, draft: Optional[Draft], prompts: Sequence[Sequence[int]], *,
+                   max_new_tokens, config: Optional[DecodeConfig] = None,
+                   sampling: Optional[SamplingConfig] = None, batch_size: Optional[int] = None,
+                   eog_ids: Optional[Sequence[int]] = None, steps_per_call: int = 8,
+                   proposer: Optional[Callable] = None, proposer_params=None,
+                   on_result: Optional[Callable[[int, GenerateResult], None]] = None,
+                   **overrides) -> list[GenerateResult]:
+  """Decode many prompts together in one compiled loop of B slots (continuous batching: a
+  finished row's slot is refilled with the next prompt between loop calls, no recompile).
+
+  prompts: sequence of token-id sequences (each [P_i] ints, P_i < max_ctx). max_new_tokens and
+  the sampling `seed` (keyword or `sampling.seed`) may each be one value or one per prompt; the
+  other DecodeConfig / SamplingConfig fields are shared, as `generate` takes them.
+  batch_size: slots B (rounded up to a bucket in batching.BATCH_BUCKETS, at most the number of
+  prompts); default `default_batch_size()`.
+  on_result(i, result): called as soon as prompt i finishes (results come back in input order
+  regardless).
+  Row i gives what `generate` gives for prompt i alone: the same tokens greedy, and the same
+  tokens sampled with the same seed (each row draws from its own key).
+  Returns one GenerateResult per prompt, in input order (prefill_s: that prompt's prefill;
+  decode_s: from its first decode call to the call it finished in).
+  Raises ValueError for an empty prompt list, a bad prompt (naming its index), a bad option, or
+  a decode state of B rows larger than the memory available.
+  """
+  if len(prompts) == 0:
+    raise ValueError("generate_batch: the prompt list is empty")
+  _positive_int("steps_per_call", steps_per_call)
+  n = len(prompts)
+  max_news = _per_prompt("max_new_tokens", max_new_tokens, n,
+                         lambda v: _positive_int("max_new_tokens", v))
+  seed = overrides.pop("seed", None)
+  sampling, overrides = _split_overrides(sampling, overrides)
+  seeds = _per_prompt("seed", sampling.seed if seed is None else seed, n,
+                      lambda v: SamplingConfig(seed=v))
+  dec = resolve_config(draft, config, has_proposer=proposer is not None, **overrides)
+  ids = []
+  for i, p in enumerate(prompts):
+    try:
+      ids.append(check_prompt(target, p, dec))
+    except ValueError as e:
+      raise ValueError(f"prompts[{i}]: {e}") from None
+  b_req = default_batch_size() if batch_size is None else batch_size
+  _positive_int("batch_size", b_req)
+  B = batching.bucket(min(b_req, n))
+  check_config(target, draft if proposer is None else None, dec, B)
+  max_news = [min(m, dec.max_ctx) for m in max_news]
+  eog = _eog(target, eog_ids)
+  b = batching.SlotBatch(target, draft, dec, B, eog, proposer=proposer,
+                         proposer_params=proposer_params)
+  results: list[Optional[GenerateResult]] = [None] * n
+  slot_of: dict[int, tuple[int, float, float]] = {}        # slot -> (prompt, prefill_s, t_start)
+  nxt = 0
+
+  def admit(slot):
+    nonlocal nxt
+    i = nxt
+    nxt += 1
+    t0 = time.perf_counter()
+    samp_i = dataclasses.replace(sampling, seed=seeds[i])
+    b.prefill(slot, ids[i], max_news[i], samp_i)
+    row = b.row(slot)
+    _check_finite(target, row)
+    slot_of[slot] = (i, time.perf_counter() - t0, time.perf_counter())
+
+  for slot in range(min(B, n)):
+    admit(slot)
+  while slot_of:
+    _, idle, _ = b.progress()
+    for slot in [s for s in slot_of if idle[s]]:
+      i, pre_s, t_start = slot_of.pop(slot)
+      row = b.row(slot)
+      results[i] = GenerateResult(
+          tokens=row.tokens, accept_lens=row.accept_lens, n_steps=row.n_steps,
+          prompt_len=int(ids[i].size), stop_reason=_stop_reason(row, max_news[i], eog, False),
+          prefill_s=pre_s, decode_s=time.perf_counter() - t_start,
+          sampling=dataclasses.replace(sampling, seed=seeds[i]))
+      if on_result is not None:
+        on_result(i, results[i])
+      if nxt < n:
+        admit(slot)
+    if slot_of:
+      b.run(steps_per_call)
+  return results

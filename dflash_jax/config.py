@@ -389,6 +389,16 @@ class DecodeConfig:
     check_number(self, "draft_temp", 0.0, math.inf, lo_open=True)
 
   @property
+  def speculative(self) -> bool:
+    """True for the modes that draft (chain, ddtree); False for autoregressive decoding."""
+    return self.mode != "ar"
+
+  @property
+  def uses_tree(self) -> bool:
+    """True when the verify takes a best-first draft tree (ddtree) rather than a path."""
+    return self.mode == "ddtree"
+
+  @property
   def L(self) -> int:
     """The resolved block size (1 for "ar"). Raises ValueError while block_size is None."""
     if self.mode == "ar":

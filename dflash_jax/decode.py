@@ -1,5 +1,6 @@
-"""Prefill and the speculative decode loop, as one jitted `lax.while_loop` over a donated
-`DecodeState`. One step: propose -> build tree -> verify -> follow -> commit.
+"""Prefill and the speculative decode loop over a batch of B sequences (slots), as one jitted
+`lax.while_loop` over a donated `DecodeState`. One step per row: propose -> build tree ->
+verify -> follow -> commit.
 
 Every mode verifies a tree in one target forward (`target.verify`): DFlash chain (arXiv:
 2602.06036) verifies the path `[bonus, d_1..d_{L-1}]` of the draft's top-1 tokens; DDTree
@@ -8,6 +9,14 @@ the root alone. `tree.follow` accepts the longest root path the target's argmax 
 target's argmax after it is the next bonus token. `target.commit_path` commits it without
 replay: KV rows gathered onto the path (in place for a path tree), SSM state = the state
 captured after the last kept node, conv state = the last K-1 kept inputs.
+
+Batching: every leaf of `DecodeState` has a leading row axis [B]. The per-row step is written for
+one sequence and `jax.vmap`-ed over the rows inside the loop body (so the weight matmuls of all
+rows are one matmul); the `while_loop` itself runs outside the vmap while any row is active, and
+rows that are done keep their state (small leaves and SSM / conv state are selected per row; KV
+and draft-cache writes of an inactive row land past its committed length, where nothing reads
+them). A sequence joins a free slot with `prefill_chunk(..., slot=i)` between loop calls, without
+recompiling (continuous batching).
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax import draft as draft_lib
+from dflash_jax import layers
 from dflash_jax import sampling as sampling_lib
 from dflash_jax import target as target_lib
 from dflash_jax import tree as tree_lib
@@ -27,30 +37,64 @@ from dflash_jax.config import DecodeConfig, DraftConfig, TargetConfig
 from dflash_jax.runtime import Runtime
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Everything static about a decode call, as one hashable value (changing it recompiles).
+
+  Attributes:
+    tcfg: TargetConfig. dcfg: DraftConfig in speculative modes with a DFlash draft, else None
+      (autoregressive decoding, or a proposer that replaces the draft). dec: DecodeConfig (mode
+      resolved: never "auto"). rt: the target's Runtime.
+  """
+
+  tcfg: TargetConfig
+  dcfg: Optional[DraftConfig]
+  dec: DecodeConfig
+  rt: Runtime
+
+  def __post_init__(self):
+    if self.dec.mode == "auto":
+      raise ValueError("Plan: DecodeConfig.mode 'auto' must be resolved to ar/chain/ddtree first")
+
+  @property
+  def uses_draft(self) -> bool:
+    """True when a DFlash draft runs in the loop (context cache, target features)."""
+    return self.dcfg is not None and self.dec.speculative
+
+  @property
+  def feature_layers(self) -> tuple[int, ...]:
+    """Target layer ids whose outputs feed the draft (empty without a draft)."""
+    return tuple(self.dcfg.target_layer_ids) if self.uses_draft else ()
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
-  """Everything the loop carries (donated between calls). S = DecodeConfig.capacity.
+  """Everything the loop carries (donated between calls). Every leaf has a leading row axis [B]
+  (shapes below are per row). S = DecodeConfig.capacity, L = block size.
 
   Attributes:
     out: [S + L] int32 generated tokens; out[:n_out] are final.
     n_out: [] int32 tokens generated so far (the pending bonus included).
+    max_new: [] int32 the row's length budget (tokens to generate at most).
     pos: [] int32 committed length = position of the bonus token (not yet in the target cache).
     bonus: [] int32 the last generated token, input of the next step.
-    done: [] bool an EOG token or max_new_tokens was reached.
+    done: [] bool an EOG token or max_new was reached, or the slot is free.
     n_steps: [] int32 decode steps run (verify forwards).
     accept_lens: [S] int32 tokens committed per step (accepted drafts + bonus).
     target: TargetCache for positions < pos.
-    draft: DraftCache (context K/V for positions < pos - n_pending), None without a draft.
-    pending: [L, F*D] float32 target features of committed rows the draft has not ingested.
-    n_pending: [] int32 rows of `pending` that are real.
-    key: base PRNG key of the sampler (step n draws from fold_in(key, n); unused when greedy).
+    draft: DraftCache (context K/V for positions < pos), None without a draft.
+    key: the row's base PRNG key (step n draws from fold_in(key, n); unused when greedy).
+    samp: sampling.SamplingParams of the row (temperature 0 = greedy; read only by the sampling
+      variant of the loop).
     finite: [] bool the logits the first token came from (end of prefill) were all finite
       (False: corrupt weights or metadata; `api.generate` raises).
   """
 
   out: jax.Array
   n_out: jax.Array
+  max_new: jax.Array
   pos: jax.Array
   bonus: jax.Array
   done: jax.Array
@@ -58,101 +102,142 @@ class DecodeState:
   accept_lens: jax.Array
   target: target_lib.TargetCache
   draft: Optional[draft_lib.DraftCache]
-  pending: Optional[jax.Array]
-  n_pending: jax.Array
   key: jax.Array
+  samp: sampling_lib.SamplingParams
   finite: jax.Array
 
 
-def init_state(tcfg: TargetConfig, dcfg: Optional[DraftConfig], dec: DecodeConfig,
-               rt: Runtime, seed: int = 0) -> DecodeState:
-  """Zeroed state; the draft cache and pending features exist only with a draft (not "ar")."""
+def _greedy_params() -> sampling_lib.SamplingParams:
+  return sampling_lib.SamplingParams(temperature=jnp.float32(0), top_k=jnp.int32(0),
+                                     top_p=jnp.float32(1), min_p=jnp.float32(0))
+
+
+def init_row(plan: Plan) -> DecodeState:
+  """Zeroed state of one row (a free slot: done); the draft cache and pending features exist
+  only with a draft."""
+  tcfg, dcfg, dec = plan.tcfg, plan.dcfg, plan.dec
   s, L = dec.capacity, dec.L
-  use_draft = dec.mode != "ar" and dcfg is not None
   return DecodeState(
-      out=jnp.zeros((s + L,), jnp.int32), n_out=jnp.int32(0), pos=jnp.int32(0),
-      bonus=jnp.int32(0), done=jnp.bool_(False), n_steps=jnp.int32(0),
+      out=jnp.zeros((s + L,), jnp.int32), n_out=jnp.int32(0), max_new=jnp.int32(0),
+      pos=jnp.int32(0), bonus=jnp.int32(0), done=jnp.bool_(True), n_steps=jnp.int32(0),
       accept_lens=jnp.zeros((s,), jnp.int32),
-      target=target_lib.init_cache(tcfg, s, rt),
-      draft=draft_lib.init_cache(dcfg, s) if use_draft else None,
-      pending=(jnp.zeros((L, dcfg.n_features * tcfg.d_model), jnp.float32) if use_draft else None),
-      n_pending=jnp.int32(0), key=jax.random.key(seed), finite=jnp.bool_(True))
+      target=target_lib.init_cache(tcfg, s, plan.rt),
+      draft=draft_lib.init_cache(dcfg, s) if plan.uses_draft else None,
+      key=jax.random.key(0), samp=_greedy_params(),
+      finite=jnp.bool_(True))
 
 
-def _next_token(logits: jax.Array, key: jax.Array, sampling) -> jax.Array:
-  """[R, V] logits -> [R] int32: the argmax (greedy, sampling None) or one draw per row from the
-  processed distribution (independent keys)."""
-  if sampling is None:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  return sampling_lib.draw(key, sampling_lib.process_logits(logits, sampling))
+def init_state(plan: Plan, batch: int = 1) -> DecodeState:
+  """Zeroed state of `batch` free slots (every leaf [batch, ...])."""
+  return jax.vmap(lambda _: init_row(plan))(jnp.arange(batch))
 
 
-def _feature_layers(dcfg, dec):
-  return tuple(dcfg.target_layer_ids) if (dcfg is not None and dec.mode != "ar") else ()
+def batch_size(state: DecodeState) -> int:
+  """B, the number of rows (slots) of a batched state."""
+  return state.pos.shape[0]
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "dec", "rt"),
-                   donate_argnames=("state",))
-def prefill_chunk(tparams, dparams, state: DecodeState, tokens: jax.Array, start: jax.Array,
-                  n_valid: jax.Array, eog_ids: jax.Array, sampling=None, *, tcfg: TargetConfig,
-                  dcfg: Optional[DraftConfig], dec: DecodeConfig, rt: Runtime) -> DecodeState:
-  """Prefill one chunk of the prompt: tokens [C] int32 (C = dec.prefill_chunk, padded), at
-  positions start.., of which n_valid are real. Updates the target cache, feeds the chunk's
-  target features to the draft's context cache, and sets the first generated token (argmax, or
-  a draw when `sampling` (SamplingParams) is given, after the last real row) as the bonus: it
-  is final only after the last chunk."""
-  feature_layers = _feature_layers(dcfg, dec)
-  pre = target_lib.prefill(tparams, tcfg, tokens, start, n_valid, state.target, rt,
-                           feature_layers=feature_layers)
-  dcache = state.draft
-  if feature_layers:
-    dcache = draft_lib.ingest(dparams, dcfg, pre.feats, start, dcache, rt)
+def _safe(sp: sampling_lib.SamplingParams) -> sampling_lib.SamplingParams:
+  """The row's params with temperature 0 (a greedy row) replaced by 1, so that processing the
+  logits stays finite; the greedy row's draws are discarded by `_is_sampled`."""
+  return dataclasses.replace(sp, temperature=jnp.where(sp.temperature > 0, sp.temperature, 1.0))
+
+
+def _next_token(logits: jax.Array, key: jax.Array, sp, sampled: bool) -> jax.Array:
+  """[R, V] logits -> [R] int32: the argmax (greedy variant, or a row with temperature 0) or
+  one draw per node from the processed distribution (independent keys)."""
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  if not sampled:
+    return greedy
+  drawn = sampling_lib.draw(key, sampling_lib.process_logits(logits, _safe(sp)))
+  return jnp.where(sp.temperature > 0, drawn, greedy)
+
+
+def _uses_rejection(dec: DecodeConfig, sampled: bool) -> bool:
+  return sampled and dec.mode == "chain" and dec.chain_rule == "rejection"
+
+
+def _prefill_row(tparams, dparams, row: DecodeState, tokens, start, n_valid, eog_ids, *,
+                 plan: Plan, sampled: bool) -> DecodeState:
+  """One prefill chunk of one row (see `prefill_chunk`)."""
+  pre = target_lib.prefill(tparams, plan.tcfg, tokens, start, n_valid, row.target, plan.rt,
+                           feature_layers=plan.feature_layers)
+  dcache = row.draft
+  if plan.uses_draft:
+    dcache = draft_lib.ingest(dparams, plan.dcfg, pre.feats, start, dcache, plan.rt)
   last = jax.lax.dynamic_slice_in_dim(pre.hidden, n_valid - 1, 1, axis=0)
-  key = jax.random.fold_in(state.key, sampling_lib.PREFILL_STREAM)
-  logits = target_lib.logits(tparams, tcfg, last, rt)
-  first = _next_token(logits, key, sampling)[0]
+  key = jax.random.fold_in(row.key, sampling_lib.PREFILL_STREAM)
+  logits = target_lib.logits(tparams, plan.tcfg, last, plan.rt)
+  first = _next_token(logits, key, row.samp, sampled)[0]
   return dataclasses.replace(
-      state, target=pre.cache, draft=dcache, pos=start + n_valid, bonus=first,
+      row, target=pre.cache, draft=dcache, pos=start + n_valid, bonus=first,
       finite=jnp.all(jnp.isfinite(logits)),
-      out=state.out.at[0].set(first), n_out=jnp.int32(1), done=jnp.any(first == eog_ids),
-      n_steps=jnp.int32(0), n_pending=jnp.int32(0))
+      out=row.out.at[0].set(first), n_out=jnp.int32(1),
+      done=jnp.any(first == eog_ids) | (row.max_new <= 1),
+      n_steps=jnp.int32(0))
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "sampled"), donate_argnames=("state",))
+def prefill_chunk(tparams, dparams, state: DecodeState, slot: jax.Array, tokens: jax.Array,
+                  start: jax.Array, n_valid: jax.Array, eog_ids: jax.Array, seed: jax.Array,
+                  max_new: jax.Array, samp: sampling_lib.SamplingParams, *, plan: Plan,
+                  sampled: bool = False) -> DecodeState:
+  """Prefill one chunk of a prompt into row `slot` of the batch (the other rows are untouched).
+
+  tokens: [C] int32 (C = dec.prefill_chunk, padded) at positions start.., of which n_valid are
+  real; slot, start, n_valid, seed, max_new: [] int32 (traced: any slot, chunk or prompt length
+  reuses one compiled function). The row's PRNG key (from `seed`), length budget `max_new` and
+  sampling params `samp` (SamplingParams of scalars; temperature 0 = greedy) are set on every
+  chunk. Updates the row's target cache, feeds the chunk's target features to its draft context
+  cache, and sets the first generated token (argmax, or a draw in the `sampled` variant, after
+  the last real row) as its bonus: final only after the last chunk, when the row becomes
+  active (done stays False unless that token is an EOG token or max_new <= 1).
+  Only row `slot` is read and written (dynamic slice / update slice: in place on the donated
+  state).
+  """
+  row = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, slot, 0, keepdims=False), state)
+  fresh = start == 0          # a new sequence: recurrent state starts from zero (a reused slot
+  tc = row.target             # keeps the previous sequence's; stale KV rows are masked by position)
+  tc = dataclasses.replace(tc, ssm=jnp.where(fresh, 0.0, tc.ssm), conv=jnp.where(fresh, 0.0, tc.conv))
+  row = dataclasses.replace(row, key=jax.random.key(seed), max_new=max_new, samp=samp, target=tc)
+  row = _prefill_row(tparams, dparams, row, tokens, start, n_valid, eog_ids, plan=plan,
+                     sampled=sampled)
+  return jax.tree.map(lambda x, r: jax.lax.dynamic_update_index_in_dim(x, r, slot, 0), state, row)
 
 
 def dflash_proposer(tparams, dparams, s: DecodeState, *, dcfg: DraftConfig, dec: DecodeConfig,
                     rt: Runtime):
-  """The DFlash draft as proposer: ingest pending target features, draft one block.
+  """The DFlash draft as proposer (one row): draft one block over the context cache (the
+  target features of every committed position were ingested when they were committed).
 
   Returns (logits [D, V] float32 for positions pos+1..pos+D, new DraftCache), D =
   dec.draft_depth (L-1 for chain; min(budget, L-1) for DDTree). A proposer is any function with
-  this signature (tests pass an oracle; it may return up to L-1 rows); chain mode takes the
-  argmax per row, DDTree builds a tree from the rows' log-probabilities.
+  this signature (tests pass an oracle; it may return up to L-1 rows); it sees one row's state
+  (the loop vmaps it over the batch); chain mode takes the argmax per row, DDTree builds a tree
+  from the rows' log-probabilities.
   """
-  dcache = draft_lib.ingest(dparams, dcfg, s.pending, s.pos - s.n_pending, s.draft, rt)
-  return draft_lib.propose(dparams, dcfg, tparams.embed, tparams.lm_head, s.bonus, s.pos, dcache,
+  return draft_lib.propose(dparams, dcfg, tparams.embed, tparams.lm_head, s.bonus, s.pos, s.draft,
                            rt, n_logits=dec.draft_depth)
 
 
-def _uses_rejection(dec: DecodeConfig, sampling) -> bool:
-  return sampling is not None and dec.mode == "chain" and dec.chain_rule == "rejection"
-
-
 def build_verify_tree(dlogits: Optional[jax.Array], bonus: jax.Array, dec: DecodeConfig,
-                      sampling=None, key: Optional[jax.Array] = None):
-  """The tree this mode verifies: "ar" the root alone; "chain" the path [bonus, drafts];
-  "ddtree" the best-first tree of dec.budget nodes from the rows' log-probs at dec.draft_temp.
-  Chain drafts are the rows' argmax, or, under the rejection rule (sampling given and
-  dec.chain_rule "rejection"), draws from the processed draft distribution q with `key`.
-  dlogits: [D, V] float32 draft logits (None for "ar"); bonus: [] int32.
-  Returns (tree, q [D, V] processed draft log-probs under the rejection rule, else None)."""
-  if dec.mode == "ar":
+                      sp=None, key: Optional[jax.Array] = None, sampled: bool = False):
+  """The tree this mode verifies (one row): "ar" the root alone; "chain" the path [bonus,
+  drafts]; "ddtree" the best-first tree of dec.budget nodes from the rows' log-probs at
+  dec.draft_temp. Chain drafts are the rows' argmax, or, under the rejection rule (the `sampled`
+  variant, a row with temperature > 0 and dec.chain_rule "rejection"), draws from the processed
+  draft distribution q with `key`.
+  dlogits: [D, V] float32 draft logits (None for "ar"); bonus: [] int32; sp: the row's
+  SamplingParams. Returns (tree, q [D, V] processed draft log-probs under the rejection rule,
+  else None)."""
+  if not dec.speculative:
     return tree_lib.path_tree(bonus[None]), None
   if dec.mode == "chain":
     q_logp = None
-    if _uses_rejection(dec, sampling):
-      q_logp = sampling_lib.process_logits(dlogits, sampling)
-      drafts = sampling_lib.draw(key, q_logp)
-    else:
-      drafts = jnp.argmax(dlogits, axis=-1).astype(jnp.int32)
+    drafts = jnp.argmax(dlogits, axis=-1).astype(jnp.int32)
+    if _uses_rejection(dec, sampled):
+      q_logp = sampling_lib.process_logits(dlogits, _safe(sp))
+      drafts = jnp.where(sp.temperature > 0, sampling_lib.draw(key, q_logp), drafts)
     return tree_lib.path_tree(jnp.concatenate([bonus[None], drafts])), q_logp
   logp = jax.nn.log_softmax(dlogits.astype(jnp.float32) / dec.draft_temp, axis=-1)
   return tree_lib.build_tree(logp, bonus, budget=dec.budget, top_k=dec.tree_top_k,
@@ -160,94 +245,172 @@ def build_verify_tree(dlogits: Optional[jax.Array], bonus: jax.Array, dec: Decod
 
 
 def accept(tree: tree_lib.Tree, logits: jax.Array, q_logp: Optional[jax.Array],
-           dec: DecodeConfig, sampling, key: jax.Array):
-  """Which root path of the verified tree to keep, and the tokens it emits.
+           dec: DecodeConfig, sp, key: jax.Array, sampled: bool = False):
+  """Which root path of the verified tree to keep, and the tokens it emits (one row).
 
-  logits: [N, V] target logits per node. Greedy: follow the target's argmax. Sampling, "match":
-  follow independent draws of the processed target distribution at each node. Sampling,
-  chain "rejection": `sampling.rejection_chain` against q_logp.
+  logits: [N, V] target logits per node. Greedy (the greedy variant, or a row with temperature
+  0): follow the target's argmax. Sampling, "match": follow independent draws of the processed
+  target distribution at each node. Sampling, chain "rejection": `sampling.rejection_chain`
+  against q_logp.
   Returns (path [L] int32 node ids, n_acc [] int32 accepted drafts, emit [L] int32: the
   accepted drafts, then the bonus token at emit[n_acc])."""
-  L = dec.L
-  if _uses_rejection(dec, sampling):
-    p_logp = sampling_lib.process_logits(logits, sampling)
-    n_acc, bonus = sampling_lib.rejection_chain(key, p_logp, q_logp, tree.tokens[1:])
+  post = _next_token(logits, key, sp, sampled and not _uses_rejection(dec, sampled))
+  path, n_acc, _ = tree_lib.follow(tree, post, dec.L - 1)        # path: [L] node ids
+  emit = post if tree.is_path else post[path]
+  if _uses_rejection(dec, sampled):
+    p_logp = sampling_lib.process_logits(logits, _safe(sp))
+    r_acc, r_bonus = sampling_lib.rejection_chain(key, p_logp, q_logp, tree.tokens[1:])
     nxt = jnp.concatenate([tree.tokens[1:], jnp.zeros((1,), jnp.int32)])
-    return (jnp.arange(L, dtype=jnp.int32), n_acc,
-            jnp.where(jnp.arange(L) < n_acc, nxt, bonus))
-  post = _next_token(logits, key, sampling)                      # target's token per node
-  path, n_acc, _ = tree_lib.follow(tree, post, L - 1)            # path: [L] node ids
-  return path, n_acc, post if tree.is_path else post[path]
+    r_emit = jnp.where(jnp.arange(dec.L) < r_acc, nxt, r_bonus)
+    use = sp.temperature > 0
+    n_acc, emit = jnp.where(use, r_acc, n_acc), jnp.where(use, r_emit, emit)
+  return path, n_acc, emit
 
 
-def _advance(s: DecodeState, emit, n_acc, max_new, eog_ids, **changes) -> DecodeState:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Committed:
+  """Output of `verify_and_commit`: path [P] int32 accepted node ids (root first); n_acc []
+  int32 accepted drafts (capped at the context); emit [P] int32 (accepted drafts, then the
+  bonus at emit[n_acc]); update the target.CacheUpdate that commits the path at rows start..
+  (not applied: one sequence applies it with `target.apply_update`, the batched loop for all
+  rows at once); feats [P, F*D] float32 target features of the path's nodes (None without
+  feature layers); logits [N, V] float32 per tree node."""
+
+  path: jax.Array
+  n_acc: jax.Array
+  emit: jax.Array
+  update: target_lib.CacheUpdate
+  feats: Optional[jax.Array]
+  logits: jax.Array
+
+
+def verify_and_commit(tparams, tcfg: TargetConfig, rt: Runtime, tree: tree_lib.Tree,
+                      start: jax.Array, cache: target_lib.TargetCache, choose, *,
+                      max_ctx: int, feature_layers: tuple[int, ...] = (),
+                      live_bound=None) -> Committed:
+  """The one verify core (decode step, bench_verify, training data): verify `tree` at position
+  `start` in one target forward, let `choose(logits [N, V]) -> (path, n_acc, emit)` pick the
+  accepted root path, cap the acceptance so nothing is committed past `max_ctx` (the output then
+  ends exactly where autoregressive decoding's does: emit[n_acc] stays a target token), and
+  build the path's commit (`target.path_update`, no replay)."""
+  ver = target_lib.verify(tparams, tcfg, tree, start, cache, rt, feature_layers=feature_layers,
+                          live_bound=live_bound)
+  path, n_acc, emit = choose(ver.logits)
+  n_acc = jnp.minimum(n_acc, max_ctx - 1 - start)
+  upd = target_lib.path_update(cache, ver, path, n_acc + 1, rows_in_place=tree.is_path)
+  feats = None
+  if feature_layers:
+    feats = ver.feats if tree.is_path else ver.feats[path]
+  return Committed(path, n_acc, emit, upd, feats, ver.logits)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _RowStep:
+  """One row's step result before the cache writes: the advanced small state (`state`, with the
+  caches as they were), the target commit `update` at rows `start`, and the draft context rows
+  (k, v [n_layer, P, Hkv, Dh], or None) of the committed positions, also at `start`."""
+
+  state: DecodeState
+  update: target_lib.CacheUpdate
+  start: jax.Array
+  draft_k: Optional[jax.Array]
+  draft_v: Optional[jax.Array]
+
+
+def _advance(s: DecodeState, emit, n_acc, eog_ids) -> DecodeState:
   """Emit emit[0..n_acc] (accepted drafts, then the bonus); stop after the first EOG token
-  among them and at max_new tokens. emit: [P] int32."""
+  among them and at the row's max_new tokens. emit: [P] int32."""
   n_commit = n_acc + 1
   is_eog = jnp.any(emit[:, None] == eog_ids[None, :], axis=-1) & (jnp.arange(emit.shape[0]) < n_commit)
   hit = jnp.any(is_eog)
-  n_emit = jnp.minimum(jnp.where(hit, jnp.argmax(is_eog) + 1, n_commit), max_new - s.n_out)
+  n_emit = jnp.minimum(jnp.where(hit, jnp.argmax(is_eog) + 1, n_commit), s.max_new - s.n_out)
   n_out = s.n_out + n_emit
   return dataclasses.replace(
       s, out=jax.lax.dynamic_update_slice_in_dim(s.out, emit, s.n_out, axis=0), n_out=n_out,
-      pos=s.pos + n_commit, bonus=emit[n_acc], done=s.done | hit | (n_out >= max_new),
-      n_steps=s.n_steps + 1, accept_lens=s.accept_lens.at[s.n_steps].set(n_commit),
-      n_pending=n_commit, **changes)
+      pos=s.pos + n_commit, bonus=emit[n_acc], done=s.done | hit | (n_out >= s.max_new),
+      n_steps=s.n_steps + 1, accept_lens=s.accept_lens.at[s.n_steps].set(n_commit))
 
 
-def _step(tparams, dparams, s: DecodeState, max_new, eog_ids, sampling, *, tcfg, dcfg, dec, rt,
-          proposer):
-  """One round: propose -> build tree -> verify -> accept (follow) -> commit."""
-  feature_layers = _feature_layers(dcfg, dec)
+def _step(tparams, dparams, s: DecodeState, eog_ids, live_bound, *, plan: Plan, sampled: bool,
+          proposer) -> _RowStep:
+  """One round of one row: propose -> build tree -> verify -> accept (follow) -> commit (as
+  updates for the batched loop to write) -> the draft's context rows of the committed tokens."""
+  dec = plan.dec
   k_draft, k_accept = jax.random.split(jax.random.fold_in(s.key, s.n_steps))
-  dlogits, dcache = None, s.draft
-  if dec.mode != "ar":
-    dlogits, dcache = proposer(tparams, dparams, s, dcfg=dcfg, dec=dec, rt=rt)
-  tree, q_logp = build_verify_tree(dlogits, s.bonus, dec, sampling, k_draft)
-  ver = target_lib.verify(tparams, tcfg, tree, s.pos, s.target, rt, feature_layers=feature_layers)
-  path, n_acc, emit = accept(tree, ver.logits, q_logp, dec, sampling, k_accept)
-  # Never commit past max_ctx: the output then ends exactly where autoregressive decoding's does
-  # (emit[n_acc] stays a target token: an accepted draft or the bonus).
-  n_acc = jnp.minimum(n_acc, dec.max_ctx - 1 - s.pos)
-  tcache = target_lib.commit_path(ver.cache, ver.steps, s.pos, path, n_acc + 1,
-                                  rows_in_place=tree.is_path)
-  pending = s.pending
-  if feature_layers:
-    pending = ver.feats if tree.is_path else ver.feats[path]
-  return _advance(s, emit, n_acc, max_new, eog_ids, target=tcache, draft=dcache, pending=pending)
+  dlogits = None
+  if dec.speculative:
+    dlogits, _ = proposer(tparams, dparams, s, dcfg=plan.dcfg, dec=dec, rt=plan.rt)
+  tree, q_logp = build_verify_tree(dlogits, s.bonus, dec, s.samp, k_draft, sampled)
+  choose = lambda logits: accept(tree, logits, q_logp, dec, s.samp, k_accept, sampled)
+  c = verify_and_commit(tparams, plan.tcfg, plan.rt, tree, s.pos, s.target, choose,
+                        max_ctx=dec.max_ctx, feature_layers=plan.feature_layers,
+                        live_bound=live_bound)
+  dk = dv = None
+  if plan.uses_draft:
+    dk, dv = draft_lib.ingest_rows(dparams, plan.dcfg, c.feats, s.pos, plan.rt)
+  return _RowStep(_advance(s, c.emit, c.n_acc, eog_ids), c.update, s.pos, dk, dv)
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "dec", "rt", "proposer"),
+def active_rows(state: DecodeState, dec: DecodeConfig) -> jax.Array:
+  """[B] bool: rows that still decode (not done, length budget left, context not full; the
+  capacity has slack for one more verify block)."""
+  return ~state.done & (state.n_out < state.max_new) & (state.pos < dec.max_ctx)
+
+
+def _commit_rows(act: jax.Array, r: _RowStep, old: DecodeState) -> DecodeState:
+  """Apply a batch of row steps: rows not in `act` [B] keep their old small state and SSM /
+  conv state; every row's K/V and draft context rows are written at its `start` in place (a
+  finished row's land past its committed length, where nothing reads them), so no whole cache
+  is copied or selected."""
+  def pick(n, o):
+    return jnp.where(act.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
+  small = lambda st: dataclasses.replace(st, target=None, draft=None)
+  new = jax.tree.map(pick, small(r.state), small(old))
+  tc = old.target
+  tc = target_lib.TargetCache(k=layers.write_block_rows(tc.k, r.start, r.update.k),
+                              v=layers.write_block_rows(tc.v, r.start, r.update.v),
+                              ssm=pick(r.update.ssm, tc.ssm), conv=pick(r.update.conv, tc.conv))
+  dc = old.draft
+  if r.draft_k is not None:
+    dc = draft_lib.DraftCache(layers.write_block_rows(dc.k, r.start, r.draft_k),
+                              layers.write_block_rows(dc.v, r.start, r.draft_v))
+  return dataclasses.replace(new, target=tc, draft=dc)
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "sampled", "proposer"),
                    donate_argnames=("state",))
-def decode_loop(tparams, dparams, state: DecodeState, max_new: jax.Array, max_steps: jax.Array,
-                eog_ids: jax.Array, sampling=None, *, tcfg: TargetConfig,
-                dcfg: Optional[DraftConfig], dec: DecodeConfig, rt: Runtime,
-                proposer=dflash_proposer) -> DecodeState:
-  """Run decode steps until done, max_new tokens, a full cache, or max_steps more steps.
+def decode_loop(tparams, dparams, state: DecodeState, max_steps: jax.Array, eog_ids: jax.Array,
+                *, plan: Plan, sampled: bool = False, proposer=dflash_proposer) -> DecodeState:
+  """Run decode steps while any row is active (not done, length budget and context left), at
+  most max_steps more rounds. Each round steps every row at once (`_step` vmapped over the
+  rows); inactive rows keep their state.
 
-  max_new, max_steps: [] int32 (traced: no recompile across values). eog_ids: [E] int32.
-  sampling: None (greedy) or sampling.SamplingParams (traced: new settings do not recompile;
-  greedy and sampling are two compiled variants).
+  max_steps: [] int32 (traced: no recompile across values). eog_ids: [E] int32. sampled:
+  static; False = greedy variant (argmax everywhere), True = each row samples with its own
+  SamplingParams and key from the state (rows with temperature 0 stay greedy).
   """
-  step_limit = state.n_steps + max_steps
+  step = jax.vmap(functools.partial(_step, plan=plan, sampled=sampled, proposer=proposer),
+                  in_axes=(None, None, 0, None, None))
 
-  def keep_going(s):
-    return (~s.done                                      # no EOG committed
-            & (s.n_out < max_new)                        # length budget left
-            & (s.pos < dec.max_ctx)                      # context not full (capacity has slack
-                                                         # for one more verify block)
-            & (s.n_steps < step_limit))                  # host asked for at most max_steps
+  def keep_going(c):
+    s, i = c
+    return jnp.any(active_rows(s, plan.dec)) & (i < max_steps)
 
-  def one_round(s):
-    return _step(tparams, dparams, s, max_new, eog_ids, sampling, tcfg=tcfg, dcfg=dcfg, dec=dec,
-                 rt=rt, proposer=proposer)
+  def one_round(c):
+    s, i = c
+    bound = jnp.max(s.pos)            # every row's committed length is below it: one chunk walk
+    return _commit_rows(active_rows(s, plan.dec), step(tparams, dparams, s, eog_ids, bound),
+                        s), i + 1
 
-  return jax.lax.while_loop(keep_going, one_round, state)
+  return jax.lax.while_loop(keep_going, one_round, (state, jnp.int32(0)))[0]
 
 
-@functools.partial(jax.jit, static_argnames=("dcfg", "rt"))
-def draft_once(tparams, dparams, state: DecodeState, *, dcfg: DraftConfig, rt: Runtime):
-  """Draft logits [L-1, V] for the state right after prefill (no verify)."""
-  logits, _ = draft_lib.propose(dparams, dcfg, tparams.embed, tparams.lm_head, state.bonus,
-                                state.pos, state.draft, rt)
+@functools.partial(jax.jit, static_argnames=("plan",))
+def draft_once(tparams, dparams, state: DecodeState, slot: jax.Array, *, plan: Plan):
+  """Draft logits [L-1, V] for row `slot` right after its prefill (no verify)."""
+  row = jax.tree.map(lambda x: x[slot], state)
+  logits, _ = draft_lib.propose(dparams, plan.dcfg, tparams.embed, tparams.lm_head, row.bonus,
+                                row.pos, row.draft, plan.rt)
   return logits

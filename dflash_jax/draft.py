@@ -86,22 +86,29 @@ def _mlp_residual(h, o, lay: DraftLayer, cfg: DraftConfig, rt: Runtime):
                                lay.down, rt)
 
 
-def ingest(params: DraftParams, cfg: DraftConfig, feats: jax.Array, start: jax.Array,
-           cache: DraftCache, rt: Runtime) -> DraftCache:
-  """Write context K/V for target features of positions start..start+W-1 into the cache.
+def ingest_rows(params: DraftParams, cfg: DraftConfig, feats: jax.Array, start: jax.Array,
+                rt: Runtime) -> tuple[jax.Array, jax.Array]:
+  """Context K/V of target features at positions start..start+W-1, not yet written.
 
-  feats: [W, F*D_target] (rows past the real count are written too; they lie at positions that
-  the next `propose` overwrites or masks). Context gets fc + hidden_norm only, then per layer
-  k = k_norm(k_proj(c)) with RoPE, v = v_proj(c).
+  feats: [W, F*D_target]. Context gets fc + hidden_norm only, then per layer
+  k = k_norm(k_proj(c)) with RoPE, v = v_proj(c). Returns (k, v): [n_layer, W, Hkv, Dh] float32.
   """
   pos = start + jnp.arange(feats.shape[0], dtype=jnp.int32)
   c = _context(params, feats, cfg, rt)
-  k_all, v_all = cache.k, cache.v
-  for i, lay in enumerate(params.layers):
-    k, v = _kv(c, lay, pos, cfg, rt)
-    k_all = layers.write_rows(k_all, i, start, k)
-    v_all = layers.write_rows(v_all, i, start, v)
-  return DraftCache(k_all, v_all)
+  kv = [_kv(c, lay, pos, cfg, rt) for lay in params.layers]
+  return jnp.stack([k for k, _ in kv]), jnp.stack([v for _, v in kv])
+
+
+def ingest(params: DraftParams, cfg: DraftConfig, feats: jax.Array, start: jax.Array,
+           cache: DraftCache, rt: Runtime) -> DraftCache:
+  """Write context K/V for target features of positions start..start+W-1 into the cache
+  (`ingest_rows`, then one dynamic-update-slice per buffer).
+
+  feats: [W, F*D_target] (rows past the real count are written too; they lie at positions that
+  later ingests overwrite and `propose` never reads).
+  """
+  k, v = ingest_rows(params, cfg, feats, start, rt)
+  return DraftCache(layers.write_block(cache.k, start, k), layers.write_block(cache.v, start, v))
 
 
 def propose(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: QuantWeight,
@@ -113,8 +120,10 @@ def propose(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: 
   n_logits: static, 1..L-1 (default L-1): logits only for the first n_logits block offsets (the
   block itself is still the full L positions, so those rows are unchanged; a small DDTree budget
   needs only that many depths and skips the rest of the vocabulary-sized lm_head matmul).
-  Returns (logits [n_logits, V] float32, row j predicting position start+1+j; cache with the
-  block's K/V written at start.., which later `ingest` calls overwrite).
+  The block's own K/V are attended to directly (bidirectionally; sliding layers causally within
+  the window) and not written: the cache is only read.
+  Returns (logits [n_logits, V] float32, row j predicting position start+1+j; the cache,
+  unchanged).
   Raises ValueError for n_logits outside 1..L-1.
   """
   L = cfg.block_size
@@ -126,22 +135,20 @@ def propose(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: 
   pos = start + jnp.arange(L, dtype=jnp.int32)
   h = take_rows(embed, ids)
   key_pos = jnp.arange(cache.k.shape[1], dtype=jnp.int32)
-  full_mask = jnp.broadcast_to(key_pos[None, :] < start + L, (L, key_pos.shape[0]))
-  k_all, v_all = cache.k, cache.v
+  full_local = jnp.ones((L, L), bool)
   for i, lay in enumerate(params.layers):
     x = layers.rms_norm(h, lay.in_norm, cfg.rms_eps)
     k, v = _kv(x, lay, pos, cfg, rt)
-    k_all = layers.write_rows(k_all, i, start, k)
-    v_all = layers.write_rows(v_all, i, start, v)
     if cfg.sliding[i]:
-      mask = ((key_pos[None, :] <= pos[:, None])
-              & (pos[:, None] - key_pos[None, :] < cfg.sliding_window))
+      past = pos[:, None] - key_pos[None, :] < cfg.sliding_window
+      local = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < cfg.sliding_window)
     else:
-      mask = full_mask
-    o = layers.attention_live(_queries(x, lay, pos, cfg, rt), k_all, v_all, i, mask, start + L)
+      past, local = None, full_local
+    o = layers.attention_live(_queries(x, lay, pos, cfg, rt), cache.k, cache.v, i, past, start,
+                              local=(k, v, local))
     h = _mlp_residual(h, o.reshape(L, cfg.n_head * cfg.head_dim), lay, cfg, rt)
   h = layers.rms_norm(h, params.norm, cfg.rms_eps)
-  return layers.linear(h[1:1 + n_logits], lm_head, rt), DraftCache(k_all, v_all)
+  return layers.linear(h[1:1 + n_logits], lm_head, rt), cache
 
 
 def block_masks(anchors: jax.Array, n_ctx: int, cfg: DraftConfig, sliding: bool):

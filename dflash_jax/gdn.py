@@ -114,7 +114,7 @@ def gated_delta_rule_tree(q, k, v, g, beta, state, parents, rt: Runtime, *, is_p
   [-1, 0, 1, ...]) the token recurrence `gated_delta_rule_recurrent`, else
   `tree_gdn_reference` (a scan over nodes with a parent gather).
   """
-  if rt.kernels != "reference" and tk.supports(q.shape[-1], v.shape[-1]):
+  if rt.pallas and tk.supports(q.shape[-1], v.shape[-1]):
     return tk.tree_gdn(q, k, v, g, beta, state, parents, interpret=rt.kernels == "pallas_interpret")
   if is_path:
     return gated_delta_rule_recurrent(q, k, v, g, beta, state)

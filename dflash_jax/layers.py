@@ -30,7 +30,7 @@ def linear(x: jax.Array, w: QuantWeight, rt: Runtime) -> jax.Array:
   """
   lead = x.shape[:-1]
   x2 = x.reshape(-1, x.shape[-1])
-  if rt.kernels != "reference" and dm.supports(w):
+  if rt.pallas and dm.supports(w):
     y = dm.dequant_matmul(x2, w, compute_dtype=rt.cdt, interpret=rt.kernels == "pallas_interpret")
   else:
     y = dm.dequant_matmul_reference(x2, w, rt.cdt)
@@ -124,15 +124,23 @@ def rope(x: jax.Array, pos: jax.Array, *, rot_dim: int, theta: float, style: str
   return jnp.concatenate([out, rest], axis=-1)
 
 
-def write_rows(cache: jax.Array, layer: int, start: jax.Array, rows: jax.Array) -> jax.Array:
-  """cache: [n_layer, S, ...] (KV cache of all layers); rows: [T, ...] -> cache with
-  cache[layer, start:start+T] = rows (cast to cache.dtype).
+def write_block(cache: jax.Array, start: jax.Array, rows: jax.Array) -> jax.Array:
+  """cache: [n_layer, S, ...] (one sequence's KV cache of all layers); rows: [n_layer, T, ...]
+  -> cache with cache[:, start:start+T] = rows (cast to cache.dtype): one dynamic-update-slice,
+  in place on a donated or loop-carried cache."""
+  idx = (jnp.int32(0), jnp.asarray(start, jnp.int32)) + (jnp.int32(0),) * (cache.ndim - 2)
+  return jax.lax.dynamic_update_slice(cache, rows.astype(cache.dtype), idx)
 
-  One dynamic-update-slice on the stacked buffer, which XLA does in place on a donated or
-  loop-carried cache; slicing each layer out and re-stacking would copy the whole cache every step.
-  """
-  idx = (jnp.int32(layer), jnp.asarray(start, jnp.int32)) + (jnp.int32(0),) * (cache.ndim - 2)
-  return jax.lax.dynamic_update_slice(cache, rows[None].astype(cache.dtype), idx)
+
+def write_block_rows(cache: jax.Array, start: jax.Array, rows: jax.Array) -> jax.Array:
+  """The batched form: cache [B, n_layer, S, ...], start [B] int32, rows [B, n_layer, T, ...]
+  -> row b's block written at start[b]. One dynamic-update-slice per row, unrolled (in place;
+  no scatter, and no nested loop whose carry XLA would copy)."""
+  zeros = (jnp.int32(0),) * (cache.ndim - 3)
+  for b in range(cache.shape[0]):
+    cache = jax.lax.dynamic_update_slice(cache, rows[b][None].astype(cache.dtype),
+                                         (jnp.int32(b), jnp.int32(0), start[b]) + zeros)
+  return cache
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -152,45 +160,58 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
 
 
 def attention_live(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int,
-                   mask: jax.Array, n_live: jax.Array, chunk: int = 256) -> jax.Array:
+                   mask, n_live: jax.Array, chunk: int = 256, local=None,
+                   live_bound=None) -> jax.Array:
   """Softmax attention over the live rows of a stacked KV cache only, chunk by chunk with an
   online softmax (FlashAttention's running max / sum, arXiv:2205.14135): the work is
-  proportional to n_live, not to the cache capacity S.
+  proportional to n_live, not to the cache capacity S; optionally plus `local` keys that are not
+  in the cache (this call's own rows), in the same softmax.
 
   q: [T, H, Dh] float32; k_all / v_all: [n_layer, S, Hkv, Dh|Dv] (any float dtype, read as
-  float32); layer: static row of k_all; mask: [T, S] bool visible keys (every visible key must
-  lie below n_live); n_live: [] int32 rows that may be visible (e.g. start + T). Returns
-  [T, H, Dv] float32, equal to `attention(q, k_all[layer], v_all[layer], mask)` up to float
-  rounding (a different summation order). Chunks are `chunk` rows (S if smaller); the last one
-  is slid back to end at S and its already-seen rows masked, so any S works.
+  float32); layer: static row of k_all; mask: [T, S] bool visible cache keys, or None (all rows
+  below n_live visible); n_live: [] int32 cache rows that may be visible (rows >= n_live never
+  are). local: None or (k [T2, Hkv, Dh], v [T2, Hkv, Dv], mask [T, T2] bool). live_bound:
+  optional [] int32 >= n_live that sets the number of chunks visited; the batched decode loop
+  passes the largest n_live of its rows, unbatched, so that under `vmap` every row reads the
+  same chunk offsets (plain slices instead of per-row gathers). Returns [T, H, Dv] float32,
+  equal to `attention` over the visible keys up to float rounding (a different summation
+  order). Chunks are `chunk` rows (S if smaller); the last one is slid back to end at S and its
+  already-seen rows masked, so any S works. A query must see at least one key.
   """
   t, h, dh = q.shape
   _, s_cap, hkv, dv = v_all.shape
   c = min(chunk, s_cap)
   r = h // hkv
+  hp = jax.lax.Precision.HIGHEST
   qg = q.reshape(t, hkv, r, dh) * (dh ** -0.5)
-  n_chunks = (n_live + c - 1) // c
+  n_chunks = ((n_live if live_bound is None else live_bound) + c - 1) // c
 
-  def body(i, carry):
+  def update(carry, sc, vc):
     m, l, acc = carry
-    c0 = jnp.minimum(i * c, s_cap - c)                 # slid back for the last partial chunk
-    kc = jax.lax.dynamic_slice(k_all, (layer, c0, 0, 0), (1, c, hkv, dh))[0].astype(jnp.float32)
-    vc = jax.lax.dynamic_slice(v_all, (layer, c0, 0, 0), (1, c, hkv, dv))[0].astype(jnp.float32)
-    cols = c0 + jnp.arange(c, dtype=jnp.int32)
-    vis = jax.lax.dynamic_slice_in_dim(mask, c0, c, axis=1) & (cols >= i * c)[None, :]
-    sc = jnp.einsum("tgrd,sgd->grts", qg, kc, precision=jax.lax.Precision.HIGHEST)
-    sc = jnp.where(vis[None, None], sc, -jnp.inf)
     m_new = jnp.maximum(m, sc.max(-1))
     m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
     p = jnp.exp(sc - m_safe[..., None])
     corr = jnp.exp(m - m_safe)
-    l = l * corr + p.sum(-1)
-    acc = acc * corr[..., None] + jnp.einsum("grts,sgd->grtd", p, vc,
-                                             precision=jax.lax.Precision.HIGHEST)
-    return m_new, l, acc
+    return (m_new, l * corr + p.sum(-1),
+            acc * corr[..., None] + jnp.einsum("grts,sgd->grtd", p, vc, precision=hp))
+
+  def body(i, carry):
+    c0 = jnp.minimum(i * c, s_cap - c)                 # slid back for the last partial chunk
+    kc = jax.lax.dynamic_slice(k_all, (layer, c0, 0, 0), (1, c, hkv, dh))[0].astype(jnp.float32)
+    vc = jax.lax.dynamic_slice(v_all, (layer, c0, 0, 0), (1, c, hkv, dv))[0].astype(jnp.float32)
+    cols = c0 + jnp.arange(c, dtype=jnp.int32)
+    vis = ((cols >= i * c) & (cols < n_live))[None, :]
+    if mask is not None:
+      vis = vis & jax.lax.dynamic_slice_in_dim(mask, c0, c, axis=1)
+    sc = jnp.einsum("tgrd,sgd->grts", qg, kc, precision=hp)
+    return update(carry, jnp.where(vis[None, None], sc, -jnp.inf), vc)
 
   init = (jnp.full((hkv, r, t), -jnp.inf, jnp.float32), jnp.zeros((hkv, r, t), jnp.float32),
           jnp.zeros((hkv, r, t, dv), jnp.float32))
+  if local is not None:
+    lk, lv, lmask = local
+    sc = jnp.einsum("tgrd,sgd->grts", qg, lk.astype(jnp.float32), precision=hp)
+    init = update(init, jnp.where(lmask[None, None], sc, -jnp.inf), lv.astype(jnp.float32))
   _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
   o = acc / l[..., None]                                # [Hkv, R, T, Dv]
   return o.transpose(2, 0, 1, 3).reshape(t, h, dv)

@@ -45,6 +45,11 @@ class Runtime:
         raise ValueError(f"Runtime.{name}={getattr(self, name)!r}: expected one of {choices}")
 
   @property
+  def pallas(self) -> bool:
+    """True when the Pallas kernels run (compiled or interpreted)."""
+    return self.kernels != "reference"
+
+  @property
   def cdt(self) -> jnp.dtype:
     """compute_dtype as a jnp dtype."""
     return jnp.dtype(self.compute_dtype)

@@ -367,7 +367,7 @@ def build_engine() -> Engine:
   draft_dir = _DRAFT.value if _DRAFT.value is not None else cli.find_draft_dir(target)
   draft = dj.load_draft(draft_dir, target) if draft_dir and draft_dir != "none" else None
   dec = decode_flags.config(_DF, mode=_DF.mode.value or ("chain" if draft is not None else "ar"))
-  if dec.mode != "ar" and draft is None:
+  if dec.speculative and draft is None:
     raise app.UsageError(f"--mode={dec.mode} needs a draft (--draft)")
   defaults = decode_flags.sampling(_DF, target.sampling_defaults)
   dec = dj.api.resolve_config(draft, dec)

@@ -73,13 +73,29 @@ class Prefilled:
 @dataclasses.dataclass(frozen=True)
 class Verified:
   """Output of `verify`: logits [N, V] float32 per tree node; feats [N, F*D] float32 or None;
-  cache with the nodes' K/V written at rows start..start+N-1 (SSM/conv untouched); steps the
-  per-node GDN states for `commit_path`."""
+  k, v [n_attn, N, Hkv, Dh|Dv] (Runtime.kv_dtype) the nodes' K/V (not written to the cache: the
+  commit writes the accepted path's); steps the per-node GDN states for `commit_path`."""
 
   logits: jax.Array
   feats: Optional[jax.Array]
-  cache: TargetCache
+  k: jax.Array
+  v: jax.Array
   steps: GDNSteps
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CacheUpdate:
+  """What committing a verified path writes (`path_update`; applied by `apply_update` for one
+  sequence, by the decode loop for a batch): k, v [n_attn, P, Hkv, Dh|Dv] the kept nodes' K/V
+  for rows start..start+P-1 (rows past the kept count are written too; they lie past the
+  committed length, where nothing reads them); ssm [n_gdn, Hv, Dk, Dv] and conv [n_gdn, K-1, C]
+  the new recurrent state."""
+
+  k: jax.Array
+  v: jax.Array
+  ssm: jax.Array
+  conv: jax.Array
 
 
 def init_cache(cfg: TargetConfig, capacity: int, rt: Runtime = Runtime()) -> TargetCache:
@@ -92,34 +108,42 @@ def init_cache(cfg: TargetConfig, capacity: int, rt: Runtime = Runtime()) -> Tar
       conv=jnp.zeros((n_gdn, max(cfg.conv_kernel - 1, 0), cfg.conv_dim), jnp.float32))
 
 
-def _gather_rows(c: jax.Array, start: jax.Array, path: jax.Array) -> jax.Array:
-  """c: [n, S, ...]; rows start+m <- rows start+path[m] for m < len(path)."""
-  if c.shape[0] == 0:
-    return c
-  rows = jnp.take(c, start + path, axis=1)
-  return jax.lax.dynamic_update_slice_in_dim(c, rows, start, axis=1)
-
-
-def commit_path(cache: TargetCache, steps: GDNSteps, start: jax.Array, path: jax.Array,
-                n_keep: jax.Array, *, rows_in_place: bool = False) -> TargetCache:
-  """Commit the accepted root path of a verify (no replay).
+def path_update(cache: TargetCache, ver: Verified, path: jax.Array, n_keep: jax.Array, *,
+                rows_in_place: bool = False) -> CacheUpdate:
+  """What committing the accepted root path of a verify writes (no replay).
 
   path: [P] int32 node ids of the accepted path (root first; entries past n_keep are ignored);
-  n_keep: [] nodes kept (>= 1). KV rows start+path[m] move to start+m (skipped when
-  `rows_in_place`, static: a path tree's nodes already sit at their rows); SSM state = the
+  n_keep: [] nodes kept (>= 1). K/V rows: node path[m] goes to row start+m (a path tree's nodes
+  already are in that order: `rows_in_place`, static, takes them as they are); SSM state = the
   state after node path[n_keep-1]; conv state = last K-1 inputs of [old conv state ; path
-  inputs]. KV rows past the committed length are masked by position, so they need no reset.
+  inputs].
   """
-  if not rows_in_place:
-    cache = dataclasses.replace(cache, k=_gather_rows(cache.k, start, path),
-                                v=_gather_rows(cache.v, start, path))
+  k, v = (ver.k, ver.v) if rows_in_place else (jnp.take(ver.k, path, axis=1),
+                                               jnp.take(ver.v, path, axis=1))
   if cache.ssm.shape[0] == 0:
-    return cache
+    return CacheUpdate(k, v, cache.ssm, cache.conv)
+  steps = ver.steps
   ssm = jnp.take(steps.ssm, path[n_keep - 1], axis=1)
   xin = steps.xin if rows_in_place else jnp.take(steps.xin, path, axis=1)
   xc = jnp.concatenate([cache.conv, xin], axis=1)
   conv = jax.lax.dynamic_slice_in_dim(xc, n_keep, cache.conv.shape[1], axis=1)
-  return dataclasses.replace(cache, ssm=ssm, conv=conv)
+  return CacheUpdate(k, v, ssm, conv)
+
+
+def apply_update(cache: TargetCache, upd: CacheUpdate, start: jax.Array) -> TargetCache:
+  """One sequence's cache with `upd` committed at rows start.. (one dynamic-update-slice per
+  K / V buffer: in place on a donated or loop-carried cache)."""
+  return TargetCache(k=layers.write_block(cache.k, start, upd.k),
+                     v=layers.write_block(cache.v, start, upd.v), ssm=upd.ssm, conv=upd.conv)
+
+
+def commit_path(cache: TargetCache, ver: Verified, start: jax.Array, path: jax.Array,
+                n_keep: jax.Array, *, rows_in_place: bool = False) -> TargetCache:
+  """Commit the accepted root path of a verify at rows start.. of one sequence's cache
+  (`path_update` + `apply_update`; no replay). KV rows past the committed length are masked by
+  position, so they need no reset."""
+  return apply_update(cache, path_update(cache, ver, path, n_keep, rows_in_place=rows_in_place),
+                      start)
 
 
 def logits(params: TargetParams, cfg: TargetConfig, hidden: jax.Array, rt: Runtime) -> jax.Array:
@@ -129,12 +153,13 @@ def logits(params: TargetParams, cfg: TargetConfig, hidden: jax.Array, rt: Runti
 
 # ----------------------------------------------------------------------------- layers
 
-def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_all, v_all, li: int, start, pos, mask,
-                rope_freqs, rt: Runtime):
+def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_all, v_all, li: int, start, pos,
+                local_mask, rope_freqs, rt: Runtime, live_bound=None):
   """Softmax attention (gated for qwen35). x: [T, D]; k_all/v_all: [n_attn, S, Hkv, Dh] the
-  whole KV cache; li: this layer's row in it; start: [] first cache row written; pos: [T] int32
-  RoPE positions; mask: [T, S] bool visible keys. Writes this call's K/V at rows
-  start..start+T-1 of layer li (in place) and returns (out [T, D], k_all, v_all)."""
+  whole KV cache (read only: rows < start are the committed past, all visible); li: this
+  layer's row in it; pos: [T] int32 RoPE positions; local_mask: [T, T] bool which of this
+  call's own rows each row sees. Returns (out [T, D], k [T, Hkv, Dh], v [T, Hkv, Dv]) with k/v
+  in the cache's dtype (what a commit writes)."""
   t = x.shape[0]
   h, hkv, dh, dv = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.v_head_dim
   y = layers.rms_norm(x, p.norm, cfg.rms_eps)
@@ -150,27 +175,28 @@ def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_all, v_all, li: int, star
   rope = functools.partial(layers.rope, pos=pos, rot_dim=cfg.rope_dim, theta=cfg.rope_theta,
                            style=cfg.rope_style, freq_factors=rope_freqs)
   q, k = rope(q), rope(k)
-  k_all = layers.write_rows(k_all, li, start, k)
-  v_all = layers.write_rows(v_all, li, start, v)
-  o = layers.attention_live(q, k_all, v_all, li, mask, start + t)
+  k, v = k.astype(k_all.dtype), v.astype(v_all.dtype)   # as stored (and read back) by the cache
+  o = layers.attention_live(q, k_all, v_all, li, None, start, local=(k, v, local_mask),
+                            live_bound=live_bound)
   o = o.reshape(t, h * dv)
   if gate is not None:
     o = o * jax.nn.sigmoid(gate)
-  return layers.linear(o, p.wo, rt), k_all, v_all
+  return layers.linear(o, p.wo, rt), k, v
 
 
 # A GDN mixer: (x, params, layer index among GDN layers, cache) -> (out, cache, step or None).
 GDNMixer = Callable
 
 
-def _trunk(params: TargetParams, cfg: TargetConfig, x, cache: TargetCache, start, pos, mask,
-           gdn_mixer: GDNMixer, feature_layers: tuple[int, ...], rt: Runtime):
-  """All layers over x [T, D]: attention writes K/V at rows start.. of the cache in place (no
-  per-layer slices re-stacked: that copies the whole cache every step); each Gated DeltaNet
-  layer runs `gdn_mixer`. Returns (hidden [T, D], feats [T, F*D] or None, cache, the mixer's
-  per-layer step outputs)."""
-  k_all, v_all = cache.k, cache.v
-  feats, steps = {}, []
+def _trunk(params: TargetParams, cfg: TargetConfig, x, cache: TargetCache, start, pos,
+           local_mask, gdn_mixer: GDNMixer, feature_layers: tuple[int, ...], rt: Runtime,
+           live_bound=None):
+  """All layers over x [T, D]: attention reads the cache's committed rows (< start) plus this
+  call's own rows (local_mask [T, T]) and returns its K/V rows instead of writing them (the
+  caller commits them); each Gated DeltaNet layer runs `gdn_mixer`. Returns (hidden [T, D],
+  feats [T, F*D] or None, k [n_attn, T, Hkv, Dh], v [n_attn, T, Hkv, Dv], cache (GDN state as
+  the mixer left it), the mixer's per-layer step outputs)."""
+  feats, steps, ks, vs = {}, [], [], []
   ia = ig = 0
   for i, p in enumerate(params.layers):
     if cfg.recurrent[i]:
@@ -178,8 +204,10 @@ def _trunk(params: TargetParams, cfg: TargetConfig, x, cache: TargetCache, start
       steps.append(step)
       ig += 1
     else:
-      o, k_all, v_all = _attn_layer(x, p, cfg, k_all, v_all, ia, start, pos, mask,
-                                    params.rope_freqs, rt)
+      o, k, v = _attn_layer(x, p, cfg, cache.k, cache.v, ia, start, pos, local_mask,
+                            params.rope_freqs, rt, live_bound)
+      ks.append(k)
+      vs.append(v)
       ia += 1
     x = x + o
     x = x + layers.swiglu_mlp(layers.rms_norm(x, p.ffn.norm, cfg.rms_eps), p.ffn.gate_up,
@@ -187,7 +215,10 @@ def _trunk(params: TargetParams, cfg: TargetConfig, x, cache: TargetCache, start
     if i in feature_layers:
       feats[i] = x
   feat = jnp.concatenate([feats[l] for l in feature_layers], axis=-1) if feature_layers else None
-  return x, feat, dataclasses.replace(cache, k=k_all, v=v_all), steps
+  t = x.shape[0]
+  k = jnp.stack(ks) if ks else jnp.zeros((0, t) + cache.k.shape[2:], cache.k.dtype)
+  v = jnp.stack(vs) if vs else jnp.zeros((0, t) + cache.v.shape[2:], cache.v.dtype)
+  return x, feat, k, v, cache, steps
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -204,42 +235,43 @@ def prefill(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, start: j
   """
   t = tokens.shape[0]
   pos = start + jnp.arange(t, dtype=jnp.int32)
-  mask = jnp.arange(cache.k.shape[1], dtype=jnp.int32)[None, :] <= pos[:, None]
+  causal = jnp.tril(jnp.ones((t, t), bool))
 
   def mixer(x, p, ig, c):
     o, s, cv = gdn.mixer_prefill(x, p, cfg, c.ssm[ig], c.conv[ig], n_valid, rt)
     return o, dataclasses.replace(c, ssm=c.ssm.at[ig].set(s), conv=c.conv.at[ig].set(cv)), None
 
   x = take_rows(params.embed, tokens)
-  h, feats, cache, _ = _trunk(params, cfg, x, cache, start, pos, mask, mixer, feature_layers, rt)
+  h, feats, k, v, cache, _ = _trunk(params, cfg, x, cache, start, pos, causal, mixer,
+                                    feature_layers, rt)
+  cache = dataclasses.replace(cache, k=layers.write_block(cache.k, start, k),
+                              v=layers.write_block(cache.v, start, v))
   return Prefilled(hidden=h, feats=feats, cache=cache)
 
 
-def _verify_mask(tree: Tree, start, n_rows: int):
-  """[N, S] bool visible keys of each node: path tree -> causal (rows <= its position); tree ->
-  the committed past (rows < start) plus the node's ancestors (rows start + ancestor id)."""
-  key = jnp.arange(n_rows, dtype=jnp.int32)
+def _verify_mask(tree: Tree):
+  """[N, N] bool: which nodes each node sees besides the committed past: path tree -> causal;
+  tree -> its ancestors (and itself)."""
   if tree.is_path:
-    return key[None, :] <= (start + tree.depths)[:, None]
-  n = tree.n
-  slot = key - start
-  in_tree = (slot >= 0) & (slot < n)
-  return (key[None, :] < start) | (in_tree[None, :] & tree.ancestor_matrix()[:, jnp.clip(slot, 0, n - 1)])
+    return jnp.tril(jnp.ones((tree.n, tree.n), bool))
+  return tree.ancestor_matrix()
 
 
 def verify(params: TargetParams, cfg: TargetConfig, tree: Tree, start: jax.Array,
-           cache: TargetCache, rt: Runtime, *, feature_layers: tuple[int, ...] = ()) -> Verified:
+           cache: TargetCache, rt: Runtime, *, feature_layers: tuple[int, ...] = (),
+           live_bound=None) -> Verified:
   """Verify a draft tree in one forward: node i (token tree.tokens[i]) sits at RoPE position
   start + depth, is written to KV row start + i, and sees the committed past plus its
   ancestors; each Gated DeltaNet node continues its parent's SSM state and conv window
-  (tree-aware states, DDTree arXiv:2604.12989). SSM/conv state stay as committed; commit the
-  accepted path with `commit_path`. A path tree (chain, autoregressive) takes the causal forms.
+  (tree-aware states, DDTree arXiv:2604.12989). The cache is only read; commit the accepted
+  path with `commit_path` (or `path_update` + `apply_update`). A path tree (chain, autoregressive) takes the causal forms.
 
   tree: tree.Tree of N nodes; start: [] int32 committed length. feature_layers as in `prefill`.
+  live_bound: optional [] int32 >= start shared by a vmapped batch (see layers.attention_live).
   """
   n = tree.n
   pos = start + (jnp.arange(n, dtype=jnp.int32) if tree.is_path else tree.depths)
-  mask = _verify_mask(tree, start, cache.k.shape[1])
+  mask = _verify_mask(tree)
   anc = None if tree.is_path or not cfg.gdn_layers else tree.ancestor_columns(cfg.conv_kernel - 1)
 
   def mixer(x, p, ig, c):
@@ -247,10 +279,11 @@ def verify(params: TargetParams, cfg: TargetConfig, tree: Tree, start: jax.Array
     return o, c, (states, xin)
 
   x = take_rows(params.embed, tree.tokens)
-  h, feats, cache, st = _trunk(params, cfg, x, cache, start, pos, mask, mixer, feature_layers, rt)
+  h, feats, k, v, cache, st = _trunk(params, cfg, x, cache, start, pos, mask, mixer,
+                                     feature_layers, rt, live_bound)
   if st:
     steps = GDNSteps(ssm=jnp.stack([s for s, _ in st]), xin=jnp.stack([xi for _, xi in st]))
   else:
     steps = GDNSteps(ssm=jnp.zeros((0, n) + cache.ssm.shape[1:], jnp.float32),
                      xin=jnp.zeros((0, n, cache.conv.shape[-1]), jnp.float32))
-  return Verified(logits=logits(params, cfg, h, rt), feats=feats, cache=cache, steps=steps)
+  return Verified(logits=logits(params, cfg, h, rt), feats=feats, k=k, v=v, steps=steps)

@@ -204,8 +204,7 @@ def _e2e(sz, copy_gbs, repeats, kernels, fuse=True):
     ver = target_lib.verify(params, cfg, tree, jnp.int32(ctx), cache, rt)
     path = jnp.arange(tree.n, dtype=jnp.int32)
     return jnp.argmax(ver.logits, -1), target_lib.commit_path(
-        ver.cache, ver.steps, jnp.int32(ctx), path, jnp.int32(min(3, tree.n)),
-        rows_in_place=tree.is_path)
+        cache, ver, jnp.int32(ctx), path, jnp.int32(min(3, tree.n)), rows_in_place=tree.is_path)
 
   ar_step = jax.jit(lambda params, cache, tok: step(params, cache, tree_lib.path_tree(tok)))
   tree_step = jax.jit(lambda params, cache, toks: step(params, cache, tree_lib.Tree(

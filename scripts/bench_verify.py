@@ -30,18 +30,20 @@ def _verify_fns(t, d):
   autoregressive step, of L tokens the DFlash chain."""
   import jax
   import jax.numpy as jnp
+  from dflash_jax import decode as decode_lib
   from dflash_jax import target as target_lib
   from dflash_jax import tree as tree_lib
   cfg, rt, fl, L = t.config, t.runtime, d.config.target_layer_ids, d.config.block_size
   start = jnp.int32(_CTX.value)
 
   def verify_commit(params, cache, tree, max_depth):
-    ver = target_lib.verify(params, cfg, tree, start, cache, rt, feature_layers=fl)
-    post = jnp.argmax(ver.logits, -1).astype(jnp.int32)
-    path, n_acc, _ = tree_lib.follow(tree, post, max_depth)
-    feats = ver.feats if tree.is_path else ver.feats[path]
-    return post, feats, target_lib.commit_path(ver.cache, ver.steps, start, path, n_acc + 1,
-                                                rows_in_place=tree.is_path)
+    def choose(logits):
+      post = jnp.argmax(logits, -1).astype(jnp.int32)
+      path, n_acc, _ = tree_lib.follow(tree, post, max_depth)
+      return path, n_acc, post
+    r = decode_lib.verify_and_commit(params, cfg, rt, tree, start, cache, choose,
+                                     max_ctx=cache.k.shape[1], feature_layers=fl)
+    return r.emit, r.feats, target_lib.apply_update(cache, r.update, start)
 
   path_verify = jax.jit(lambda params, cache, tokens: verify_commit(
       params, cache, tree_lib.path_tree(tokens), tokens.shape[0] - 1))

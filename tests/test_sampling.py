@@ -127,26 +127,27 @@ def _proposer(kind, n_vocab):
 
 
 def _sample_many(target, draft, prompt, dec, cfg: SamplingConfig, n, proposer=None, pparams=None):
-  """[n, N_TOKENS] int32: the first N_TOKENS generated tokens of n independent runs (keys
-  split from cfg.seed), prefill + decode loop vmapped over the keys."""
+  """[n, N_TOKENS] int32: the first N_TOKENS generated tokens of n independent runs (seeds
+  cfg.seed * n + 0..n-1), prefill + decode loop of a one-slot batch vmapped over the seeds."""
   dcfg = draft.config if (draft is not None and proposer is None and dec.mode != "ar") else None
   dparams = pparams if proposer is not None else (draft.params if dcfg is not None else None)
   proposer = proposer or decode.dflash_proposer
   toks = np.zeros(dec.prefill_chunk, np.int32)
   toks[:len(prompt)] = prompt
   sp, eog = cfg.params(), jnp.asarray([-1], jnp.int32)
-  kw = dict(tcfg=target.config, dcfg=dcfg, dec=dec, rt=target.runtime)
+  plan = decode.Plan(target.config, dcfg, dec, target.runtime)
 
-  def run(key):
-    st = dataclasses.replace(decode.init_state(target.config, dcfg, dec, target.runtime), key=key)
-    st = decode.prefill_chunk(target.params, dparams, st, jnp.asarray(toks), jnp.int32(0),
-                              jnp.int32(len(prompt)), eog, sp, **kw)
-    st = decode.decode_loop(target.params, dparams, st, jnp.int32(N_TOKENS), jnp.int32(1 << 20),
-                            eog, sp, proposer=proposer, **kw)
-    return st.out[:N_TOKENS]
+  def run(seed):
+    st = decode.init_state(plan, 1)
+    st = decode.prefill_chunk(target.params, dparams, st, jnp.int32(0), jnp.asarray(toks),
+                              jnp.int32(0), jnp.int32(len(prompt)), eog, seed,
+                              jnp.int32(N_TOKENS), sp, plan=plan, sampled=True)
+    st = decode.decode_loop(target.params, dparams, st, jnp.int32(1 << 20), eog, plan=plan,
+                            sampled=True, proposer=proposer)
+    return st.out[0, :N_TOKENS]
 
-  keys = jax.random.split(jax.random.key(cfg.seed), n)
-  return np.asarray(jax.jit(jax.vmap(run))(keys))
+  seeds = jnp.arange(n, dtype=jnp.int32) + jnp.int32(cfg.seed * n)
+  return np.asarray(jax.jit(jax.vmap(run))(seeds))
 
 
 @pytest.fixture(scope="module")

@@ -83,8 +83,7 @@ def test_prefill_then_decode_equals_full_forward(qwen_f32, qwen_ref):
   def verify(params, blk, pos, c, keep):
     ver = target_lib.verify(params, cfg, tree_lib.path_tree(blk), pos, c, rt)
     path = jnp.arange(blk.shape[0], dtype=jnp.int32)
-    return ver.logits, target_lib.commit_path(ver.cache, ver.steps, pos, path, keep,
-                                              rows_in_place=True)
+    return ver.logits, target_lib.commit_path(c, ver, pos, path, keep, rows_in_place=True)
 
   got = {}
   p = 37

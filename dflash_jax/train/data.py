@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax import decode as decode_lib
 from dflash_jax import target as target_lib
 from dflash_jax import tree as tree_lib
 
@@ -62,10 +63,11 @@ def _batched_step(params, tok, pos, cache, key, *, cfg, rt, feature_layers, temp
   """One autoregressive step per sequence: verify the root-only tree, commit it."""
   def one(t, p, c, k):
     tree = tree_lib.path_tree(t[None])
-    ver = target_lib.verify(params, cfg, tree, p, c, rt, feature_layers=feature_layers)
-    c = target_lib.commit_path(ver.cache, ver.steps, p, jnp.zeros((1,), jnp.int32), jnp.int32(1),
-                               rows_in_place=True)
-    return _pick(ver.logits[0], k, temperature), ver.feats[0], c
+    choose = lambda logits: (jnp.zeros((1,), jnp.int32), jnp.int32(0),
+                             _pick(logits[0], k, temperature)[None])
+    r = decode_lib.verify_and_commit(params, cfg, rt, tree, p, c, choose,
+                                     max_ctx=c.k.shape[1], feature_layers=feature_layers)
+    return r.emit[0], r.feats[0], target_lib.apply_update(c, r.update, p)
   return jax.vmap(one)(tok, pos, cache, jax.random.split(key, tok.shape[0]))
 
 

@@ -1,0 +1,150 @@
+"""Batched decoding: B slots in one compiled loop (decode.decode_loop over a batched
+DecodeState, batching.SlotBatch, api.generate_batch). Reference: `generate` on each prompt
+alone; equality is exact (tokens and acceptance lengths)."""
+
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dflash_jax as dj
+from dflash_jax import batching, decode
+
+from conftest import QWEN
+
+
+def _prompts(qwen_ref):
+  t = qwen_ref["tokens"]
+  # different lengths (one over a prefill chunk of 32), one that runs into max_ctx=64
+  return [t[0, :20], t[1, :7], t[0, :45], t[1, :12], t[0, :3]]
+
+
+MAX_NEW = [30, 9, 25, 17, 40]
+
+
+def _check_rows(target, draft, prompts, max_new, eog, **kw):
+  res = dj.generate_batch(target, draft, prompts, max_new_tokens=max_new, batch_size=2,
+                          eog_ids=eog, seed=[3, 1, 4, 1, 5], max_ctx=64, prefill_chunk=32, **kw)
+  reasons = set()
+  for i, p in enumerate(prompts):
+    alone = dj.generate(target, draft, p, max_new_tokens=max_new[i], eog_ids=eog,
+                        seed=[3, 1, 4, 1, 5][i], max_ctx=64, prefill_chunk=32, **kw)
+    assert res[i].tokens == alone.tokens, (i, kw)
+    assert res[i].accept_lens == alone.accept_lens, (i, kw)
+    assert res[i].stop_reason == alone.stop_reason
+    reasons.add(alone.stop_reason)
+  return reasons
+
+
+@pytest.fixture(scope="module")
+def eog_early(qwen_f32, qwen_ref):
+  """An end-of-generation id that prompt 0's greedy output hits at its 6th token (so that row
+  stops early)."""
+  r = dj.generate(qwen_f32, None, _prompts(qwen_ref)[0], max_new_tokens=8, mode="ar", eog_ids=())
+  return (r.tokens[5],)
+
+
+@pytest.mark.parametrize("mode,samp", [
+    ("ar", {}), ("chain", {}), ("ddtree", {}),
+    ("chain", dict(temperature=0.9, top_k=20)),            # rejection rule
+    ("chain", dict(temperature=0.9, chain_rule="match")),
+    ("ddtree", dict(temperature=0.8, top_p=0.9)),
+])
+def test_rows_equal_generate_alone_hybrid(qwen_f32, qwen_draft, qwen_ref, eog_early, mode, samp):
+  """Five prompts of different lengths and budgets through 2 slots (so three rows join a running
+  batch), rows hitting EOG early, max_new_tokens and max_ctx: each row is `generate` alone."""
+  reasons = _check_rows(qwen_f32, qwen_draft, _prompts(qwen_ref), MAX_NEW, eog_early,
+                        mode=mode, budget=6, **samp)
+  if not samp:
+    assert {"eog", "max_new_tokens", "max_ctx"} <= reasons
+
+
+def test_rows_equal_generate_alone_quantized(qwen_draft, qwen_ref, eog_early):
+  t = dj.load_target(os.path.join(QWEN, "model-q4_k_m.gguf"))
+  _check_rows(t, qwen_draft, _prompts(qwen_ref), MAX_NEW, eog_early, mode="ddtree", budget=5)
+
+
+def test_greedy_and_sampled_rows_in_one_batch(qwen_f32, qwen_draft, qwen_ref):
+  """A greedy row decoded next to sampled rows (the sampling variant of the loop) is the greedy
+  output."""
+  p = _prompts(qwen_ref)
+  b = batching.SlotBatch(qwen_f32, qwen_draft, dj.api.resolve_config(qwen_draft, max_ctx=64),
+                         2, jnp.asarray([-1], jnp.int32))
+  b.prefill(0, np.asarray(p[0], np.int32), 12, dj.SamplingConfig())
+  b.prefill(1, np.asarray(p[1], np.int32), 12, dj.SamplingConfig(temperature=1.0, seed=7))
+  b.run(1 << 20)
+  greedy = dj.generate(qwen_f32, qwen_draft, p[0], max_new_tokens=12, max_ctx=64, eog_ids=())
+  sampled = dj.generate(qwen_f32, qwen_draft, p[1], max_new_tokens=12, max_ctx=64, eog_ids=(),
+                        temperature=1.0, seed=7)
+  assert b.row(0).tokens == greedy.tokens and b.row(1).tokens == sampled.tokens
+
+
+def test_no_recompile_when_rows_join_and_leave(qwen_f32, qwen_draft, qwen_ref):
+  p = _prompts(qwen_ref)
+  kw = dict(max_ctx=64, prefill_chunk=32, batch_size=4, eog_ids=())
+  dj.generate_batch(qwen_f32, qwen_draft, p[:4], max_new_tokens=5, **kw)
+  before = (decode.prefill_chunk._cache_size(), decode.decode_loop._cache_size())
+  dj.generate_batch(qwen_f32, qwen_draft, p[::-1] + p[:2], max_new_tokens=[3, 9, 1, 12, 6, 2, 7],
+                    **kw)
+  dj.generate_batch(qwen_f32, qwen_draft, p[1:4], max_new_tokens=4, **kw)   # 3 rows: bucket 4
+  assert (decode.prefill_chunk._cache_size(), decode.decode_loop._cache_size()) == before
+
+
+@pytest.mark.parametrize("mode", ["ar", "chain", "ddtree"])
+def test_compiled_step_copies_no_cache(qwen_f32, qwen_draft, mode):
+  """The optimized HLO of the batched loop has no copy or scatter whose result is a whole KV /
+  SSM / draft cache, and no select over a whole KV / draft cache (row writes are in-place
+  dynamic-update-slices). The SSM state is recomputed by every step (the commit takes the state
+  after the last kept node), so the selects that keep a finished row's state are allowed there."""
+  dec = dj.api.resolve_config(qwen_draft, mode=mode, max_ctx=64, budget=6)
+  b = batching.SlotBatch(qwen_f32, qwen_draft, dec, 4, jnp.asarray([-1], jnp.int32))
+  hlo = decode.decode_loop.lower(qwen_f32.params, b.dparams, b.state, jnp.int32(4), b.eog,
+                                 plan=b.plan, sampled=False,
+                                 proposer=b.proposer).compile().as_text()
+  st = b.state
+  kv = {tuple(x.shape) for x in [st.target.k, st.target.v] + jax.tree.leaves(st.draft)}
+  ssm = tuple(st.target.ssm.shape)
+  ops = [(tuple(int(x) for x in m.group(1).split(",") if x), m.group(2), line.strip()[:160])
+         for line in hlo.splitlines()
+         for m in [re.search(r"= \w+\[([\d,]*)\]\{[^}]*\} (copy|select|scatter|copy-start)\(", line)]
+         if m]
+  assert kv and all(len(s) == 5 for s in kv)
+  bad = [l for shape, op, l in ops if (shape in kv) or (shape == ssm and op != "select")]
+  assert not bad, bad
+
+
+def test_bad_batch_input(qwen_f32, qwen_draft, qwen_ref):
+  p = _prompts(qwen_ref)
+  with pytest.raises(ValueError, match="prompt list is empty"):
+    dj.generate_batch(qwen_f32, qwen_draft, [], max_new_tokens=4)
+  with pytest.raises(ValueError, match=r"prompts\[1\]: prompt has 45 tokens"):
+    dj.generate_batch(qwen_f32, qwen_draft, [p[0], p[2]], max_new_tokens=4, max_ctx=40)
+  with pytest.raises(ValueError, match=r"prompts\[1\]: empty prompt"):
+    dj.generate_batch(qwen_f32, qwen_draft, [p[0], []], max_new_tokens=4)
+  with pytest.raises(ValueError, match="max_new_tokens: 2 values for 3 prompts"):
+    dj.generate_batch(qwen_f32, qwen_draft, p[:3], max_new_tokens=[4, 5])
+  with pytest.raises(ValueError, match=r"max_new_tokens\[1\]"):
+    dj.generate_batch(qwen_f32, qwen_draft, p[:2], max_new_tokens=[4, 0])
+  with pytest.raises(ValueError, match="batch_size=0"):
+    dj.generate_batch(qwen_f32, qwen_draft, p[:2], max_new_tokens=4, batch_size=0)
+  with pytest.raises(ValueError, match=r"x batch 64: the decode cache needs .* GiB.*--batch_size"):
+    dj.generate_batch(qwen_f32, qwen_draft, [p[0]] * 64, max_new_tokens=4, batch_size=64,
+                      max_ctx=1 << 22)
+
+
+@pytest.mark.slow
+def test_rows_equal_generate_alone_smollm2(smol, smol_prompts):
+  prompts = [p["prompt_ids"] for p in smol_prompts[:3]]
+  for mode in ("ar", "chain"):
+    draft = None
+    if mode == "chain":
+      from dflash_jax import cli
+      draft = dj.load_draft(cli.find_draft_dir(smol), smol)
+    res = dj.generate_batch(smol, draft, prompts, max_new_tokens=[24, 40, 16], mode=mode,
+                            max_ctx=512, batch_size=2)
+    for i, p in enumerate(prompts):
+      alone = dj.generate(smol, draft, p, max_new_tokens=[24, 40, 16][i], mode=mode, max_ctx=512)
+      assert res[i].tokens == alone.tokens and res[i].accept_lens == alone.accept_lens
