@@ -366,6 +366,13 @@ def _commit_rows(act: jax.Array, r: _RowStep, old: DecodeState) -> DecodeState:
   is copied or selected."""
   def pick(n, o):
     return jnp.where(act.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
+  # The writes must come after every read of the caches in the step (attention over the
+  # committed rows). The rows written do not depend on those reads (a chain's K/V exist before
+  # its attention), so XLA could order a write first and then copies the whole cache to keep
+  # the read correct; passing the step's outputs (which depend on all reads) and the caches
+  # through one barrier orders the writes last, in place.
+  r, caches = jax.lax.optimization_barrier((r, (old.target, old.draft)))
+  old = dataclasses.replace(old, target=caches[0], draft=caches[1])
   small = lambda st: dataclasses.replace(st, target=None, draft=None)
   new = jax.tree.map(pick, small(r.state), small(old))
   tc = old.target
