@@ -4,6 +4,7 @@ or on 10 chat-formatted instruction prompts (written here; not in the training c
 
   python scripts/bench.py --dataset humaneval --n_prompts 10 --n_gen 128 --repeats 3 --json_out he.json
   python scripts/bench.py --dataset chat --n_gen 128 --repeats 3 --json_out chat.json
+  python scripts/bench.py --batch_sizes 1,2,4,8,16 --n_prompts 16 --modes ar,chain --json_out b.json
 
 If `llama_cpp` (llama-cpp-python) is importable, llama.cpp's autoregressive decode of the same
 GGUF and prompts is timed too (optional; never a dependency).
@@ -45,6 +46,10 @@ _TOP_P = flags.DEFINE_float("top_p", 0.95, "Top-p of the sampled columns.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the sampled columns.")
 _MAX_CTX = flags.DEFINE_integer("max_ctx", 1024, "Context capacity.")
 _JSON = flags.DEFINE_string("json_out", None, "Write results JSON here.")
+_BATCH_SIZES = flags.DEFINE_list("batch_sizes", [], "Batched decoding table instead: for each B "
+                                 "(e.g. 1,2,4,8,16) and each greedy mode, the --n_prompts prompts "
+                                 "through generate_batch with B slots: aggregate and per-sequence "
+                                 "decode tok/s, outputs checked against B = 1.")
 
 
 def humaneval_prompts(n):
@@ -201,6 +206,39 @@ def print_table(rows, modes, summary):
     print(f"llama.cpp autoregressive median {summary['llama_cpp_ar']['decode_tok_s_median']:.2f} tok/s")
 
 
+def measure_batched(target, draft, encoded, configs, sizes):
+  """Per (mode, B): the prompts through `generate_batch` with B slots (warmed up first), median
+  over --repeats of aggregate decode tok/s = tokens from decode steps / wall time of the whole
+  batch (all prefills included, compile excluded), and the median
+  per-sequence decode tok/s; outputs compared with B = 1."""
+  import dflash_jax as dj
+  ids = [x for _, x in encoded]
+  rows, ref = [], {}
+  for label, (dec, samp) in configs.items():
+    if not samp.greedy:
+      continue
+    for b in sizes:
+      run = lambda: dj.generate_batch(target, draft, ids, max_new_tokens=_N_GEN.value, config=dec,
+                                      sampling=samp, eog_ids=(), batch_size=b)
+      run()
+      aggs, pers = [], []
+      for _ in range(_REPEATS.value):
+        t0 = time.perf_counter()
+        res = run()
+        wall = time.perf_counter() - t0
+        aggs.append(sum(len(r.tokens) - 1 for r in res) / wall)
+        pers.append(statistics.median(r.decode_tok_s for r in res))
+      toks = [r.tokens for r in res]
+      ref.setdefault(label, toks)
+      row = {"mode": label, "batch": b, "aggregate_tok_s": statistics.median(aggs),
+             "per_seq_decode_tok_s": statistics.median(pers),
+             "mean_accept_len": statistics.mean(r.mean_accept_len for r in res),
+             "identical_to_b1": toks == ref[label]}
+      rows.append(row)
+      print(json.dumps(row), file=sys.stderr)
+  return rows
+
+
 def main(argv):
   del argv
   import jax
@@ -213,6 +251,27 @@ def main(argv):
   draft = random_draft(target) if draft_dir == "random" else dj.load_draft(draft_dir, target)
   encoded = load_prompts(target)
   configs = decode_configs()
+  if _BATCH_SIZES.value:
+    rows = measure_batched(target, draft, encoded, configs, [int(b) for b in _BATCH_SIZES.value])
+    llama = time_llama_cpp(path, encoded, _N_GEN.value, _REPEATS.value) if _LLAMA_CPP.value else None
+    result = {"dataset": _DATASET.value, "target": os.path.basename(path), "draft": draft_dir,
+              "n_prompts": len(encoded), "n_gen": _N_GEN.value, "repeats": _REPEATS.value,
+              "device": str(jax.devices()[0]), "batched": rows,
+              "llama_cpp_ar_tok_s_median": statistics.median(llama) if llama else None,
+              "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    base = {r["mode"]: r["aggregate_tok_s"] for r in rows if r["batch"] == rows[0]["batch"]}
+    print(f"{'mode':<12}{'B':>4}{'agg tok/s':>11}{'x B=' + str(rows[0]['batch']):>9}"
+          f"{'per-seq':>9}{'AL':>6}{'same':>6}")
+    for r in rows:
+      print(f"{r['mode']:<12}{r['batch']:>4}{r['aggregate_tok_s']:>11.2f}"
+            f"{r['aggregate_tok_s'] / base[r['mode']]:>9.2f}{r['per_seq_decode_tok_s']:>9.2f}"
+            f"{r['mean_accept_len']:>6.2f}{str(r['identical_to_b1']):>6}")
+    if llama:
+      print(f"llama.cpp single-stream autoregressive median {statistics.median(llama):.2f} tok/s")
+    if _JSON.value:
+      with open(_JSON.value, "w") as fh:
+        json.dump(result, fh, indent=1)
+    return
   rows = measure(target, draft, encoded, configs)
   llama = time_llama_cpp(path, encoded, _N_GEN.value, _REPEATS.value) if _LLAMA_CPP.value else None
   summary = summarize(rows, list(configs), llama)
