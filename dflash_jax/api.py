@@ -233,7 +233,7 @@ def resolve_config(draft: Optional[Draft], config: Optional[DecodeConfig] = None
 
 def state_bytes(target: Target, draft: Optional[Draft], dec: DecodeConfig, batch: int = 1) -> int:
   """Bytes of the DecodeState `generate` / `generate_batch` allocate for `dec` and `batch` rows
-  (target KV / SSM / conv cache, draft context cache, target-feature buffer, output buffers),
+  (target KV / SSM / conv cache, draft context cache, output buffers),
   from the shapes alone (jax.eval_shape: nothing is allocated; cached per static
   configuration, since generate asks on every call)."""
   return batch * _state_bytes(target.config, _draft_config(draft, dec), dec, target.runtime)
@@ -266,8 +266,8 @@ def available_bytes() -> Optional[int]:
 def check_config(target: Target, draft: Optional[Draft], dec: DecodeConfig, batch: int = 1):
   """Checks made before anything is compiled or allocated: tree_top_k within the vocabulary; the
   decode state of `batch` rows must fit in the memory available (ValueError saying how much it
-  needs and has; lower max_ctx or the batch size); warns when max_ctx exceeds the model's trained context length
-  (`context_length`)."""
+  needs and has; lower max_ctx or the batch size); warns when max_ctx exceeds the model's trained
+  context length (`context_length`)."""
   if dec.uses_tree and dec.tree_top_k > target.config.n_vocab:
     raise ValueError(f"tree_top_k={dec.tree_top_k} exceeds the vocabulary ({target.config.n_vocab})")
   need, have = state_bytes(target, draft, dec, batch), available_bytes()
@@ -336,14 +336,19 @@ def _split_overrides(sampling: Optional[SamplingConfig], overrides: dict):
   return sampling, {k: v for k, v in overrides.items() if k not in samp_fields}
 
 
-def _stop_reason(row, max_new: int, eog, stopped: bool) -> str:
+def _result(row: batching.Row, ids: np.ndarray, max_new: int, eog, stopped: bool,
+            prefill_s: float, decode_s: float, sampling: SamplingConfig) -> GenerateResult:
+  """GenerateResult of a row read back, with its stop reason."""
   tokens = row.tokens
-  return ("eog" if tokens and tokens[-1] in set(np.asarray(eog).tolist()) else
+  stop = ("eog" if tokens and tokens[-1] in set(np.asarray(eog).tolist()) else
           "stopped" if stopped else "max_new_tokens" if len(tokens) >= max_new else "max_ctx")
+  return GenerateResult(tokens=tokens, accept_lens=row.accept_lens, n_steps=row.n_steps,
+                        prompt_len=int(ids.size), stop_reason=stop, prefill_s=prefill_s,
+                        decode_s=decode_s, sampling=sampling)
 
 
-def _check_finite(target: Target, row):
-  if not row.finite:
+def _check_finite(target: Target, b: batching.SlotBatch, slot: int):
+  if not b.finite(slot):
     raise ValueError(f"{target.path}: the target's logits after prefill are not finite (NaN or "
                      f"inf): corrupt weights or metadata")
 
@@ -385,7 +390,7 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
   b = batching.SlotBatch(target, draft, dec, 1, eog, proposer=proposer,
                          proposer_params=proposer_params)
   b.prefill(0, ids, max_new_tokens, sampling)
-  _check_finite(target, b.row(0))
+  _check_finite(target, b, 0)
   t1 = time.perf_counter()
   stopped = False
   if on_tokens is None:
@@ -393,7 +398,7 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
   else:
     shown = 0
     while True:
-      n_out, idle, _ = b.progress()
+      n_out, idle = b.progress()
       if n_out[0] > shown:
         new, shown = b.new_tokens(0, shown, int(n_out[0])), int(n_out[0])
         if on_tokens(new) is True:
@@ -404,11 +409,7 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
       b.run(steps_per_call)
   jax.block_until_ready(b.state.out)
   t2 = time.perf_counter()
-  row = b.row(0)
-  return GenerateResult(tokens=row.tokens, accept_lens=row.accept_lens, n_steps=row.n_steps,
-                        prompt_len=int(ids.size),
-                        stop_reason=_stop_reason(row, max_new_tokens, eog, stopped),
-                        prefill_s=t1 - t0, decode_s=t2 - t1, sampling=sampling)
+  return _result(b.row(0), ids, max_new_tokens, eog, stopped, t1 - t0, t2 - t1, sampling)
 
 
 def _per_prompt(name: str, value, n: int, check) -> list:
@@ -465,8 +466,9 @@ def generate_batch(target: Target, draft: Optional[Draft], prompts: Sequence[Seq
                          lambda v: _positive_int("max_new_tokens", v))
   seed = overrides.pop("seed", None)
   sampling, overrides = _split_overrides(sampling, overrides)
-  seeds = _per_prompt("seed", sampling.seed if seed is None else seed, n,
-                      lambda v: SamplingConfig(seed=v))
+  samps = [dataclasses.replace(sampling, seed=v) for v in
+           _per_prompt("seed", sampling.seed if seed is None else seed, n,
+                       lambda v: SamplingConfig(seed=v))]
   dec = resolve_config(draft, config, has_proposer=proposer is not None, **overrides)
   ids = []
   for i, p in enumerate(prompts):
@@ -491,24 +493,18 @@ def generate_batch(target: Target, draft: Optional[Draft], prompts: Sequence[Seq
     i = nxt
     nxt += 1
     t0 = time.perf_counter()
-    samp_i = dataclasses.replace(sampling, seed=seeds[i])
-    b.prefill(slot, ids[i], max_news[i], samp_i)
-    row = b.row(slot)
-    _check_finite(target, row)
+    b.prefill(slot, ids[i], max_news[i], samps[i])
+    _check_finite(target, b, slot)
     slot_of[slot] = (i, time.perf_counter() - t0, time.perf_counter())
 
   for slot in range(min(B, n)):
     admit(slot)
   while slot_of:
-    _, idle, _ = b.progress()
+    _, idle = b.progress()
     for slot in [s for s in slot_of if idle[s]]:
       i, pre_s, t_start = slot_of.pop(slot)
-      row = b.row(slot)
-      results[i] = GenerateResult(
-          tokens=row.tokens, accept_lens=row.accept_lens, n_steps=row.n_steps,
-          prompt_len=int(ids[i].size), stop_reason=_stop_reason(row, max_news[i], eog, False),
-          prefill_s=pre_s, decode_s=time.perf_counter() - t_start,
-          sampling=dataclasses.replace(sampling, seed=seeds[i]))
+      results[i] = _result(b.row(slot), ids[i], max_news[i], eog, False, pre_s,
+                           time.perf_counter() - t_start, samps[i])
       if on_result is not None:
         on_result(i, results[i])
       if nxt < n:

@@ -9,8 +9,7 @@ serve every batch size; a sequence joins a free slot between loop calls without 
 from __future__ import annotations
 
 import dataclasses
-import time
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -32,18 +31,12 @@ def bucket(n: int) -> int:
 
 @dataclasses.dataclass
 class Row:
-  """One finished or running row read back from the device.
-
-  tokens: generated ids; accept_lens: tokens committed per step; n_steps: decode steps;
-  done: the row stopped (EOG, length budget or context); finite: the prefill logits were finite.
-  """
+  """One row read back from the device: tokens (generated ids), accept_lens (tokens committed per
+  step), n_steps (decode steps)."""
 
   tokens: list[int]
   accept_lens: list[int]
   n_steps: int
-  done: bool
-  finite: bool
-  pos: int
 
 
 class SlotBatch:
@@ -66,21 +59,18 @@ class SlotBatch:
     else:
       self.proposer, self.dparams, dcfg = proposer, proposer_params, None
     self.plan = decode_lib.Plan(target.config, dcfg, dec, target.runtime)
-    self.batch = batch
     self.eog = eog
     self.state = decode_lib.init_state(self.plan, batch)
-    self.sampled_rows: set[int] = set()
+    self.sampled_rows: set[int] = set()      # slots last prefilled with temperature > 0
 
   @property
   def dec(self):
     return self.plan.dec
 
-  def prefill_chunks(self, slot: int, ids: np.ndarray, max_new: int,
-                     sampling: SamplingConfig) -> Iterator[None]:
-    """Prefill `ids` [P] int32 into `slot`, one chunk per iteration (the server interleaves
-    them with decode calls); the row is active after the last one."""
+  def prefill(self, slot: int, ids: np.ndarray, max_new: int, sampling: SamplingConfig):
+    """Prefill `ids` [P] int32 into `slot`, chunk by chunk; the row is active after the last
+    chunk (unless its first token ends it)."""
     c = self.dec.prefill_chunk
-    samp = (sampling.params() if not sampling.greedy else decode_lib._greedy_params())
     if sampling.greedy:
       self.sampled_rows.discard(slot)
     else:
@@ -91,55 +81,33 @@ class SlotBatch:
       self.state = decode_lib.prefill_chunk(
           self.target.params, self.dparams, self.state, jnp.int32(slot),
           jnp.asarray(np.pad(chunk, (0, c - n))), jnp.int32(s0), jnp.int32(n), self.eog,
-          jnp.int32(sampling.seed), jnp.int32(max_new), samp, plan=self.plan,
+          jnp.int32(sampling.seed), jnp.int32(max_new), sampling.params(), plan=self.plan,
           sampled=not sampling.greedy)
-      yield
 
-  def prefill(self, slot: int, ids: np.ndarray, max_new: int, sampling: SamplingConfig):
-    """Prefill the whole prompt into `slot` (see prefill_chunks)."""
-    for _ in self.prefill_chunks(slot, ids, max_new, sampling):
-      pass
-
-  def release(self, slot: int):
-    """Mark `slot` free (done); its next decode rounds leave it untouched."""
-    self.sampled_rows.discard(slot)
-    self.state = _set_done(self.state, jnp.int32(slot))
-
-  def run(self, max_steps: int, active: Optional[set[int]] = None):
-    """Decode rounds while any row is active, at most max_steps. Uses the sampling variant when
-    any active row (default: any row prefilled with sampling) samples."""
-    rows = self.sampled_rows if active is None else (self.sampled_rows & active)
+  def run(self, max_steps: int):
+    """Decode rounds while any row is active, at most max_steps. Uses the sampling variant of
+    the loop when any slot was prefilled with sampling (greedy rows stay greedy in it)."""
     self.state = decode_lib.decode_loop(
         self.target.params, self.dparams, self.state, jnp.int32(max_steps), self.eog,
-        plan=self.plan, sampled=bool(rows), proposer=self.proposer)
+        plan=self.plan, sampled=bool(self.sampled_rows), proposer=self.proposer)
 
-  def progress(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(n_out [B], done-or-inactive [B] bool, pos [B]) read from the device."""
+  def progress(self) -> tuple[np.ndarray, np.ndarray]:
+    """(n_out [B] int32, idle [B] bool: done, out of budget or context, or free), one read."""
     s = self.state
-    n_out, pos, act = jax.device_get((s.n_out, s.pos, decode_lib.active_rows(s, self.dec)))
-    return np.asarray(n_out), ~np.asarray(act), np.asarray(pos)
+    n_out, act = jax.device_get((s.n_out, decode_lib.active_rows(s, self.dec)))
+    return np.asarray(n_out), ~np.asarray(act)
+
+  def finite(self, slot: int) -> bool:
+    """Whether the logits at the end of `slot`'s prefill were all finite."""
+    return bool(self.state.finite[slot])
 
   def new_tokens(self, slot: int, start: int, stop: int) -> list[int]:
     return [int(x) for x in np.asarray(self.state.out[slot, start:stop])]
 
   def row(self, slot: int) -> Row:
-    """Read row `slot` back."""
+    """Read row `slot` back (one transfer)."""
     s = self.state
-    n_out, n_steps, done, finite, pos = (int(s.n_out[slot]), int(s.n_steps[slot]),
-                                         bool(s.done[slot]), bool(s.finite[slot]), int(s.pos[slot]))
-    return Row(tokens=[int(x) for x in np.asarray(s.out[slot, :n_out])],
-               accept_lens=[int(x) for x in np.asarray(s.accept_lens[slot, :n_steps])],
-               n_steps=n_steps, done=done, finite=finite, pos=pos)
-
-
-@jax.jit
-def _set_done_impl(done, slot):
-  return done.at[slot].set(True)
-
-
-def _set_done(state, slot):
-  return dataclasses.replace(state, done=_set_done_impl(state.done, slot))
-
-
-def now() -> float:
-  return time.perf_counter()
+    out, acc, n_out, n_steps = jax.device_get((s.out[slot], s.accept_lens[slot], s.n_out[slot],
+                                               s.n_steps[slot]))
+    return Row(tokens=[int(x) for x in out[:int(n_out)]],
+               accept_lens=[int(x) for x in acc[:int(n_steps)]], n_steps=int(n_steps))

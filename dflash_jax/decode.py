@@ -44,18 +44,14 @@ class Plan:
 
   Attributes:
     tcfg: TargetConfig. dcfg: DraftConfig in speculative modes with a DFlash draft, else None
-      (autoregressive decoding, or a proposer that replaces the draft). dec: DecodeConfig (mode
-      resolved: never "auto"). rt: the target's Runtime.
+      (autoregressive decoding, or a proposer that replaces the draft). dec: DecodeConfig. rt: the
+      target's Runtime.
   """
 
   tcfg: TargetConfig
   dcfg: Optional[DraftConfig]
   dec: DecodeConfig
   rt: Runtime
-
-  def __post_init__(self):
-    if self.dec.mode == "auto":
-      raise ValueError("Plan: DecodeConfig.mode 'auto' must be resolved to ar/chain/ddtree first")
 
   @property
   def uses_draft(self) -> bool:
@@ -107,14 +103,8 @@ class DecodeState:
   finite: jax.Array
 
 
-def _greedy_params() -> sampling_lib.SamplingParams:
-  return sampling_lib.SamplingParams(temperature=jnp.float32(0), top_k=jnp.int32(0),
-                                     top_p=jnp.float32(1), min_p=jnp.float32(0))
-
-
 def init_row(plan: Plan) -> DecodeState:
-  """Zeroed state of one row (a free slot: done); the draft cache and pending features exist
-  only with a draft."""
+  """Zeroed state of one row (a free slot: done); the draft cache exists only with a draft."""
   tcfg, dcfg, dec = plan.tcfg, plan.dcfg, plan.dec
   s, L = dec.capacity, dec.L
   return DecodeState(
@@ -123,18 +113,13 @@ def init_row(plan: Plan) -> DecodeState:
       accept_lens=jnp.zeros((s,), jnp.int32),
       target=target_lib.init_cache(tcfg, s, plan.rt),
       draft=draft_lib.init_cache(dcfg, s) if plan.uses_draft else None,
-      key=jax.random.key(0), samp=_greedy_params(),
+      key=jax.random.key(0), samp=sampling_lib.SamplingConfig().params(),
       finite=jnp.bool_(True))
 
 
 def init_state(plan: Plan, batch: int = 1) -> DecodeState:
   """Zeroed state of `batch` free slots (every leaf [batch, ...])."""
   return jax.vmap(lambda _: init_row(plan))(jnp.arange(batch))
-
-
-def batch_size(state: DecodeState) -> int:
-  """B, the number of rows (slots) of a batched state."""
-  return state.pos.shape[0]
 
 
 def _safe(sp: sampling_lib.SamplingParams) -> sampling_lib.SamplingParams:

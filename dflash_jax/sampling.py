@@ -29,7 +29,6 @@ sampling from the processed target distribution):
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -70,10 +69,8 @@ class SamplingConfig:
   def greedy(self) -> bool:
     return self.temperature == 0
 
-  def params(self) -> Optional["SamplingParams"]:
-    """The traced form the decode loop takes; None when greedy."""
-    if self.greedy:
-      return None
+  def params(self) -> "SamplingParams":
+    """The traced form a row of the decode loop carries (temperature 0 = a greedy row)."""
     return SamplingParams(temperature=jnp.float32(self.temperature), top_k=jnp.int32(self.top_k),
                           top_p=jnp.float32(self.top_p), min_p=jnp.float32(self.min_p))
 

@@ -13,7 +13,6 @@ p < 1e-6 (measured: p = 0.0 in float64 at 1000 and 1500 samples, while the corre
 p = 0.44 and 0.15).
 """
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
