@@ -12,13 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import batching
+from dflash_jax import auto_mode, batching
 from dflash_jax import decode as decode_lib
 from dflash_jax import draft as draft_lib
 from dflash_jax import draft_io
 from dflash_jax import target as target_lib
 from dflash_jax import target_params
-from dflash_jax.config import SUPPORTED_ARCHS, DecodeConfig, DraftConfig, TargetConfig
+from dflash_jax.config import AUTO, SUPPORTED_ARCHS, DecodeConfig, DraftConfig, TargetConfig
 from dflash_jax.gguf_io import read_gguf
 from dflash_jax.runtime import Runtime
 from dflash_jax.sampling import SamplingConfig
@@ -184,6 +184,7 @@ class GenerateResult:
       (on_tokens asked to stop).
     prefill_s, decode_s: wall seconds (compile excluded after the first call with these shapes).
     sampling: the SamplingConfig used (temperature 0 = greedy).
+    mode: the mode decoded with ("ar", "chain", "ddtree"; what "auto" resolved to).
   """
 
   tokens: list[int]
@@ -194,6 +195,7 @@ class GenerateResult:
   prefill_s: float
   decode_s: float
   sampling: SamplingConfig = SamplingConfig()
+  mode: str = ""
 
   @property
   def mean_accept_len(self) -> float:
@@ -210,17 +212,27 @@ class GenerateResult:
 
 
 def resolve_config(draft: Optional[Draft], config: Optional[DecodeConfig] = None, *,
-                   has_proposer: bool = False, **overrides) -> DecodeConfig:
+                   has_proposer: bool = False, target: Optional[Target] = None, batch: int = 1,
+                   **overrides) -> DecodeConfig:
   """The DecodeConfig a call decodes with: `config` (default DecodeConfig()) with `overrides`
-  (DecodeConfig field names) applied and block_size taken from the draft when unset (16 for a
-  proposer without a draft). Raises ValueError for an unknown field or a bad value (naming
-  it), a speculative mode without a draft, or a block size that differs from the draft's."""
+  (DecodeConfig field names) applied, mode "auto" replaced by the mode measured fastest for
+  `target`, `draft` and `batch` rows on this platform (auto_mode.py; "ar" without a draft or a
+  measurement), and block_size taken from the draft when unset (16 for a proposer without a
+  draft). Raises ValueError for an unknown field or a bad value (naming it), a speculative mode
+  without a draft, mode "auto" without `target` or with a proposer, or a block size that
+  differs from the draft's."""
   fields = {f.name for f in dataclasses.fields(DecodeConfig)}
   unknown = sorted(set(overrides) - fields)
   if unknown:
     raise ValueError(f"unknown option(s) {unknown}; DecodeConfig fields: {sorted(fields)}, "
                      f"SamplingConfig fields: {sorted(f.name for f in dataclasses.fields(SamplingConfig))}")
   dec = dataclasses.replace(config or DecodeConfig(), **overrides)
+  if dec.mode == AUTO:
+    if has_proposer or target is None:
+      raise ValueError("mode='auto' needs the target and a DFlash draft (not a proposer) to "
+                       "look up the measured mode; name the mode (ar, chain, ddtree)")
+    dec = auto_mode.resolve(dec, target.path, draft.path if draft is not None else None, batch,
+                            has_draft=draft is not None)
   if dec.speculative and draft is None and not has_proposer:
     raise ValueError(f"mode={dec.mode!r} needs a draft (or a proposer)")
   if draft is not None and dec.block_size not in (None, draft.config.block_size):
@@ -337,14 +349,15 @@ def _split_overrides(sampling: Optional[SamplingConfig], overrides: dict):
 
 
 def _result(row: batching.Row, ids: np.ndarray, max_new: int, eog, stopped: bool,
-            prefill_s: float, decode_s: float, sampling: SamplingConfig) -> GenerateResult:
+            prefill_s: float, decode_s: float, sampling: SamplingConfig,
+            mode: str) -> GenerateResult:
   """GenerateResult of a row read back, with its stop reason."""
   tokens = row.tokens
   stop = ("eog" if tokens and tokens[-1] in set(np.asarray(eog).tolist()) else
           "stopped" if stopped else "max_new_tokens" if len(tokens) >= max_new else "max_ctx")
   return GenerateResult(tokens=tokens, accept_lens=row.accept_lens, n_steps=row.n_steps,
                         prompt_len=int(ids.size), stop_reason=stop, prefill_s=prefill_s,
-                        decode_s=decode_s, sampling=sampling)
+                        decode_s=decode_s, sampling=sampling, mode=mode)
 
 
 def _check_finite(target: Target, b: batching.SlotBatch, slot: int):
@@ -360,7 +373,8 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
              proposer: Optional[Callable] = None, proposer_params=None,
              sampling: Optional[SamplingConfig] = None, **overrides) -> GenerateResult:
   """Generation: speculative (mode "chain": DFlash chain; "ddtree": DDTree) or autoregressive
-  ("ar"), as `config` (a DecodeConfig) says, greedy or sampled as `sampling` (a SamplingConfig;
+  ("ar"), as `config` (a DecodeConfig) says (default mode "auto": the mode measured fastest on
+  this platform for one row, auto_mode.py; GenerateResult.mode says which), greedy or sampled as `sampling` (a SamplingConfig;
   default greedy) says. DecodeConfig and SamplingConfig fields may also be given as keywords
   (e.g. mode="ddtree", budget=8, temperature=0.7, top_p=0.95, seed=1); they override the two.
   The one-prompt form of `generate_batch` (a batch of one slot, the same compiled loop).
@@ -381,7 +395,8 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
   _positive_int("max_new_tokens", max_new_tokens)
   _positive_int("steps_per_call", steps_per_call)
   sampling, overrides = _split_overrides(sampling, overrides)
-  dec = resolve_config(draft, config, has_proposer=proposer is not None, **overrides)
+  dec = resolve_config(draft, config, has_proposer=proposer is not None, target=target,
+                       **overrides)
   ids = check_prompt(target, prompt_ids, dec)
   check_config(target, draft if proposer is None else None, dec)
   max_new_tokens = min(max_new_tokens, dec.max_ctx)    # never more than the context holds
@@ -409,7 +424,8 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
       b.run(steps_per_call)
   jax.block_until_ready(b.state.out)
   t2 = time.perf_counter()
-  return _result(b.row(0), ids, max_new_tokens, eog, stopped, t1 - t0, t2 - t1, sampling)
+  return _result(b.row(0), ids, max_new_tokens, eog, stopped, t1 - t0, t2 - t1, sampling,
+                 dec.mode)
 
 
 def _per_prompt(name: str, value, n: int, check) -> list:
@@ -469,16 +485,17 @@ def generate_batch(target: Target, draft: Optional[Draft], prompts: Sequence[Seq
   samps = [dataclasses.replace(sampling, seed=v) for v in
            _per_prompt("seed", sampling.seed if seed is None else seed, n,
                        lambda v: SamplingConfig(seed=v))]
-  dec = resolve_config(draft, config, has_proposer=proposer is not None, **overrides)
+  b_req = default_batch_size() if batch_size is None else batch_size
+  _positive_int("batch_size", b_req)
+  B = batching.bucket(min(b_req, n))
+  dec = resolve_config(draft, config, has_proposer=proposer is not None, target=target, batch=B,
+                       **overrides)
   ids = []
   for i, p in enumerate(prompts):
     try:
       ids.append(check_prompt(target, p, dec))
     except ValueError as e:
       raise ValueError(f"prompts[{i}]: {e}") from None
-  b_req = default_batch_size() if batch_size is None else batch_size
-  _positive_int("batch_size", b_req)
-  B = batching.bucket(min(b_req, n))
   check_config(target, draft if proposer is None else None, dec, B)
   max_news = [min(m, dec.max_ctx) for m in max_news]
   eog = _eog(target, eog_ids)
@@ -504,7 +521,7 @@ def generate_batch(target: Target, draft: Optional[Draft], prompts: Sequence[Seq
     for slot in [s for s in slot_of if idle[s]]:
       i, pre_s, t_start = slot_of.pop(slot)
       results[i] = _result(b.row(slot), ids[i], max_news[i], eog, False, pre_s,
-                           time.perf_counter() - t_start, samps[i])
+                           time.perf_counter() - t_start, samps[i], dec.mode)
       if on_result is not None:
         on_result(i, results[i])
       if nxt < n:

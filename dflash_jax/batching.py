@@ -9,7 +9,8 @@ serve every batch size; a sequence joins a free slot between loop calls without 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+import functools
+from typing import Callable, Iterator, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,19 @@ class Row:
   tokens: list[int]
   accept_lens: list[int]
   n_steps: int
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "batch"))
+def _move_rows(state, idx, n, *, plan, batch):
+  """Rows idx[:n] of `state` as rows 0..n-1 of a fresh state of `batch` rows. idx: [batch]
+  int32 (padded), n: [] int32: traced, so one program per (old, new) batch size."""
+  fresh = decode_lib.init_state(plan, batch)
+  keep = jnp.arange(batch) < n
+
+  def move(f, o):
+    picked = o[jnp.clip(idx, 0, o.shape[0] - 1)]
+    return jnp.where(keep.reshape((-1,) + (1,) * (f.ndim - 1)), picked, f)
+  return jax.tree.map(move, fresh, state)
 
 
 class SlotBatch:
@@ -67,9 +81,22 @@ class SlotBatch:
   def dec(self):
     return self.plan.dec
 
+  @property
+  def size(self) -> int:
+    """B, the number of slots."""
+    return int(self.state.done.shape[0])
+
   def prefill(self, slot: int, ids: np.ndarray, max_new: int, sampling: SamplingConfig):
     """Prefill `ids` [P] int32 into `slot`, chunk by chunk; the row is active after the last
     chunk (unless its first token ends it)."""
+    for _ in self.prefill_chunks(slot, ids, max_new, sampling):
+      pass
+
+  def prefill_chunks(self, slot: int, ids: np.ndarray, max_new: int,
+                     sampling: SamplingConfig) -> Iterator[int]:
+    """`prefill` one chunk (dec.prefill_chunk tokens) per step of the iterator, yielding the
+    tokens prefilled so far: a server interleaves the chunks with decode calls of the other
+    rows (the row stays out of the loop until its last chunk)."""
     c = self.dec.prefill_chunk
     if sampling.greedy:
       self.sampled_rows.discard(slot)
@@ -80,9 +107,34 @@ class SlotBatch:
       n = chunk.size
       self.state = decode_lib.prefill_chunk(
           self.target.params, self.dparams, self.state, jnp.int32(slot),
-          jnp.asarray(np.pad(chunk, (0, c - n))), jnp.int32(s0), jnp.int32(n), self.eog,
-          jnp.int32(sampling.seed), jnp.int32(max_new), sampling.params(), plan=self.plan,
-          sampled=not sampling.greedy)
+          jnp.asarray(np.pad(chunk, (0, c - n))), jnp.int32(s0), jnp.int32(n),
+          jnp.bool_(s0 + n >= ids.size), self.eog, jnp.int32(sampling.seed), jnp.int32(max_new),
+          sampling.params(), plan=self.plan, sampled=not sampling.greedy)
+      yield s0 + n
+
+  def release(self, slot: int):
+    """Take `slot` out of the loop now (a cancelled request): it is done and free for a new
+    prefill."""
+    self.state = dataclasses.replace(self.state, done=self.state.done.at[slot].set(True))
+    self.sampled_rows.discard(slot)
+
+  def resized(self, batch: int, slots: Sequence[int]) -> "SlotBatch":
+    """A SlotBatch of `batch` slots (a bucket) holding rows `slots` of this one as its rows
+    0..len(slots)-1, in that order (their caches are copied once; the rest are free). Lets a
+    server grow or shrink its batch with its load without recompiling (one program per bucket).
+    This batch's state must not be used afterwards."""
+    if len(slots) > batch:
+      raise ValueError(f"{len(slots)} rows do not fit a batch of {batch}")
+    new = SlotBatch.__new__(SlotBatch)
+    new.target, new.proposer, new.dparams, new.plan, new.eog = (
+        self.target, self.proposer, self.dparams, self.plan, self.eog)
+    idx = np.zeros(batch, np.int32)
+    idx[:len(slots)] = slots
+    new.state = _move_rows(self.state, jnp.asarray(idx), jnp.int32(len(slots)), plan=self.plan,
+                           batch=batch)
+    new.sampled_rows = {i for i, s in enumerate(slots) if s in self.sampled_rows}
+    self.state = None
+    return new
 
   def run(self, max_steps: int):
     """Decode rounds while any row is active, at most max_steps. Uses the sampling variant of

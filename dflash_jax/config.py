@@ -314,6 +314,7 @@ class DraftConfig:
 
 
 MODES = ("ar", "chain", "ddtree")
+AUTO = "auto"   # resolved to one of MODES per platform and batch size (auto_mode.py)
 CHAIN_RULES = ("rejection", "match")
 # Bounds for sizes a user can set (sane limits checked before anything is allocated).
 MAX_BLOCK_SIZE = 64
@@ -347,7 +348,9 @@ class DecodeConfig:
 
   Attributes:
     mode: "ar" (autoregressive baseline: a root-only tree per step), "chain" (DFlash: the
-      draft's top-1 block as a path tree) or "ddtree" (DDTree: a best-first draft tree).
+      draft's top-1 block as a path tree), "ddtree" (DDTree: a best-first draft tree) or
+      "auto" (the default: the mode measured fastest for the platform, model pair and batch
+      size, see auto_mode.py; `api.resolve_config` replaces it before anything compiles).
     block_size: L, draft block incl. the bonus slot; None = the draft's (resolved by
       `generate`); ignored for "ar".
     max_ctx: cache capacity in tokens (prompt + generated must fit).
@@ -363,7 +366,7 @@ class DecodeConfig:
   Raises ValueError naming the field (and the valid choices) for a bad value.
   """
 
-  mode: str = "chain"
+  mode: str = AUTO
   block_size: int | None = None
   max_ctx: int = 2048
   prefill_chunk: int = 128
@@ -374,8 +377,8 @@ class DecodeConfig:
   chain_rule: str = "rejection"
 
   def __post_init__(self):
-    if self.mode not in MODES:
-      raise ValueError(f"DecodeConfig.mode={self.mode!r}: expected one of {MODES}")
+    if self.mode not in MODES + (AUTO,):
+      raise ValueError(f"DecodeConfig.mode={self.mode!r}: expected one of {MODES + (AUTO,)}")
     if self.block_size is not None:
       check_int(self, "block_size", 2, MAX_BLOCK_SIZE)
     check_int(self, "max_ctx", 2, MAX_CTX)
@@ -390,8 +393,9 @@ class DecodeConfig:
 
   @property
   def speculative(self) -> bool:
-    """True for the modes that draft (chain, ddtree); False for autoregressive decoding."""
-    return self.mode != "ar"
+    """True for the modes that draft (chain, ddtree); False for autoregressive decoding.
+    Raises ValueError for an unresolved "auto"."""
+    return self._mode() != "ar"
 
   @property
   def uses_tree(self) -> bool:
@@ -412,12 +416,17 @@ class DecodeConfig:
   def draft_depth(self) -> int:
     """Draft rows (depths) the step uses: L-1 (chain); min(budget, L-1) (ddtree: a tree of
     `budget` nodes below the root is never deeper than that); 0 (autoregressive)."""
-    return {"ar": 0, "chain": self.L - 1, "ddtree": min(self.budget, self.L - 1)}[self.mode]
+    return {"ar": 0, "chain": self.L - 1, "ddtree": min(self.budget, self.L - 1)}[self._mode()]
 
   @property
   def verify_len(self) -> int:
     """Tree nodes per verify forward: L (chain), 1 + budget (ddtree), 1 (autoregressive)."""
-    return {"ar": 1, "chain": self.L, "ddtree": self.budget + 1}[self.mode]
+    return {"ar": 1, "chain": self.L, "ddtree": self.budget + 1}[self._mode()]
+
+  def _mode(self) -> str:
+    if self.mode == AUTO:
+      raise ValueError("DecodeConfig.mode='auto' is unresolved: api.resolve_config picks the mode")
+    return self.mode
 
   @property
   def capacity(self) -> int:

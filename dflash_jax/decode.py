@@ -142,7 +142,7 @@ def _uses_rejection(dec: DecodeConfig, sampled: bool) -> bool:
   return sampled and dec.mode == "chain" and dec.chain_rule == "rejection"
 
 
-def _prefill_row(tparams, dparams, row: DecodeState, tokens, start, n_valid, eog_ids, *,
+def _prefill_row(tparams, dparams, row: DecodeState, tokens, start, n_valid, eog_ids, final, *,
                  plan: Plan, sampled: bool) -> DecodeState:
   """One prefill chunk of one row (see `prefill_chunk`)."""
   pre = target_lib.prefill(tparams, plan.tcfg, tokens, start, n_valid, row.target, plan.rt,
@@ -158,20 +158,21 @@ def _prefill_row(tparams, dparams, row: DecodeState, tokens, start, n_valid, eog
       row, target=pre.cache, draft=dcache, pos=start + n_valid, bonus=first,
       finite=jnp.all(jnp.isfinite(logits)),
       out=row.out.at[0].set(first), n_out=jnp.int32(1),
-      done=jnp.any(first == eog_ids) | (row.max_new <= 1),
+      done=jnp.any(first == eog_ids) | (row.max_new <= 1) | ~final,
       n_steps=jnp.int32(0))
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "sampled"), donate_argnames=("state",))
 def prefill_chunk(tparams, dparams, state: DecodeState, slot: jax.Array, tokens: jax.Array,
-                  start: jax.Array, n_valid: jax.Array, eog_ids: jax.Array, seed: jax.Array,
-                  max_new: jax.Array, samp: sampling_lib.SamplingParams, *, plan: Plan,
-                  sampled: bool = False) -> DecodeState:
+                  start: jax.Array, n_valid: jax.Array, final: jax.Array, eog_ids: jax.Array,
+                  seed: jax.Array, max_new: jax.Array, samp: sampling_lib.SamplingParams, *,
+                  plan: Plan, sampled: bool = False) -> DecodeState:
   """Prefill one chunk of a prompt into row `slot` of the batch (the other rows are untouched).
 
   tokens: [C] int32 (C = dec.prefill_chunk, padded) at positions start.., of which n_valid are
   real; slot, start, n_valid, seed, max_new: [] int32 (traced: any slot, chunk or prompt length
-  reuses one compiled function). The row's PRNG key (from `seed`), length budget `max_new` and
+  reuses one compiled function); final: [] bool, True for the prompt's last chunk (the row stays
+  done, i.e. out of the decode loop, until then: a running batch may decode between chunks). The row's PRNG key (from `seed`), length budget `max_new` and
   sampling params `samp` (SamplingParams of scalars; temperature 0 = greedy) are set on every
   chunk. Updates the row's target cache, feeds the chunk's target features to its draft context
   cache, and sets the first generated token (argmax, or a draw in the `sampled` variant, after
@@ -185,7 +186,7 @@ def prefill_chunk(tparams, dparams, state: DecodeState, slot: jax.Array, tokens:
   tc = row.target             # keeps the previous sequence's; stale KV rows are masked by position)
   tc = dataclasses.replace(tc, ssm=jnp.where(fresh, 0.0, tc.ssm), conv=jnp.where(fresh, 0.0, tc.conv))
   row = dataclasses.replace(row, key=jax.random.key(seed), max_new=max_new, samp=samp, target=tc)
-  row = _prefill_row(tparams, dparams, row, tokens, start, n_valid, eog_ids, plan=plan,
+  row = _prefill_row(tparams, dparams, row, tokens, start, n_valid, eog_ids, final, plan=plan,
                      sampled=sampled)
   return jax.tree.map(lambda x, r: jax.lax.dynamic_update_index_in_dim(x, r, slot, 0), state, row)
 
@@ -392,9 +393,12 @@ def decode_loop(tparams, dparams, state: DecodeState, max_steps: jax.Array, eog_
 
   def one_round(c):
     s, i = c
-    bound = jnp.max(s.pos)            # every row's committed length is below it: one chunk walk
-    return _commit_rows(active_rows(s, plan.dec), step(tparams, dparams, s, eog_ids, bound),
-                        s), i + 1
+    act = active_rows(s, plan.dec)
+    # Every active row's committed length is below the bound: one chunk walk for the batch.
+    # Inactive rows (finished, free, or between prefill chunks) do not raise it: their step is
+    # computed over a shorter context and discarded.
+    bound = jnp.max(jnp.where(act, s.pos, 0))
+    return _commit_rows(act, step(tparams, dparams, s, eog_ids, bound), s), i + 1
 
   return jax.lax.while_loop(keep_going, one_round, (state, jnp.int32(0)))[0]
 

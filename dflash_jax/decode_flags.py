@@ -11,7 +11,7 @@ import dataclasses
 
 from absl import flags
 
-from dflash_jax.config import CHAIN_RULES, MODES, DecodeConfig
+from dflash_jax.config import AUTO, CHAIN_RULES, MODES, DecodeConfig
 from dflash_jax.sampling import SamplingConfig
 
 _DEFAULT = DecodeConfig()
@@ -43,9 +43,11 @@ def define(flag_values: flags.FlagValues = flags.FLAGS, *,
   --seed (unset sampling flags take the GGUF's recommended values, else greedy)."""
   fv = dict(flag_values=flag_values)
   return DecodeFlags(
-      mode=flags.DEFINE_enum("mode", None, list(MODES), "Decoding: 'chain' (DFlash), 'ddtree' "
-                             "(DDTree draft tree) or 'ar' (autoregressive). Default: chain when a "
-                             "draft is loaded, else ar.", **fv),
+      mode=flags.DEFINE_enum("mode", AUTO, list(MODES) + [AUTO], "Decoding: 'chain' (DFlash), "
+                             "'ddtree' (DDTree draft tree), 'ar' (autoregressive) or 'auto' (the "
+                             "mode measured fastest for this platform, model pair and batch size; "
+                             "ar without a draft or a measurement: see dflash_jax/auto_mode.py).",
+                             **fv),
       block_size=flags.DEFINE_integer("block_size", None, "Draft block size L (default and only "
                                       "valid value: the draft's).", **fv),
       max_ctx=flags.DEFINE_integer("max_ctx", max_ctx, "Context capacity in tokens (prompt + "
@@ -74,10 +76,10 @@ def define(flag_values: flags.FlagValues = flags.FLAGS, *,
 
 
 def config(f: DecodeFlags, **overrides) -> DecodeConfig:
-  """The DecodeConfig the flags name; `overrides` (DecodeConfig fields) win over flags. --mode
-  unset means "chain" here (the caller picks "ar" when there is no draft). Raises ValueError
-  naming the flag for a bad value."""
-  values = dict(mode=f.mode.value or "chain", block_size=f.block_size.value,
+  """The DecodeConfig the flags name; `overrides` (DecodeConfig fields) win over flags (mode
+  "auto" is resolved later, by `api.resolve_config`, per batch size). Raises ValueError naming
+  the flag for a bad value."""
+  values = dict(mode=f.mode.value, block_size=f.block_size.value,
                 max_ctx=f.max_ctx.value, budget=f.budget.value, tree_top_k=f.tree_top_k.value,
                 chain_seed=f.chain_seed.value, draft_temp=f.draft_temp.value,
                 chain_rule=f.chain_rule.value)

@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP server: the model loaded and compiled once, one decode at a time.
+"""OpenAI-compatible HTTP server: the model loaded and compiled once, requests decoded together.
 
   python -m dflash_jax.serve --port 8000                      # embedded default target + draft
   python -m dflash_jax.serve --target model.gguf --draft dir --mode ddtree --budget 8
@@ -8,22 +8,30 @@ with `data: [DONE]`), POST /v1/completions (raw prompt), GET /v1/models, GET /he
 (Prometheus text). Requests carry `max_tokens` / `max_completion_tokens`, `stop`, `temperature`,
 `top_p`, `top_k`, `min_p`, `seed` (unset: the server's defaults, i.e. the sampling flags, else the
 GGUF's recommended sampling, else greedy); responses add a `dflash` field with the acceptance
-length and decode speed. Decoding is batch 1: requests wait in a bounded queue (--max_queue; a
-full queue answers 503); a client that disconnects cancels its request between decode calls.
+length, decode speed and time to first token. Continuous batching: up to --max_batch requests
+decode together in one compiled loop (each streams its own tokens); a request joins between loop
+calls (its prompt prefilled chunk by chunk, interleaved with the others' decode calls) and leaves
+when it ends, is cancelled or its client disconnects, freeing its slot at once. Requests beyond
+the batch wait in a bounded queue (--max_queue counts all unfinished requests; a full queue
+answers 503).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import concurrent.futures
 import dataclasses
 import json
 import threading
 import time
 import uuid
-from typing import Any, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 from absl import app, flags
 import fastapi
+import jax
+import numpy as np
 import pydantic
 
 from dflash_jax import cli, decode_flags, target_flags
@@ -37,6 +45,12 @@ _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
 _API_KEY = flags.DEFINE_string("api_key", None, "If set, /v1 requests need 'Authorization: "
                                "Bearer <key>'.")
 _MAX_QUEUE = flags.DEFINE_integer("max_queue", 64, "Requests waiting for the model at most.")
+_MAX_BATCH = flags.DEFINE_integer("max_batch", None, "Requests decoded together at most (1..64; "
+                                  "default 8 on CPU, 32 on accelerators).", lower_bound=1,
+                                  upper_bound=64)
+_STEPS_PER_CALL = flags.DEFINE_integer("steps_per_call", 4, "Decode rounds per loop call: new "
+                                       "requests join and text streams between calls.",
+                                       lower_bound=1)
 _MODEL_NAME = flags.DEFINE_string("model_name", None, "Model id in the API (default: the GGUF "
                                   "file name).")
 
@@ -86,19 +100,68 @@ class Outcome:
   completion_tokens: int
   finish_reason: str
   stats: dict
+  tokens: list = dataclasses.field(default_factory=list)    # generated ids (to a stop string)
+
+
+@dataclasses.dataclass(eq=False)
+class _Live:
+  """A request inside the engine: its inputs, the prefill in progress (chunk iterator, None once
+  its row decodes), its slot, its stop scanner and how much of it was read and streamed."""
+
+  ids: np.ndarray
+  max_new: int
+  stops: list
+  samp: Any
+  on_text: Callable[[str], None]
+  cancelled: Callable[[], bool]
+  future: concurrent.futures.Future
+  scan: Any = None
+  slot: int = -1
+  prefill: Optional[Iterator[int]] = None
+  shown: int = 0
+  sent: int = 0
+  t_submit: float = 0.0
+  t_first: Optional[float] = None
 
 
 class Engine:
-  """The resident model. `run` decodes one request on the caller's thread; a lock keeps it to
-  one decode at a time; `waiting` counts requests queued for it."""
+  """The resident model, decoding requests together (continuous batching).
 
-  def __init__(self, target, draft, dec, sampling_defaults, model_name: str, max_queue: int):
-    self.target, self.draft, self.dec = target, draft, dec
+  One scheduler thread owns a `batching.SlotBatch` of B slots (a bucket; B grows with the number
+  of requests up to `max_batch` and shrinks when they leave, rows moving with their caches, one
+  compiled program per bucket). Each loop iteration: admit waiting requests into free slots,
+  run one prefill chunk of a joining request (so a long prompt never stalls the decoding rows
+  for more than one chunk), one decode call of `steps_per_call` rounds for every decoding row,
+  then stream each row's new text; a row that finishes, hits a stop string or whose client is
+  gone (`cancelled()`) frees its slot at once. `waiting` counts requests submitted and not
+  finished (the queue bound).
+
+  dec: resolved DecodeConfig, or a function B -> DecodeConfig (mode "auto": the mode measured
+  fastest for B rows); rows only move between buckets with the same mode.
+  """
+
+  def __init__(self, target, draft, dec, sampling_defaults, model_name: str, max_queue: int,
+               max_batch: Optional[int] = None, steps_per_call: int = 4):
+    from dflash_jax import api, batching
+    self.target, self.draft = target, draft
+    self.dec_for = dec if callable(dec) else (lambda _b, d=dec: d)
+    self.dec = self.dec_for(1)
     self.sampling_defaults, self.model_name, self.max_queue = sampling_defaults, model_name, max_queue
-    self.lock = threading.Lock()
+    self.max_batch = batching.bucket(max_batch or api.default_batch_size())
+    self.steps_per_call = steps_per_call
+    self.eog = api._eog(target, None)
+    self.eog_set = set(np.asarray(self.eog).tolist())
     self.waiting = 0
     self.metrics = {"requests_total": 0, "requests_failed": 0, "tokens_generated_total": 0,
-                    "decode_seconds_total": 0.0, "steps_total": 0, "cancelled_total": 0}
+                    "decode_seconds_total": 0.0, "steps_total": 0, "cancelled_total": 0,
+                    "batch_rows_peak": 0, "batch_resizes_total": 0}
+    self._cv = threading.Condition()
+    self._pending: collections.deque[_Live] = collections.deque()
+    self._live: list[_Live] = []          # requests holding a slot
+    self._batch = None
+    self._thread: Optional[threading.Thread] = None
+    self._small_since: Optional[float] = None
+    self.shrink_after_s = 1.0     # a batch shrinks when fewer rows than half of it stayed busy
 
   def prompt_ids(self, req) -> list[int]:
     """Token ids of a request's prompt (chat template for messages). Raises ApiError (400)."""
@@ -135,7 +198,7 @@ class Engine:
   def check(self, req, ids: list[int]) -> tuple[int, list[str]]:
     """(max new tokens, stop strings) of a request. Raises ApiError (400)."""
     if req.n != 1:
-      raise ApiError(400, "n > 1 is not supported (batch 1 decoding)", param="n")
+      raise ApiError(400, "n > 1 is not supported (one choice per request)", param="n")
     if len(ids) + 1 > self.dec.max_ctx:
       raise ApiError(400, f"the prompt has {len(ids)} tokens; this server's context is "
                      f"{self.dec.max_ctx} tokens (prompt + at least one generated token)",
@@ -145,42 +208,185 @@ class Engine:
     if len(stops) > 4:
       raise ApiError(400, "at most 4 stop strings", param="stop")
     limit = req.max_completion_tokens or req.max_tokens or self.dec.max_ctx - len(ids)
-    return limit, stops
+    return min(limit, self.dec.max_ctx), stops
+
+  def submit(self, ids, max_new, stops, samp, on_text, cancelled) -> concurrent.futures.Future:
+    """Queue one request; the future resolves to its Outcome (or raises ApiError 400 for input
+    the library rejects). on_text(str) gets streamable text increments from the scheduler
+    thread; cancelled() is polled between decode calls. Counts toward `waiting` until done."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    live = _Live(np.asarray(ids, np.int32), max_new, stops, samp, on_text, cancelled, fut,
+                 scan=cli.StopScanner(self.target.tokenizer, stops), t_submit=time.perf_counter())
+    with self._cv:
+      self.waiting += 1
+      self._pending.append(live)
+      if self._thread is None:
+        self._thread = threading.Thread(target=self._loop, name="dflash-engine", daemon=True)
+        self._thread.start()
+      self._cv.notify()
+    return fut
 
   def run(self, ids, max_new, stops, samp, on_text, cancelled) -> Outcome:
-    """Decode one request (holds the lock). on_text(str) gets streamable text increments;
-    cancelled() is polled between decode calls."""
-    import dflash_jax as dj
-    scan = cli.StopScanner(self.target.tokenizer, stops)
-    sent = [0]
+    """`submit` and wait for the Outcome."""
+    return self.submit(ids, max_new, stops, samp, on_text, cancelled).result()
 
-    def on_tokens(new):
-      hit = scan.add(new)
-      text = scan.safe_text()
-      if len(text) > sent[0]:
-        on_text(text[sent[0]:])
-        sent[0] = len(text)
-      return hit or cancelled()
+  def warm_up(self):
+    """Compile the programs of every bucket up to max_batch (prefill and decode, greedy and
+    sampling variants) before the first request."""
+    from dflash_jax import batching
+    from dflash_jax.sampling import SamplingConfig
+    for bsz in _buckets(self.max_batch):
+      b = batching.SlotBatch(self.target, self.draft, self.dec_for(bsz), bsz, self.eog)
+      for samp in (SamplingConfig(), SamplingConfig(temperature=1.0)):
+        b.prefill(0, np.zeros(1, np.int32), 3, samp)
+        b.run(1)
+      jax.block_until_ready(b.state.out)
 
-    with self.lock:
-      r = dj.generate(self.target, self.draft, ids, max_new_tokens=max_new, config=self.dec,
-                      sampling=samp, on_tokens=on_tokens)
-    # Every token went through on_tokens: scan.text is the whole completion (cut at a stop
+  # --- the scheduler thread -------------------------------------------------------------------
+
+  def _loop(self):
+    while True:
+      with self._cv:
+        while not self._pending and not self._live:
+          self._cv.wait()
+      try:
+        self._iteration()
+      except Exception as e:       # a failed device call: its rows' state is gone
+        if isinstance(e, ValueError):          # the library's clear errors for bad input
+          e = ApiError(400, str(e))
+        for r in list(self._live):
+          self._fail(r, e)
+        self._batch = None
+
+  def _iteration(self):
+    from dflash_jax import batching
+    with self._cv:
+      for r in [r for r in self._pending if r.cancelled()]:
+        self._pending.remove(r)
+        self._finish(r, cancelled=True)
+      want = min(len(self._live) + len(self._pending), self.max_batch)
+    if want == 0:
+      return
+    self._fit(batching.bucket(want))
+    free = sorted(set(range(self._batch.size)) - {r.slot for r in self._live})
+    with self._cv:
+      while free and self._pending:
+        r = self._pending.popleft()
+        r.slot = free.pop(0)
+        r.prefill = self._batch.prefill_chunks(r.slot, r.ids, r.max_new, r.samp)
+        self._live.append(r)
+      self.metrics["batch_rows_peak"] = max(self.metrics["batch_rows_peak"], len(self._live))
+    for r in [r for r in self._live if r.prefill is not None and r.cancelled()]:
+      self._batch.release(r.slot)
+      self._finish(r, cancelled=True)
+    joining = [r for r in self._live if r.prefill is not None]
+    if joining:                                 # one chunk per iteration, oldest request first
+      r = min(joining, key=lambda x: x.t_submit)
+      try:
+        if next(r.prefill) >= r.ids.size:
+          raise StopIteration
+      except StopIteration:
+        r.prefill = None
+        r.t_first = time.perf_counter()
+        if not self._batch.finite(r.slot):
+          self._batch.release(r.slot)
+          self._fail(r, ApiError(500, f"{self.target.path}: the target's logits after prefill "
+                                 "are not finite (NaN or inf)", type_="server_error"))
+    decoding = [r for r in self._live if r.prefill is None]
+    if not decoding:
+      return
+    n_out, idle = self._batch.progress()
+    if not idle.all():
+      self._batch.run(self.steps_per_call)
+      n_out, idle = self._batch.progress()
+    for r in decoding:
+      self._stream(r, int(n_out[r.slot]), bool(idle[r.slot]))
+
+  def _fit(self, want: int):
+    """Make the batch `want` slots (a bucket) when that changes its size, moving live rows."""
+    from dflash_jax import batching
+    b = self._batch
+    if b is None or b.size <= want:
+      self._small_since = None
+    elif self._live:                            # shrink once the load stayed low for a while
+      now = time.perf_counter()
+      if self._small_since is None:
+        self._small_since = now
+      if now - self._small_since < self.shrink_after_s:
+        return
+    if b is not None and b.size == want:
+      return
+    dec = self.dec_for(want)
+    if b is not None and self._live and dec != b.dec:
+      return                                    # rows cannot change mode mid-sequence
+    if b is None or not self._live:
+      self._batch = batching.SlotBatch(self.target, self.draft, dec, want, self.eog)
+      return
+    if any(r.prefill is not None for r in self._live):
+      return                                    # move rows between prefills, not during one
+    keep = sorted(self._live, key=lambda r: r.slot)
+    self._batch = b.resized(want, [r.slot for r in keep])
+    self.metrics["batch_resizes_total"] += 1
+    for i, r in enumerate(keep):
+      r.slot = i
+
+  def _stream(self, r: _Live, n_out: int, idle: bool):
+    if n_out > r.shown:
+      new = self._batch.new_tokens(r.slot, r.shown, n_out)
+      r.shown = n_out
+      hit = r.scan.add(new)
+      text = r.scan.safe_text()
+      if len(text) > r.sent:
+        r.on_text(text[r.sent:])
+        r.sent = len(text)
+      if hit:
+        idle = True
+    cancelled = r.cancelled()
+    if idle or cancelled:
+      self._batch.release(r.slot)
+      self._finish(r, cancelled=cancelled and not idle)
+
+  def _fail(self, r: _Live, e: Exception):
+    if r in self._live:
+      self._live.remove(r)
+    self.metrics["requests_failed"] += 1
+    with self._cv:
+      self.waiting -= 1
+    r.on_text(None)
+    r.future.set_exception(e)
+
+  def _finish(self, r: _Live, cancelled: bool):
+    """Resolve a request's future with its Outcome and free its slot."""
+    if r in self._live:
+      self._live.remove(r)
+    row = self._batch.row(r.slot) if r.t_first is not None else None
+    # Every token went through the scanner: scan.text is the whole completion (cut at a stop
     # string; control tokens such as <|im_end|> dropped); send what was held back.
-    if len(scan.text) > sent[0]:
-      on_text(scan.text[sent[0]:])
-    finish = "stop" if (scan.cut is not None or r.stop_reason == "eog") else "length"
-    n_tok = scan.n_tokens
+    if len(r.scan.text) > r.sent:
+      r.on_text(r.scan.text[r.sent:])
+    eog = bool(row and row.tokens and row.tokens[-1] in self.eog_set and
+               r.scan.n_tokens >= len(row.tokens))
+    finish = "stop" if (r.scan.cut is not None or eog) else "length"
+    now = time.perf_counter()
+    decode_s = now - r.t_first if r.t_first is not None else 0.0
+    n_tok = r.scan.n_tokens
     m = self.metrics
     m["requests_total"] += 1
     m["tokens_generated_total"] += n_tok
-    m["decode_seconds_total"] += r.decode_s
-    m["steps_total"] += r.n_steps
-    m["cancelled_total"] += int(cancelled())
-    stats = {"mode": self.dec.mode, "mean_acceptance_length": r.mean_accept_len,
-             "decode_tokens_per_second": r.decode_tok_s, "steps": r.n_steps,
-             "sampling": r.sampling.describe()}
-    return Outcome(scan.text, n_tok, finish, stats)
+    m["decode_seconds_total"] += decode_s
+    m["steps_total"] += row.n_steps if row else 0
+    m["cancelled_total"] += int(cancelled)
+    accept = row.accept_lens if row else []
+    stats = {"mode": self._batch.dec.mode if self._batch else self.dec.mode,
+             "mean_acceptance_length": float(np.mean(accept)) if accept else 0.0,
+             "decode_tokens_per_second": (n_tok - 1) / decode_s if decode_s > 0 and n_tok > 1 else 0.0,
+             "steps": row.n_steps if row else 0,
+             "time_to_first_token_s": (r.t_first - r.t_submit) if r.t_first else None,
+             "sampling": r.samp.describe()}
+    with self._cv:
+      self.waiting -= 1
+    r.on_text(None)
+    r.future.set_result(Outcome(r.scan.text, n_tok, finish, stats, r.scan.ids[:n_tok]))
 
   def metrics_text(self) -> str:
     m = self.metrics
@@ -193,8 +399,17 @@ class Engine:
             ("dflash_decode_steps_total", m["steps_total"]),
             ("dflash_mean_acceptance_length", round(al, 4)),
             ("dflash_decode_tokens_per_second", round(tps, 3)),
-            ("dflash_queue_waiting", self.waiting)]
+            ("dflash_queue_waiting", self.waiting),
+            ("dflash_batch_rows", len(self._live)),
+            ("dflash_batch_slots", self._batch.size if self._batch is not None else 0),
+            ("dflash_batch_rows_peak", m["batch_rows_peak"]),
+            ("dflash_batch_resizes_total", m["batch_resizes_total"])]
     return "".join(f"{k} {v}\n" for k, v in rows)
+
+
+def _buckets(max_batch: int) -> list[int]:
+  from dflash_jax import batching
+  return [b for b in batching.BATCH_BUCKETS if b <= max_batch]
 
 
 def _chunk(kind: str, rid: str, created: int, model: str, text: Optional[str], finish, role=False):
@@ -238,23 +453,12 @@ class _Job:
 
 
 def _launch(engine: Engine, ids, max_new, stops, samp, request: fastapi.Request) -> _Job:
-  """Queue the decode on a worker thread (it waits for the engine's lock) and watch the client:
-  a disconnect sets the cancel flag, which stops the decode between decode calls."""
+  """Submit the request to the engine's batch and watch the client: a disconnect sets the
+  cancel flag, which frees its slot between decode calls."""
   loop = asyncio.get_running_loop()
   cancel, pieces = threading.Event(), asyncio.Queue()
-
-  def work():
-    try:
-      return engine.run(ids, max_new, stops, samp,
-                        lambda t: loop.call_soon_threadsafe(pieces.put_nowait, t), cancel.is_set)
-    except ValueError as e:   # the library's clear errors for bad input
-      engine.metrics["requests_failed"] += 1
-      raise ApiError(400, str(e)) from None
-    except Exception:
-      engine.metrics["requests_failed"] += 1
-      raise
-    finally:
-      loop.call_soon_threadsafe(pieces.put_nowait, None)
+  fut = engine.submit(ids, max_new, stops, samp,
+                      lambda t: loop.call_soon_threadsafe(pieces.put_nowait, t), cancel.is_set)
 
   async def watch_disconnect():
     while not cancel.is_set():
@@ -262,10 +466,7 @@ def _launch(engine: Engine, ids, max_new, stops, samp, request: fastapi.Request)
         cancel.set()
       await asyncio.sleep(0.05)
 
-  engine.waiting += 1
-  task = loop.run_in_executor(None, work)
-  task.add_done_callback(lambda _: setattr(engine, "waiting", engine.waiting - 1))
-  return _Job(task, pieces, cancel, asyncio.ensure_future(watch_disconnect()))
+  return _Job(asyncio.wrap_future(fut), pieces, cancel, asyncio.ensure_future(watch_disconnect()))
 
 
 async def _events(engine: Engine, job: _Job, kind: str, rid: str, created: int, req, n_prompt: int):
@@ -366,16 +567,18 @@ def build_engine() -> Engine:
   target = target_flags.load(_TF)
   draft_dir = _DRAFT.value if _DRAFT.value is not None else cli.find_draft_dir(target)
   draft = dj.load_draft(draft_dir, target) if draft_dir and draft_dir != "none" else None
-  dec = decode_flags.config(_DF, mode=_DF.mode.value or ("chain" if draft is not None else "ar"))
-  if dec.speculative and draft is None:
+  dec = decode_flags.config(_DF)
+  if dec.mode not in ("ar", "auto") and draft is None:
     raise app.UsageError(f"--mode={dec.mode} needs a draft (--draft)")
   defaults = decode_flags.sampling(_DF, target.sampling_defaults)
-  dec = dj.api.resolve_config(draft, dec)
-  for samp in (dj.SamplingConfig(), dj.SamplingConfig(temperature=1.0)):
-    dj.generate(target, draft, [0], max_new_tokens=2, config=dec, sampling=samp,
-                on_tokens=lambda _: None)
+  decs = {b: dj.api.resolve_config(draft, dec, target=target, batch=b)
+          for b in _buckets(64)}          # mode "auto": per batch size
   name = _MODEL_NAME.value or os.path.basename(target.path)
-  return Engine(target, draft, dec, defaults, name, _MAX_QUEUE.value)
+  engine = Engine(target, draft, decs.__getitem__, defaults, name, _MAX_QUEUE.value,
+                  _MAX_BATCH.value, _STEPS_PER_CALL.value)
+  dj.api.check_config(target, draft, decs[engine.max_batch], engine.max_batch)
+  engine.warm_up()
+  return engine
 
 
 def main(argv):
@@ -383,7 +586,8 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   import uvicorn
   engine = build_engine()
-  print(f"[dflash] serving {engine.model_name} ({engine.dec.mode}) on http://{_HOST.value}:{_PORT.value}",
+  modes = ", ".join(f"B={b}: {engine.dec_for(b).mode}" for b in _buckets(engine.max_batch))
+  print(f"[dflash] serving {engine.model_name} ({modes}) on http://{_HOST.value}:{_PORT.value}",
         flush=True)
   uvicorn.run(create_app(engine, _API_KEY.value), host=_HOST.value, port=_PORT.value,
               log_level="warning")

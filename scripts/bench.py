@@ -5,6 +5,7 @@ or on 10 chat-formatted instruction prompts (written here; not in the training c
   python scripts/bench.py --dataset humaneval --n_prompts 10 --n_gen 128 --repeats 3 --json_out he.json
   python scripts/bench.py --dataset chat --n_gen 128 --repeats 3 --json_out chat.json
   python scripts/bench.py --batch_sizes 1,2,4,8,16 --n_prompts 16 --modes ar,chain --json_out b.json
+  python scripts/bench.py --batch_sizes 1,4,8 --modes ar,chain,ddtree --budgets 8 --auto_table user
 
 If `llama_cpp` (llama-cpp-python) is importable, llama.cpp's autoregressive decode of the same
 GGUF and prompts is timed too (optional; never a dependency).
@@ -50,6 +51,10 @@ _BATCH_SIZES = flags.DEFINE_list("batch_sizes", [], "Batched decoding table inst
                                  "(e.g. 1,2,4,8,16) and each greedy mode, the --n_prompts prompts "
                                  "through generate_batch with B slots: aggregate and per-sequence "
                                  "decode tok/s, outputs checked against B = 1.")
+_AUTO_TABLE = flags.DEFINE_string("auto_table", None, "With --batch_sizes: merge the measured "
+                                  "aggregate tok/s per (B, mode) into this mode='auto' table "
+                                  "('user': the per-user table auto mode reads first; the "
+                                  "shipped one is dflash_jax/auto_modes.json).")
 
 
 def humaneval_prompts(n):
@@ -243,7 +248,7 @@ def main(argv):
   del argv
   import jax
   import dflash_jax as dj
-  from dflash_jax import cli
+  from dflash_jax import auto_mode, cli
 
   path = target_flags.target_path(_TF)
   target = target_flags.load(_TF)
@@ -268,6 +273,18 @@ def main(argv):
             f"{r['mean_accept_len']:>6.2f}{str(r['identical_to_b1']):>6}")
     if llama:
       print(f"llama.cpp single-stream autoregressive median {statistics.median(llama):.2f} tok/s")
+      for r in rows:
+        r["x_llama_cpp"] = r["aggregate_tok_s"] / statistics.median(llama)
+    entry = {}
+    for r in rows:
+      entry.setdefault(r["batch"], {})[r["mode"]] = round(r["aggregate_tok_s"], 3)
+    result["auto_mode"] = {b: "ddtree@%d" % bud if bud else m for b in entry
+                           for m, bud in [auto_mode.choose(entry, b, draft_dir != "random")]}
+    print("mode='auto' would pick: " + ", ".join(f"B={b}: {m}" for b, m in result["auto_mode"].items()))
+    if _AUTO_TABLE.value:
+      out = auto_mode.user_table_path() if _AUTO_TABLE.value == "user" else _AUTO_TABLE.value
+      auto_mode.update_table(out, auto_mode.table_key(path, draft_dir), entry)
+      print(f"auto-mode table updated: {out}")
     if _JSON.value:
       with open(_JSON.value, "w") as fh:
         json.dump(result, fh, indent=1)

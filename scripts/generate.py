@@ -61,9 +61,9 @@ def _load():
       bar.set_postfix_str(os.path.basename(draft_dir.rstrip("/")))
       draft = dj.load_draft(draft_dir, target)
     bar.update()
-  dec = decode_flags.config(_DF, mode=_DF.mode.value or ("chain" if draft is not None else "ar"))
+  dec = decode_flags.config(_DF)
   if draft is None:
-    if dec.speculative:
+    if dec.mode not in ("ar", "auto"):
       raise app.UsageError(f"--mode={dec.mode} needs a draft (--draft)")
     print(f"[dflash] no draft for {os.path.basename(path)}: decoding autoregressively",
           file=sys.stderr)
@@ -183,7 +183,7 @@ def _batch(target, draft, dec, samp, rows):
     print(f"--- [{key}] {cli.stats_line(r)}", file=sys.stderr)
     if out is None:
       print(completion)
-    recs[i] = dict(id=key, prompt=text, completion=completion, mode=dec.mode,
+    recs[i] = dict(id=key, prompt=text, completion=completion, mode=r.mode,
                    **cli.result_fields(r))
     flush()
 
@@ -240,7 +240,7 @@ def main(argv):
   r, completion = _run_one(target, draft, dec, samp, ids, _MAX_NEW.value, _STREAM.value)
   if not _STREAM.value:
     print(completion)
-  print(f"[dflash] mode {dec.mode} | {cli.stats_line(r)} | wall {time.perf_counter() - t0:.1f} s",
+  print(f"[dflash] mode {r.mode} | {cli.stats_line(r)} | wall {time.perf_counter() - t0:.1f} s",
         file=sys.stderr)
 
 

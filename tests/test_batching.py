@@ -4,6 +4,7 @@ alone; equality is exact (tokens and acceptance lengths)."""
 
 import os
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -71,20 +72,23 @@ def test_greedy_and_sampled_rows_in_one_batch(qwen_f32, qwen_draft, qwen_ref):
   """A greedy row decoded next to sampled rows (the sampling variant of the loop) is the greedy
   output."""
   p = _prompts(qwen_ref)
-  b = batching.SlotBatch(qwen_f32, qwen_draft, dj.api.resolve_config(qwen_draft, max_ctx=64),
-                         2, jnp.asarray([-1], jnp.int32))
+  b = batching.SlotBatch(qwen_f32, qwen_draft,
+                         dj.api.resolve_config(qwen_draft, max_ctx=64, mode="chain"), 2,
+                         jnp.asarray([-1], jnp.int32))
   b.prefill(0, np.asarray(p[0], np.int32), 12, dj.SamplingConfig())
   b.prefill(1, np.asarray(p[1], np.int32), 12, dj.SamplingConfig(temperature=1.0, seed=7))
   b.run(1 << 20)
-  greedy = dj.generate(qwen_f32, qwen_draft, p[0], max_new_tokens=12, max_ctx=64, eog_ids=())
+  greedy = dj.generate(qwen_f32, qwen_draft, p[0], max_new_tokens=12, max_ctx=64, eog_ids=(),
+                       mode="chain")
   sampled = dj.generate(qwen_f32, qwen_draft, p[1], max_new_tokens=12, max_ctx=64, eog_ids=(),
+                        mode="chain",
                         temperature=1.0, seed=7)
   assert b.row(0).tokens == greedy.tokens and b.row(1).tokens == sampled.tokens
 
 
 def test_no_recompile_when_rows_join_and_leave(qwen_f32, qwen_draft, qwen_ref):
   p = _prompts(qwen_ref)
-  kw = dict(max_ctx=64, prefill_chunk=32, batch_size=4, eog_ids=())
+  kw = dict(max_ctx=64, prefill_chunk=32, batch_size=4, eog_ids=(), mode="chain")
   dj.generate_batch(qwen_f32, qwen_draft, p[:4], max_new_tokens=5, **kw)
   before = (decode.prefill_chunk._cache_size(), decode.decode_loop._cache_size())
   dj.generate_batch(qwen_f32, qwen_draft, p[::-1] + p[:2], max_new_tokens=[3, 9, 1, 12, 6, 2, 7],
@@ -148,3 +152,66 @@ def test_rows_equal_generate_alone_smollm2(smol, smol_prompts):
     for i, p in enumerate(prompts):
       alone = dj.generate(smol, draft, p, max_new_tokens=[24, 40, 16][i], mode=mode, max_ctx=512)
       assert res[i].tokens == alone.tokens and res[i].accept_lens == alone.accept_lens
+
+
+# --- the server's continuous batching (serve.Engine, no HTTP) ---------------------------------
+
+def _engine(target, draft, mode, max_batch, **kw):
+  from dflash_jax import serve
+  dec = dj.api.resolve_config(draft, mode=mode, max_ctx=64, prefill_chunk=32, budget=6)
+  eng = serve.Engine(target, draft if mode != "ar" else None, dec, None, "tiny", max_queue=16,
+                     max_batch=max_batch, steps_per_call=2, **kw)
+  eng.shrink_after_s = 0.0          # shrink as soon as rows leave: exercise row moves
+  return eng
+
+
+def _submit(eng, ids, max_new, samp=None, cancelled=lambda: False):
+  texts = []
+  fut = eng.submit(ids, max_new, [], samp or dj.SamplingConfig(), texts.append, cancelled)
+  return fut, texts
+
+
+@pytest.mark.parametrize("mode,samp", [("chain", {}), ("ddtree", dict(temperature=0.8, seed=5)),
+                                       ("ar", {})])
+def test_engine_rows_equal_generate_alone(qwen_f32, qwen_draft, qwen_ref, mode, samp):
+  """Requests joining a running batch at different times (a two-chunk prompt prefilled while
+  others decode; the batch growing 1 -> 2 -> 4 and shrinking, rows moving with their caches)
+  each get exactly the tokens `generate` gives alone, and their streamed text is their text."""
+  p = _prompts(qwen_ref)
+  eng = _engine(qwen_f32, qwen_draft, mode, 4)
+  sc = dj.SamplingConfig(**samp)
+  first, texts0 = _submit(eng, p[0], 30, sc)
+  while not texts0:                          # the first request is decoding alone (B = 1)
+    time.sleep(0.01)
+  futs = [(0, first, texts0)] + [(i, *_submit(eng, p[i], MAX_NEW[i], sc)) for i in (2, 1, 3, 4)]
+  for i, fut, texts in futs:
+    out = fut.result(timeout=600)
+    alone = dj.generate(qwen_f32, qwen_draft if mode != "ar" else None, p[i],
+                        max_new_tokens=30 if i == 0 else MAX_NEW[i], eog_ids=(), max_ctx=64,
+                        prefill_chunk=32, mode=mode, budget=6, sampling=sc)
+    assert out.tokens == alone.tokens, i
+    assert "".join(t for t in texts if t is not None) == out.text
+    assert out.finish_reason == "length"
+  assert eng.metrics["batch_rows_peak"] == 4 and eng.metrics["batch_resizes_total"] >= 2
+  assert eng.waiting == 0 and not eng._live
+
+
+def test_engine_cancel_frees_the_slot(qwen_f32, qwen_draft, qwen_ref):
+  """A request whose client is gone leaves the batch between decode calls; the others finish
+  with their own tokens; a cancelled request still waiting never takes a slot."""
+  p = _prompts(qwen_ref)
+  eng = _engine(qwen_f32, qwen_draft, "chain", 1)
+  gone = [False]
+  a, texts = _submit(eng, p[0], 40, cancelled=lambda: gone[0])
+  b, _ = _submit(eng, p[1], 9)
+  c, _ = _submit(eng, p[3], 9, cancelled=lambda: True)
+  while not texts:
+    time.sleep(0.01)
+  gone[0] = True
+  out_a = a.result(timeout=600)
+  assert out_a.completion_tokens < 40
+  alone = dj.generate(qwen_f32, qwen_draft, p[1], max_new_tokens=9, eog_ids=(), max_ctx=64,
+                      prefill_chunk=32, mode="chain", budget=6)
+  assert b.result(timeout=600).tokens == alone.tokens
+  assert c.result(timeout=600).completion_tokens == 0
+  assert eng.metrics["cancelled_total"] == 2 and eng.waiting == 0 and not eng._live

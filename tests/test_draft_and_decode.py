@@ -125,11 +125,12 @@ def test_chain_random_draft_smollm2_equals_ar_and_stops_at_eog(smol, smol_prompt
 
 
 def test_no_recompile_across_prompts_and_lengths(qwen_f32, qwen_draft, qwen_ref):
-  dj.generate(qwen_f32, qwen_draft, qwen_ref["tokens"][0, :20], max_new_tokens=5, max_ctx=256)
+  kw = dict(max_ctx=256, mode="chain")
+  dj.generate(qwen_f32, qwen_draft, qwen_ref["tokens"][0, :20], max_new_tokens=5, **kw)
   before = _compiled_counts()
   for r, (n, m) in enumerate([(7, 9), (33, 17), (48, 3)]):
-    dj.generate(qwen_f32, qwen_draft, qwen_ref["tokens"][r, :n], max_new_tokens=m, max_ctx=256)
-  dj.generate(qwen_f32, qwen_draft, qwen_ref["tokens"][1, :11], max_new_tokens=12, max_ctx=256,
+    dj.generate(qwen_f32, qwen_draft, qwen_ref["tokens"][r, :n], max_new_tokens=m, **kw)
+  dj.generate(qwen_f32, qwen_draft, qwen_ref["tokens"][1, :11], max_new_tokens=12, **kw,
               on_tokens=lambda ids: None, steps_per_call=2)
   assert _compiled_counts() == before
 
@@ -137,13 +138,14 @@ def test_no_recompile_across_prompts_and_lengths(qwen_f32, qwen_draft, qwen_ref)
 def test_streaming_yields_the_same_tokens(qwen_f32, qwen_draft, qwen_ref):
   seen = []
   r = dj.generate(qwen_f32, qwen_draft, qwen_ref["tokens"][0, :16], max_new_tokens=25,
-                  max_ctx=256, on_tokens=seen.extend, steps_per_call=3)
+                  max_ctx=256, on_tokens=seen.extend, steps_per_call=3, mode="chain")
   assert seen == r.tokens and len(r.tokens) == 25
 
 
 def test_context_limit_stops_generation(qwen_f32, qwen_draft, qwen_ref):
-  r = dj.generate(qwen_f32, qwen_draft, qwen_ref["tokens"][0, :40], max_new_tokens=100, max_ctx=64)
-  assert r.stop_reason == "max_ctx"
+  r = dj.generate(qwen_f32, qwen_draft, qwen_ref["tokens"][0, :40], max_new_tokens=100, max_ctx=64,
+                  mode="chain")
+  assert r.stop_reason == "max_ctx" and r.mode == "chain"
   ar = dj.generate(qwen_f32, None, qwen_ref["tokens"][0, :40], max_new_tokens=len(r.tokens),
                    mode="ar", max_ctx=128, eog_ids=())
   assert r.tokens == ar.tokens

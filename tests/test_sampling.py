@@ -139,7 +139,7 @@ def _sample_many(target, draft, prompt, dec, cfg: SamplingConfig, n, proposer=No
   def run(seed):
     st = decode.init_state(plan, 1)
     st = decode.prefill_chunk(target.params, dparams, st, jnp.int32(0), jnp.asarray(toks),
-                              jnp.int32(0), jnp.int32(len(prompt)), eog, seed,
+                              jnp.int32(0), jnp.int32(len(prompt)), jnp.bool_(True), eog, seed,
                               jnp.int32(N_TOKENS), sp, plan=plan, sampled=True)
     st = decode.decode_loop(target.params, dparams, st, jnp.int32(1 << 20), eog, plan=plan,
                             sampled=True, proposer=proposer)
@@ -227,18 +227,21 @@ def test_chi_square_catches_a_wrong_rule(qwen_f32, exact_joint, monkeypatch):
 
 def test_sampling_settings_do_not_recompile(qwen_f32, qwen_draft, draft_ref):
   p = draft_ref["prompt_ids"]
-  dj.generate(qwen_f32, qwen_draft, p, max_new_tokens=8, max_ctx=256, temperature=0.7, seed=1)
+  dj.generate(qwen_f32, qwen_draft, p, max_new_tokens=8, max_ctx=256, temperature=0.7, seed=1,
+              mode="chain")
   before = (decode.prefill_chunk._cache_size(), decode.decode_loop._cache_size())
   for t, k, tp, mp, seed in [(1.0, 0, 0.9, 0.0, 2), (0.3, 5, 1.0, 0.1, 3)]:
     dj.generate(qwen_f32, qwen_draft, p, max_new_tokens=8, max_ctx=256, temperature=t, top_k=k,
-                top_p=tp, min_p=mp, seed=seed)
+                top_p=tp, min_p=mp, seed=seed, mode="chain")
   assert (decode.prefill_chunk._cache_size(), decode.decode_loop._cache_size()) == before
 
 
 def test_same_seed_same_output_and_bad_settings(qwen_f32, qwen_draft, draft_ref):
   p = draft_ref["prompt_ids"]
-  a = dj.generate(qwen_f32, qwen_draft, p, max_new_tokens=12, max_ctx=256, temperature=0.9, seed=5)
-  b = dj.generate(qwen_f32, qwen_draft, p, max_new_tokens=12, max_ctx=256, temperature=0.9, seed=5)
+  a = dj.generate(qwen_f32, qwen_draft, p, max_new_tokens=12, max_ctx=256, temperature=0.9, seed=5,
+                  mode="chain")
+  b = dj.generate(qwen_f32, qwen_draft, p, max_new_tokens=12, max_ctx=256, temperature=0.9, seed=5,
+                  mode="chain")
   assert a.tokens == b.tokens and a.sampling.seed == 5
   for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-2), dict(min_p=1.5),
               dict(temperature=float("nan"))):

@@ -1,0 +1,117 @@
+"""`mode="auto"`: the decoding mode measured fastest for this platform, model pair and batch size.
+
+Speculative decoding pays less as the batch grows (the verify of B x L tokens turns compute-bound;
+vLLM and TensorRT-LLM shrink or switch off the draft by batch size), and on a platform where the
+verify of a block costs many autoregressive steps (f32 dots on a 2-core CPU) it does not pay at
+all with a weak draft. So the mode is looked up in a measured table rather than assumed.
+
+The table: JSON {key: {B: {column: aggregate decode tok/s}}}, key =
+"<platform>:<device kind>|<target GGUF file name>|<draft directory name>", columns "ar",
+"chain", "ddtree@<budget>". `scripts/bench.py --batch_sizes ... --modes ar,chain,ddtree
+--auto_table PATH` measures and writes it. Looked up in order: the user's table
+(`user_table_path()`, written by bench.py by default), then the one shipped with the package
+(`auto_modes.json`, measured on the machines this project is developed on).
+
+Rule (`choose`): at batch size B take the row of the largest measured batch size <= B (the
+smallest measured one if B is below all); the mode is the fastest column of that row, and a
+speculative mode only when it beats "ar" there (so auto is never slower than AR where measured).
+Without a draft, or without a table entry for this key, auto is "ar": it is the one mode that
+cannot be slower than autoregressive decoding, and an unmeasured speculative mode can be (run
+bench.py once on the platform to enable the draft).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from typing import Optional
+
+import jax
+
+from dflash_jax.config import DecodeConfig
+
+SHIPPED_TABLE = os.path.join(os.path.dirname(__file__), "auto_modes.json")
+
+
+def user_table_path() -> str:
+  """~/.cache/dflash_jax/auto_modes.json: where bench.py --auto_table user writes."""
+  return os.path.join(os.path.expanduser("~"), ".cache", "dflash_jax", "auto_modes.json")
+
+
+def table_key(target_path: str, draft_path: Optional[str]) -> str:
+  """The table key of a model pair on the default device."""
+  dev = jax.devices()[0]
+  return (f"{dev.platform}:{getattr(dev, 'device_kind', dev.platform)}|"
+          f"{os.path.basename(target_path)}|{os.path.basename(os.path.normpath(draft_path or 'none'))}")
+
+
+@functools.lru_cache(maxsize=8)
+def _read(path: str, mtime: float) -> dict:
+  del mtime   # part of the cache key: a rewritten table is read again
+  try:
+    with open(path) as fh:
+      data = json.load(fh)
+  except (OSError, json.JSONDecodeError) as e:
+    raise ValueError(f"{path}: unreadable auto-mode table ({e}); delete it or rerun "
+                     "scripts/bench.py --auto_table") from None
+  if not isinstance(data, dict):
+    raise ValueError(f"{path}: the auto-mode table must be a JSON object")
+  return data
+
+
+def load_entry(key: str, paths: Optional[list[str]] = None) -> Optional[dict[int, dict[str, float]]]:
+  """{B: {column: tok/s}} for `key` from the first table (user's, then shipped) that has it."""
+  for path in paths if paths is not None else [user_table_path(), SHIPPED_TABLE]:
+    if not os.path.exists(path):
+      continue
+    entry = _read(path, os.path.getmtime(path)).get(key)
+    if entry:
+      return {int(b): row for b, row in entry.items()}
+  return None
+
+
+def choose(entry: Optional[dict[int, dict[str, float]]], batch: int,
+           has_draft: bool) -> tuple[str, Optional[int]]:
+  """(mode, ddtree budget or None) for `batch` rows by the rule in the module docstring."""
+  if not has_draft or not entry:
+    return "ar", None
+  sizes = sorted(entry)
+  below = [b for b in sizes if b <= batch]
+  row = entry[below[-1] if below else sizes[0]]
+  if "ar" not in row:
+    return "ar", None
+  best = max(row, key=row.get)
+  if row[best] <= row["ar"]:
+    return "ar", None
+  if best.startswith("ddtree@"):
+    return "ddtree", int(best.split("@", 1)[1])
+  return best, None
+
+
+def resolve(dec: DecodeConfig, target_path: str, draft_path: Optional[str], batch: int,
+            has_draft: bool) -> DecodeConfig:
+  """`dec` with mode "auto" replaced by the mode `choose` picks (and its budget for ddtree);
+  other modes unchanged."""
+  if dec.mode != "auto":
+    return dec
+  mode, budget = choose(load_entry(table_key(target_path, draft_path)), batch, has_draft)
+  return dataclasses.replace(dec, mode=mode, **({"budget": budget} if budget else {}))
+
+
+def update_table(path: str, key: str, entry: dict[int, dict[str, float]]):
+  """Merge `entry` ({B: {column: tok/s}}) into the table at `path` under `key` (created)."""
+  data = {}
+  if os.path.exists(path):
+    data = _read(path, os.path.getmtime(path))
+  data = dict(data)
+  old = {int(b): r for b, r in data.get(key, {}).items()}
+  for b, row in entry.items():
+    old[int(b)] = {**old.get(int(b), {}), **row}
+  data[key] = {str(b): old[b] for b in sorted(old)}
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = path + ".tmp"
+  with open(tmp, "w") as fh:
+    json.dump(data, fh, indent=1, sort_keys=True)
+  os.replace(tmp, path)
