@@ -31,6 +31,7 @@ _MODE = flags.DEFINE_string("mode", "auto", "The server's --mode.")
 _MAX_CTX = flags.DEFINE_integer("max_ctx", 1024, "The server's --max_ctx.")
 _SERVER_ARGS = flags.DEFINE_list("server_args", [], "Extra server flags (e.g. --target=x.gguf).")
 _JSON = flags.DEFINE_string("json_out", None, "Write results JSON here.")
+_SERVER_LOG = flags.DEFINE_string("server_log", "/tmp/dflash_bench_serve.log", "The server's output.")
 
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
@@ -62,14 +63,20 @@ def start_server(port: int) -> subprocess.Popen:
   cmd = [sys.executable, "-m", "dflash_jax.serve", f"--port={port}", f"--max_batch={_MAX_BATCH.value}",
          f"--mode={_MODE.value}", f"--max_ctx={_MAX_CTX.value}", "--max_queue=256",
          *_SERVER_ARGS.value]
-  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  while True:
-    line = proc.stdout.readline()
-    if not line:
-      raise RuntimeError(f"the server exited ({proc.wait()}) before serving: {' '.join(cmd)}")
-    print(line.rstrip(), file=sys.stderr)
-    if "serving" in line:
-      return proc
+  log = open(_SERVER_LOG.value, "w")
+  proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+  while True:                                  # start-up compiles every bucket: minutes on CPU
+    if proc.poll() is not None:
+      raise RuntimeError(f"the server exited ({proc.returncode}) before serving: {' '.join(cmd)}; "
+                         f"see {_SERVER_LOG.value}")
+    try:
+      conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+      conn.request("GET", "/health")
+      if conn.getresponse().status == 200:
+        return proc
+    except OSError:
+      pass
+    time.sleep(1.0)
 
 
 def one_request(port: int, prompt: str) -> dict:
