@@ -61,6 +61,22 @@ def build_prompt(target: Target, text: str, *, chat: bool, system: Optional[str]
   return tok.encode(text)
 
 
+# Benchmark chat prompts (bench.py --dataset chat, bench_serve.py), written for this project: never
+# in a draft's training corpus.
+CHAT_PROMPTS = [
+    "Write a Python function that checks whether a number is prime.",
+    "Explain the difference between a list and a tuple in Python.",
+    "Write a short poem about the ocean.",
+    "Give me three tips for staying focused while studying.",
+    "What is the capital of Japan, and what is it known for?",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Summarize the water cycle in a few sentences.",
+    "How do I reverse a string in JavaScript?",
+    "Write a SQL query that counts the rows of a table named users.",
+    "Describe what a binary search tree is.",
+]
+
+
 class StopScanner:
   """Decodes the growing list of generated tokens and finds the first stop string; `safe_text`
   is the prefix that can be shown now (nothing that might still become a stop string, no

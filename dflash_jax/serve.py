@@ -124,6 +124,15 @@ class _Live:
   t_first: Optional[float] = None
 
 
+def _emit(r: _Live, text: Optional[str]):
+  """Hand streamed text (None: the end) to a request's consumer; a consumer that is gone (its
+  event loop closed) must not stop the scheduler."""
+  try:
+    r.on_text(text)
+  except RuntimeError:
+    pass
+
+
 class Engine:
   """The resident model, decoding requests together (continuous batching).
 
@@ -337,7 +346,7 @@ class Engine:
       hit = r.scan.add(new)
       text = r.scan.safe_text()
       if len(text) > r.sent:
-        r.on_text(text[r.sent:])
+        _emit(r, text[r.sent:])
         r.sent = len(text)
       if hit:
         idle = True
@@ -352,7 +361,7 @@ class Engine:
     self.metrics["requests_failed"] += 1
     with self._cv:
       self.waiting -= 1
-    r.on_text(None)
+    _emit(r, None)
     r.future.set_exception(e)
 
   def _finish(self, r: _Live, cancelled: bool):
@@ -363,7 +372,7 @@ class Engine:
     # Every token went through the scanner: scan.text is the whole completion (cut at a stop
     # string; control tokens such as <|im_end|> dropped); send what was held back.
     if len(r.scan.text) > r.sent:
-      r.on_text(r.scan.text[r.sent:])
+      _emit(r, r.scan.text[r.sent:])
     eog = bool(row and row.tokens and row.tokens[-1] in self.eog_set and
                r.scan.n_tokens >= len(row.tokens))
     finish = "stop" if (r.scan.cut is not None or eog) else "length"
@@ -385,7 +394,7 @@ class Engine:
              "sampling": r.samp.describe()}
     with self._cv:
       self.waiting -= 1
-    r.on_text(None)
+    _emit(r, None)
     r.future.set_result(Outcome(r.scan.text, n_tok, finish, stats, r.scan.ids[:n_tok]))
 
   def metrics_text(self) -> str:

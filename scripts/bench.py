@@ -63,22 +63,11 @@ def humaneval_prompts(n):
   return [(tid, probs[tid]["prompt"]) for tid in list(probs)[:n]]
 
 
-CHAT_PROMPTS = [
-    "Write a Python function that checks whether a number is prime.",
-    "Explain the difference between a list and a tuple in Python.",
-    "Write a short poem about the ocean.",
-    "Give me three tips for staying focused while studying.",
-    "What is the capital of Japan, and what is it known for?",
-    "Write a Python function that returns the n-th Fibonacci number.",
-    "Summarize the water cycle in a few sentences.",
-    "How do I reverse a string in JavaScript?",
-    "Write a SQL query that counts the rows of a table named users.",
-    "Describe what a binary search tree is.",
-]
 
 
 def chat_prompts(n):
-  return [(f"chat_{i}", text) for i, text in enumerate(CHAT_PROMPTS[:n])]
+  from dflash_jax import cli
+  return [(f"chat_{i}", text) for i, text in enumerate(cli.CHAT_PROMPTS[:n])]
 
 
 def time_llama_cpp(path, encoded, n_gen, repeats):

@@ -16,12 +16,13 @@ import http.client
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import time
 
 from absl import app, flags
+
+from dflash_jax import cli
 
 _CLIENTS = flags.DEFINE_list("clients", ["1", "4", "8", "16"], "Concurrent client counts.")
 _PER_CLIENT = flags.DEFINE_integer("requests_per_client", 2, "Requests each client sends.")
@@ -33,17 +34,7 @@ _SERVER_ARGS = flags.DEFINE_list("server_args", [], "Extra server flags (e.g. --
 _JSON = flags.DEFINE_string("json_out", None, "Write results JSON here.")
 _SERVER_LOG = flags.DEFINE_string("server_log", "/tmp/dflash_bench_serve.log", "The server's output.")
 
-PROMPTS = [
-    "Write a Python function that checks whether a number is prime.",
-    "Explain the difference between a list and a tuple in Python.",
-    "Write a short poem about the ocean.",
-    "Give me three tips for staying focused while studying.",
-    "What is the capital of Japan, and what is it known for?",
-    "Write a Python function that returns the n-th Fibonacci number.",
-    "Summarize the water cycle in a few sentences.",
-    "How do I reverse a string in JavaScript?",
-    "Write a SQL query that counts the rows of a table named users.",
-    "Describe what a binary search tree is.",
+PROMPTS = cli.CHAT_PROMPTS + [           # 16 different prompts
     "Write a haiku about autumn leaves.",
     "What does the Python 'with' statement do?",
     "List three uses of a hash map.",
