@@ -235,10 +235,6 @@ class Engine:
       self._cv.notify()
     return fut
 
-  def run(self, ids, max_new, stops, samp, on_text, cancelled) -> Outcome:
-    """`submit` and wait for the Outcome."""
-    return self.submit(ids, max_new, stops, samp, on_text, cancelled).result()
-
   def warm_up(self):
     """Compile the programs of every bucket up to max_batch (prefill and decode, greedy and
     sampling variants) before the first request."""
@@ -448,7 +444,7 @@ def _final(kind: str, rid: str, created: int, model: str, out: Outcome, n_prompt
 
 @dataclasses.dataclass
 class _Job:
-  """One request running on the engine: the executor future, the queue of streamed text pieces
+  """One request running on the engine: the engine's future (as an asyncio future), the queue of streamed text pieces
   (None ends it), the cancel flag and the disconnect watcher."""
 
   task: asyncio.Future
