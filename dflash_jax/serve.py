@@ -444,8 +444,8 @@ def _final(kind: str, rid: str, created: int, model: str, out: Outcome, n_prompt
 
 @dataclasses.dataclass
 class _Job:
-  """One request running on the engine: the engine's future (as an asyncio future), the queue of streamed text pieces
-  (None ends it), the cancel flag and the disconnect watcher."""
+  """One request running on the engine: its future (as an asyncio future), the queue of streamed
+  text pieces (None ends it), the cancel flag and the disconnect watcher."""
 
   task: asyncio.Future
   pieces: asyncio.Queue
