@@ -158,7 +158,10 @@ def test_generate_script_sigint_keeps_finished_rows(tmp_path):
   proc = subprocess.Popen(
       [sys.executable, os.path.join(ROOT, "scripts", "generate.py"), "--prompt_file", str(prompts),
        "--output_file", str(out), "--nochat", "--draft", "none", "--max_ctx", "128",
-       "--nostream"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+       "--nostream"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+      # a test run started in the background inherits SIGINT ignored; the child must have
+      # Ctrl-C's default disposition (Python then turns it into KeyboardInterrupt)
+      preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
   partial = str(out) + ".partial"
   deadline = time.time() + 600
   while time.time() < deadline and proc.poll() is None:
