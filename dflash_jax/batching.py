@@ -47,10 +47,9 @@ def _move_rows(state, idx, n, *, plan, batch):
   fresh = decode_lib.init_state(plan, batch)
   keep = jnp.arange(batch) < n
 
-  def move(f, o):
-    picked = o[jnp.clip(idx, 0, o.shape[0] - 1)]
-    return jnp.where(keep.reshape((-1,) + (1,) * (f.ndim - 1)), picked, f)
-  return jax.tree.map(move, fresh, state)
+  return jax.tree.map(
+      lambda f, o: decode_lib.select_rows(keep, o[jnp.clip(idx, 0, o.shape[0] - 1)], f),
+      fresh, state)
 
 
 class SlotBatch:

@@ -345,13 +345,17 @@ def active_rows(state: DecodeState, dec: DecodeConfig) -> jax.Array:
   return ~state.done & (state.n_out < state.max_new) & (state.pos < dec.max_ctx)
 
 
+def select_rows(mask: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
+  """Row b of `new` where mask[b], else row b of `old`. mask: [B] bool; new, old: [B, ...]."""
+  return jnp.where(mask.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+
+
 def _commit_rows(act: jax.Array, r: _RowStep, old: DecodeState) -> DecodeState:
   """Apply a batch of row steps: rows not in `act` [B] keep their old small state and SSM /
   conv state; every row's K/V and draft context rows are written at its `start` in place (a
   finished row's land past its committed length, where nothing reads them), so no whole cache
   is copied or selected."""
-  def pick(n, o):
-    return jnp.where(act.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
+  pick = functools.partial(select_rows, act)
   # The writes must come after every read of the caches in the step (attention over the
   # committed rows). The rows written do not depend on those reads (a chain's K/V exist before
   # its attention), so XLA could order a write first and then copies the whole cache to keep
