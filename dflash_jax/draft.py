@@ -50,14 +50,15 @@ class DraftParams:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DraftCache:
-  """Draft context K/V: k, v [n_layer, S, Hkv, Dh] float32 (post k_norm and RoPE)."""
+  """Draft context K/V: k, v [n_layer, Hkv, S, Dh] float32, head-major (layers.write_block; post
+  k_norm and RoPE)."""
 
   k: jax.Array
   v: jax.Array
 
 
 def init_cache(cfg: DraftConfig, capacity: int) -> DraftCache:
-  shape = (cfg.n_layer, capacity, cfg.n_kv_head, cfg.head_dim)
+  shape = (cfg.n_layer, cfg.n_kv_head, capacity, cfg.head_dim)
   return DraftCache(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
 
 
@@ -134,7 +135,7 @@ def propose(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: 
                          jnp.full((L - 1,), cfg.mask_token_id, jnp.int32)])
   pos = start + jnp.arange(L, dtype=jnp.int32)
   h = take_rows(embed, ids)
-  key_pos = jnp.arange(cache.k.shape[1], dtype=jnp.int32)
+  key_pos = jnp.arange(cache.k.shape[2], dtype=jnp.int32)
   full_local = jnp.ones((L, L), bool)
   for i, lay in enumerate(params.layers):
     x = layers.rms_norm(h, lay.in_norm, cfg.rms_eps)

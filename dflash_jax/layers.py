@@ -125,21 +125,28 @@ def rope(x: jax.Array, pos: jax.Array, *, rot_dim: int, theta: float, style: str
 
 
 def write_block(cache: jax.Array, start: jax.Array, rows: jax.Array) -> jax.Array:
-  """cache: [n_layer, S, ...] (one sequence's KV cache of all layers); rows: [n_layer, T, ...]
-  -> cache with cache[:, start:start+T] = rows (cast to cache.dtype): one dynamic-update-slice,
-  in place on a donated or loop-carried cache."""
-  idx = (jnp.int32(0), jnp.asarray(start, jnp.int32)) + (jnp.int32(0),) * (cache.ndim - 2)
-  return jax.lax.dynamic_update_slice(cache, rows.astype(cache.dtype), idx)
+  """cache: [n_layer, Hkv, S, Dh] (one sequence's KV cache of all layers, head-major: a layer's
+  head is one contiguous [S, Dh] slab, so attention reads chunks with no transpose); rows:
+  [n_layer, T, Hkv, Dh] (token-major, as the forwards produce them) -> cache with
+  cache[:, :, start:start+T] = rows (cast to cache.dtype): one dynamic-update-slice, in place on
+  a donated or loop-carried cache."""
+  idx = (jnp.int32(0), jnp.int32(0), jnp.asarray(start, jnp.int32), jnp.int32(0))
+  return jax.lax.dynamic_update_slice(cache, kv_rows(rows).astype(cache.dtype), idx)
+
+
+def kv_rows(rows: jax.Array) -> jax.Array:
+  """Token-major K/V rows [n_layer, T, Hkv, Dh] -> the cache's head-major [n_layer, Hkv, T, Dh]."""
+  return rows.transpose(0, 2, 1, 3)
 
 
 def write_block_rows(cache: jax.Array, start: jax.Array, rows: jax.Array) -> jax.Array:
-  """The batched form: cache [B, n_layer, S, ...], start [B] int32, rows [B, n_layer, T, ...]
-  -> row b's block written at start[b]. One dynamic-update-slice per row, unrolled (in place;
-  no scatter, and no nested loop whose carry XLA would copy)."""
-  zeros = (jnp.int32(0),) * (cache.ndim - 3)
+  """The batched form: cache [B, n_layer, Hkv, S, Dh], start [B] int32, rows [B, n_layer, T,
+  Hkv, Dh] -> row b's block written at start[b]. One dynamic-update-slice per row, unrolled (in
+  place; no scatter, and no nested loop whose carry XLA would copy)."""
+  z = jnp.int32(0)
   for b in range(cache.shape[0]):
-    cache = jax.lax.dynamic_update_slice(cache, rows[b][None].astype(cache.dtype),
-                                         (jnp.int32(b), jnp.int32(0), start[b]) + zeros)
+    cache = jax.lax.dynamic_update_slice(cache, kv_rows(rows[b])[None].astype(cache.dtype),
+                                         (jnp.int32(b), z, z, start[b], z))
   return cache
 
 
@@ -160,16 +167,16 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
 
 
 def attention_live(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int,
-                   mask, n_live: jax.Array, chunk: int = 256, local=None,
+                   mask, n_live: jax.Array, chunk: int = 128, local=None,
                    live_bound=None) -> jax.Array:
   """Softmax attention over the live rows of a stacked KV cache only, chunk by chunk with an
   online softmax (FlashAttention's running max / sum, arXiv:2205.14135): the work is
   proportional to n_live, not to the cache capacity S; optionally plus `local` keys that are not
   in the cache (this call's own rows), in the same softmax.
 
-  q: [T, H, Dh] float32; k_all / v_all: [n_layer, S, Hkv, Dh|Dv] (any float dtype, read as
-  float32); layer: static row of k_all; mask: [T, S] bool visible cache keys, or None (all rows
-  below n_live visible); n_live: [] int32 cache rows that may be visible (rows >= n_live never
+  q: [T, H, Dh] float32; k_all / v_all: [n_layer, Hkv, S, Dh|Dv] head-major caches (any float
+  dtype, read as float32; see `write_block`); layer: static row of k_all; mask: [T, S] bool
+  visible cache keys, or None (all rows below n_live visible); n_live: [] int32 cache rows that may be visible (rows >= n_live never
   are). local: None or (k [T2, Hkv, Dh], v [T2, Hkv, Dv], mask [T, T2] bool). live_bound:
   optional [] int32 >= n_live that sets the number of chunks visited; the batched decode loop
   passes the largest n_live of its rows, unbatched, so that under `vmap` every row reads the
@@ -179,31 +186,31 @@ def attention_live(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int,
   already-seen rows masked, so any S works. A query must see at least one key.
   """
   t, h, dh = q.shape
-  _, s_cap, hkv, dv = v_all.shape
+  _, hkv, s_cap, dv = v_all.shape
   c = min(chunk, s_cap)
   r = h // hkv
   hp = jax.lax.Precision.HIGHEST
   qg = q.reshape(t, hkv, r, dh) * (dh ** -0.5)
   n_chunks = ((n_live if live_bound is None else live_bound) + c - 1) // c
 
-  def update(carry, sc, vc):
+  def update(carry, sc, vc):                          # vc: [Hkv, s, Dv]
     m, l, acc = carry
     m_new = jnp.maximum(m, sc.max(-1))
     m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
     p = jnp.exp(sc - m_safe[..., None])
     corr = jnp.exp(m - m_safe)
     return (m_new, l * corr + p.sum(-1),
-            acc * corr[..., None] + jnp.einsum("grts,sgd->grtd", p, vc, precision=hp))
+            acc * corr[..., None] + jnp.einsum("grts,gsd->grtd", p, vc, precision=hp))
 
   def body(i, carry):
     c0 = jnp.minimum(i * c, s_cap - c)                 # slid back for the last partial chunk
-    kc = jax.lax.dynamic_slice(k_all, (layer, c0, 0, 0), (1, c, hkv, dh))[0].astype(jnp.float32)
-    vc = jax.lax.dynamic_slice(v_all, (layer, c0, 0, 0), (1, c, hkv, dv))[0].astype(jnp.float32)
+    kc = jax.lax.dynamic_slice(k_all, (layer, 0, c0, 0), (1, hkv, c, dh))[0].astype(jnp.float32)
+    vc = jax.lax.dynamic_slice(v_all, (layer, 0, c0, 0), (1, hkv, c, dv))[0].astype(jnp.float32)
     cols = c0 + jnp.arange(c, dtype=jnp.int32)
     vis = ((cols >= i * c) & (cols < n_live))[None, :]
     if mask is not None:
       vis = vis & jax.lax.dynamic_slice_in_dim(mask, c0, c, axis=1)
-    sc = jnp.einsum("tgrd,sgd->grts", qg, kc, precision=hp)
+    sc = jnp.einsum("tgrd,gsd->grts", qg, kc, precision=hp)
     return update(carry, jnp.where(vis[None, None], sc, -jnp.inf), vc)
 
   init = (jnp.full((hkv, r, t), -jnp.inf, jnp.float32), jnp.zeros((hkv, r, t), jnp.float32),
@@ -211,7 +218,8 @@ def attention_live(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int,
   if local is not None:
     lk, lv, lmask = local
     sc = jnp.einsum("tgrd,sgd->grts", qg, lk.astype(jnp.float32), precision=hp)
-    init = update(init, jnp.where(lmask[None, None], sc, -jnp.inf), lv.astype(jnp.float32))
+    init = update(init, jnp.where(lmask[None, None], sc, -jnp.inf),
+                  lv.astype(jnp.float32).transpose(1, 0, 2))
   _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
   o = acc / l[..., None]                                # [Hkv, R, T, Dv]
   return o.transpose(2, 0, 1, 3).reshape(t, h, dv)

@@ -30,9 +30,9 @@ class TargetCache:
   """Decode state of the target for positions < the committed length (held by the caller).
 
   Attributes:
-    k: [n_attn, S, Hkv, Dh] KV cache keys (post-RoPE, Runtime.kv_dtype); rows past the length
-      are stale.
-    v: [n_attn, S, Hkv, Dv].
+    k: [n_attn, Hkv, S, Dh] KV cache keys, head-major (layers.write_block; post-RoPE,
+      Runtime.kv_dtype); rows past the length are stale.
+    v: [n_attn, Hkv, S, Dv].
     ssm: [n_gdn, Hv, Dk, Dv] float32 Gated DeltaNet SSM state.
     conv: [n_gdn, K-1, C] float32 conv state: the last K-1 pre-conv inputs.
   """
@@ -102,8 +102,8 @@ def init_cache(cfg: TargetConfig, capacity: int, rt: Runtime = Runtime()) -> Tar
   """Zeroed cache with `capacity` KV rows (KV in rt.kv_dtype)."""
   n_attn, n_gdn = len(cfg.attn_layers), len(cfg.gdn_layers)
   return TargetCache(
-      k=jnp.zeros((n_attn, capacity, cfg.n_kv_head, cfg.head_dim), rt.kv),
-      v=jnp.zeros((n_attn, capacity, cfg.n_kv_head, cfg.v_head_dim), rt.kv),
+      k=jnp.zeros((n_attn, cfg.n_kv_head, capacity, cfg.head_dim), rt.kv),
+      v=jnp.zeros((n_attn, cfg.n_kv_head, capacity, cfg.v_head_dim), rt.kv),
       ssm=jnp.zeros((n_gdn, cfg.gdn_n_v_head, cfg.gdn_d_k, cfg.gdn_d_v), jnp.float32),
       conv=jnp.zeros((n_gdn, max(cfg.conv_kernel - 1, 0), cfg.conv_dim), jnp.float32))
 
@@ -155,7 +155,7 @@ def logits(params: TargetParams, cfg: TargetConfig, hidden: jax.Array, rt: Runti
 
 def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_all, v_all, li: int, start, pos,
                 local_mask, rope_freqs, rt: Runtime, live_bound=None):
-  """Softmax attention (gated for qwen35). x: [T, D]; k_all/v_all: [n_attn, S, Hkv, Dh] the
+  """Softmax attention (gated for qwen35). x: [T, D]; k_all/v_all: [n_attn, Hkv, S, Dh] the
   whole KV cache (read only: rows < start are the committed past, all visible); li: this
   layer's row in it; pos: [T] int32 RoPE positions; local_mask: [T, T] bool which of this
   call's own rows each row sees. Returns (out [T, D], k [T, Hkv, Dh], v [T, Hkv, Dv]) with k/v
@@ -216,8 +216,8 @@ def _trunk(params: TargetParams, cfg: TargetConfig, x, cache: TargetCache, start
       feats[i] = x
   feat = jnp.concatenate([feats[l] for l in feature_layers], axis=-1) if feature_layers else None
   t = x.shape[0]
-  k = jnp.stack(ks) if ks else jnp.zeros((0, t) + cache.k.shape[2:], cache.k.dtype)
-  v = jnp.stack(vs) if vs else jnp.zeros((0, t) + cache.v.shape[2:], cache.v.dtype)
+  k = jnp.stack(ks) if ks else jnp.zeros((0, t, cfg.n_kv_head, cfg.head_dim), cache.k.dtype)
+  v = jnp.stack(vs) if vs else jnp.zeros((0, t, cfg.n_kv_head, cfg.v_head_dim), cache.v.dtype)
   return x, feat, k, v, cache, steps
 
 

@@ -42,7 +42,7 @@ def _verify_fns(t, d):
       path, n_acc, _ = tree_lib.follow(tree, post, max_depth)
       return path, n_acc, post
     r = decode_lib.verify_and_commit(params, cfg, rt, tree, start, cache, choose,
-                                     max_ctx=cache.k.shape[1], feature_layers=fl)
+                                     max_ctx=cache.k.shape[2], feature_layers=fl)
     return r.emit, r.feats, target_lib.apply_update(cache, r.update, start)
 
   path_verify = jax.jit(lambda params, cache, tokens: verify_commit(

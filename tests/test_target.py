@@ -231,5 +231,6 @@ def test_attention_live_matches_full_cache_attention(s_cap, t, start, chunk, tre
     mask = key[None] <= (start + np.arange(t))[:, None]
   mask = jnp.asarray(mask)
   ref = layers.attention(q, k[1].astype(jnp.float32), v[1].astype(jnp.float32), mask)
-  out = layers.attention_live(q, k, v, 1, mask, jnp.int32(start + t), chunk)
+  out = layers.attention_live(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), 1, mask,
+                              jnp.int32(start + t), chunk)    # the cache is head-major
   assert out.shape == ref.shape and float(jnp.max(jnp.abs(out - ref))) < 1e-5

@@ -66,7 +66,7 @@ def _batched_step(params, tok, pos, cache, key, *, cfg, rt, feature_layers, temp
     choose = lambda logits: (jnp.zeros((1,), jnp.int32), jnp.int32(0),
                              _pick(logits[0], k, temperature)[None])
     r = decode_lib.verify_and_commit(params, cfg, rt, tree, p, c, choose,
-                                     max_ctx=c.k.shape[1], feature_layers=feature_layers)
+                                     max_ctx=c.k.shape[2], feature_layers=feature_layers)
     return r.emit[0], r.feats[0], target_lib.apply_update(c, r.update, p)
   return jax.vmap(one)(tok, pos, cache, jax.random.split(key, tok.shape[0]))
 
