@@ -1,0 +1,87 @@
+"""Training data at scale: the target answers the prompt corpus with the batched decoding loop
+(`dflash_jax.generate_batch`, B rows at once, autoregressive, greedy or sampled), and the
+responses are stored as token-id shards (`shards`), resumable across runs.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from dflash_jax.train import shards as shards_lib
+from dflash_jax.train.corpus import Prompt
+
+
+def encode_corpus(target, corpus: Sequence[Prompt], max_prompt: int,
+                  exclude: Sequence[str] = ()) -> list[tuple[int, list[int]]]:
+  """(corpus index, prompt ids) of every prompt with at most max_prompt tokens (code prompts
+  raw, chat prompts through the target's chat template), skipping texts in `exclude` (the
+  benchmark prompts). Indices refer to `corpus`, so a resumed run skips what is done."""
+  from dflash_jax import cli
+  banned = set(exclude)
+  out = []
+  for i, p in enumerate(corpus):
+    if p.text in banned:
+      continue
+    ids = cli.build_prompt(target, p.text, chat=p.kind == "chat")
+    if len(ids) <= max_prompt:
+      out.append((i, ids))
+  return out
+
+
+def resume_index(data_dir: str, temperature: float, seed: int) -> int:
+  """The first corpus index after every prompt already answered in data_dir at this
+  (temperature, seed) (0 if none)."""
+  done = [e["last_prompt"] for e in shards_lib.read_manifest(data_dir)["shards"]
+          if e.get("temperature") == temperature and e.get("seed") == seed]
+  return max(done) + 1 if done else 0
+
+
+def generate_token_seqs(target, prompts: Sequence[tuple[int, Sequence[int]]], *,
+                        max_new_tokens: int, temperature: float, seed: int, batch_size: int,
+                        max_ctx: int, top_p: float = 1.0) -> list[shards_lib.TokenSeq]:
+  """The target's responses to `prompts` ((corpus index, ids) pairs) through the batched
+  autoregressive loop: greedy (temperature 0) or sampled (row of corpus index i draws with seed
+  seed + i, so a response does not depend on its batch). Each response stops after its first
+  EOG token (kept) or at max_new_tokens."""
+  import dflash_jax as dj
+  sampling = dj.SamplingConfig(temperature=temperature, top_p=top_p if temperature > 0 else 1.0)
+  res = dj.generate_batch(target, None, [ids for _, ids in prompts], max_new_tokens=max_new_tokens,
+                          sampling=sampling, seed=[seed + i for i, _ in prompts],
+                          batch_size=batch_size, mode="ar", max_ctx=max_ctx)
+  return [shards_lib.TokenSeq(np.asarray(ids, np.int32), np.asarray(r.tokens, np.int32), i)
+          for (i, ids), r in zip(prompts, res)]
+
+
+def generate_shards(target, prompts: Sequence[tuple[int, Sequence[int]]], data_dir: str, *,
+                    max_new_tokens: int, temperature: float, seed: int, batch_size: int,
+                    max_ctx: int, shard_prompts: int, meta: dict, top_p: float = 1.0,
+                    deadline: Optional[float] = None, max_response_tokens: Optional[int] = None,
+                    log: Callable[[str], None] = print) -> dict:
+  """Answer the prompts not yet in data_dir for this (temperature, seed), `shard_prompts` per
+  shard, appending shards until the prompts run out, time.time() passes `deadline` or the
+  directory holds max_response_tokens response tokens. meta (command, target, target_sha256,
+  ...) is recorded in every manifest entry. Returns the directory's `shards.summary`."""
+  start = resume_index(data_dir, temperature, seed)
+  todo = [p for p in prompts if p[0] >= start]
+  for s in range(0, len(todo), shard_prompts):
+    if deadline is not None and time.time() > deadline:
+      break
+    if max_response_tokens is not None and \
+        shards_lib.summary(data_dir)["response_tokens"] >= max_response_tokens:
+      break
+    part = todo[s:s + shard_prompts]
+    t0 = time.perf_counter()
+    seqs = generate_token_seqs(target, part, max_new_tokens=max_new_tokens,
+                               temperature=temperature, seed=seed, batch_size=batch_size,
+                               max_ctx=max_ctx, top_p=top_p)
+    minutes = (time.perf_counter() - t0) / 60
+    e = shards_lib.write_shard(data_dir, seqs, target.config.n_vocab, temperature=temperature,
+                               seed=seed, top_p=top_p if temperature > 0 else 1.0,
+                               max_new_tokens=max_new_tokens, last_prompt=part[-1][0],
+                               batch_size=batch_size, minutes=round(minutes, 3), **meta)
+    log(f"{e['file']}: {e['n_seqs']} sequences, {e['response_tokens']} response tokens in "
+        f"{minutes:.1f} min ({e['response_tokens'] / max(minutes * 60, 1e-9):.1f} tok/s)")
+  return shards_lib.summary(data_dir)

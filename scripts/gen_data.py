@@ -1,0 +1,81 @@
+"""Generate draft-training data with the target itself, batched, as token-id shards (resumable).
+
+  python scripts/gen_data.py --data_dir data/smollm2-135m-instruct --temperature 0 --minutes 60
+  python scripts/gen_data.py --data_dir data/smollm2-135m-instruct --temperature 0.8 --seed 1
+
+The prompt corpus (dflash_jax.train.corpus: standard-library and installed-package functions to
+complete, chat about Python topics and functions, general-assistant templates; never HumanEval
+or the benchmark chat prompts) is built in a fixed order from --corpus_seed; the target answers
+it through the batched autoregressive loop (B = --batch_size rows at once), greedy or sampled,
+each response up to --max_new_tokens (repetition loops kept: that is the target's behaviour),
+and every --shard_prompts answers become one compressed shard listed in data_dir/manifest.json
+with how it was made (command, seed, temperature, target sha256, tokens, minutes). A rerun with
+the same --temperature / --seed continues after the last prompt answered.
+"""
+
+import hashlib
+import os
+import sys
+import time
+
+from absl import app, flags, logging
+
+from dflash_jax import target_flags
+
+_TF = target_flags.define()
+flags.adopt_module_key_flags(target_flags)
+_DATA = flags.DEFINE_string("data_dir", None, "Shard directory (created; resumed).", required=True)
+_TEMP = flags.DEFINE_float("temperature", 0.0, "0 = greedy; > 0 samples (with --top_p).")
+_TOP_P = flags.DEFINE_float("top_p", 0.95, "Top-p of sampled responses.")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed (row of corpus index i uses seed + i).")
+_CORPUS_SEED = flags.DEFINE_integer("corpus_seed", 0, "Corpus order.")
+_N_GENERAL = flags.DEFINE_integer("n_general", 12000, "General-assistant chat prompts.")
+_BATCH = flags.DEFINE_integer("batch_size", 32, "Rows decoded together.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 512, "Response tokens at most.")
+_MAX_PROMPT = flags.DEFINE_integer("max_prompt", 256, "Skip prompts longer than this (tokens).")
+_MAX_CTX = flags.DEFINE_integer("max_ctx", 800, "Context capacity (prompt + response).")
+_SHARD = flags.DEFINE_integer("shard_prompts", 256, "Prompts per shard.")
+_MINUTES = flags.DEFINE_float("minutes", None, "Stop starting new shards after this long.")
+_MAX_TOKENS = flags.DEFINE_integer("max_response_tokens", None, "Stop once the directory holds "
+                                   "this many response tokens.")
+_START = flags.DEFINE_integer("start_prompt", 0, "Skip corpus prompts before this index (e.g. "
+                              "sampled runs over another part of the corpus).")
+
+
+def _sha256(path: str) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as fh:
+    for b in iter(lambda: fh.read(1 << 20), b""):
+      h.update(b)
+  return h.hexdigest()
+
+
+def main(argv):
+  del argv
+  from dflash_jax import cli, train
+  from dflash_jax.train import datagen
+  if _MAX_CTX.value < _MAX_PROMPT.value + _MAX_NEW.value:
+    raise app.UsageError(f"--max_ctx={_MAX_CTX.value} < --max_prompt + --max_new_tokens = "
+                         f"{_MAX_PROMPT.value + _MAX_NEW.value}")
+  deadline = time.time() + 60 * _MINUTES.value if _MINUTES.value else None
+  target = target_flags.load(_TF)
+  words = train.topic_words(target.tokenizer.tokens)
+  corpus = train.build_corpus(n_code=1900, n_chat=100_000, n_general=_N_GENERAL.value,
+                              words=words, n_package_code=100_000, seed=_CORPUS_SEED.value)
+  prompts = [p for p in datagen.encode_corpus(target, corpus, _MAX_PROMPT.value,
+                                              exclude=cli.CHAT_PROMPTS) if p[0] >= _START.value]
+  logging.info("corpus: %d prompts (%d within %d tokens)", len(corpus), len(prompts),
+               _MAX_PROMPT.value)
+  meta = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+          "target": os.path.basename(target.path), "target_sha256": _sha256(target.path),
+          "corpus_seed": _CORPUS_SEED.value, "n_general": _N_GENERAL.value}
+  s = datagen.generate_shards(target, prompts, _DATA.value, max_new_tokens=_MAX_NEW.value,
+                              temperature=_TEMP.value, seed=_SEED.value, batch_size=_BATCH.value,
+                              max_ctx=_MAX_CTX.value, shard_prompts=_SHARD.value, meta=meta,
+                              top_p=_TOP_P.value, deadline=deadline,
+                              max_response_tokens=_MAX_TOKENS.value, log=logging.info)
+  print(s)
+
+
+if __name__ == "__main__":
+  app.run(main)
