@@ -30,6 +30,19 @@ def bucket(n: int) -> int:
   raise ValueError(f"batch size {n} exceeds the largest bucket {BATCH_BUCKETS[-1]}")
 
 
+def prefill_sizes(chunk: int) -> tuple[int, ...]:
+  """The prefill forward lengths used with DecodeConfig.prefill_chunk = chunk: the chunk, and
+  for a prompt shorter than it, the smallest of chunk/2, chunk/4 (those >= 32) that holds it, so
+  a short chat prompt does not pay for a whole padded chunk (one compiled program per size)."""
+  return (chunk,) + tuple(s for s in (chunk // 2, chunk // 4) if s >= 32)
+
+
+def prefill_len(n_prompt: int, chunk: int) -> int:
+  """Forward length of every prefill chunk of an n_prompt-token prompt: `chunk` for a prompt of
+  at least one chunk (its last chunk padded to it), else the smallest `prefill_sizes` >= n."""
+  return min((s for s in prefill_sizes(chunk) if s >= n_prompt), default=chunk)
+
+
 @dataclasses.dataclass
 class Row:
   """One row read back from the device: tokens (generated ids), accept_lens (tokens committed per
@@ -93,10 +106,11 @@ class SlotBatch:
 
   def prefill_chunks(self, slot: int, ids: np.ndarray, max_new: int,
                      sampling: SamplingConfig) -> Iterator[int]:
-    """`prefill` one chunk (dec.prefill_chunk tokens) per step of the iterator, yielding the
-    tokens prefilled so far: a server interleaves the chunks with decode calls of the other
-    rows (the row stays out of the loop until its last chunk)."""
-    c = self.dec.prefill_chunk
+    """`prefill` one chunk (dec.prefill_chunk tokens, fewer for a short prompt: `prefill_len`)
+    per step of the iterator, yielding the tokens prefilled so far: a server interleaves the
+    chunks with decode calls of the other rows (the row stays out of the loop until its last
+    chunk)."""
+    c = prefill_len(ids.size, self.dec.prefill_chunk)
     if sampling.greedy:
       self.sampled_rows.discard(slot)
     else:

@@ -74,6 +74,12 @@ CHAT_PROMPTS = [
     "How do I reverse a string in JavaScript?",
     "Write a SQL query that counts the rows of a table named users.",
     "Describe what a binary search tree is.",
+    "Write a haiku about autumn leaves.",
+    "What does the Python 'with' statement do?",
+    "List three uses of a hash map.",
+    "Explain recursion to a beginner.",
+    "Write a bash one-liner that counts lines in all .py files.",
+    "What is the difference between TCP and UDP?",
 ]
 
 

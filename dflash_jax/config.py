@@ -354,7 +354,8 @@ class DecodeConfig:
     block_size: L, draft block incl. the bonus slot; None = the draft's (resolved by
       `generate`); ignored for "ar".
     max_ctx: cache capacity in tokens (prompt + generated must fit).
-    prefill_chunk: tokens per prefill forward (prompts are padded to a multiple of it).
+    prefill_chunk: tokens per prefill forward (prompts are padded to a multiple of it; one
+      shorter than it to chunk/2 or chunk/4 if that holds it: batching.prefill_len).
     budget: DDTree nodes excluding the root. tree_top_k: DDTree candidates per depth.
     chain_seed: DDTree: insert the draft's top-1 chain first (acceptance never below chain).
     draft_temp: DDTree: temperature applied to the draft logits before scoring the tree.

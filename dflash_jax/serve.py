@@ -241,9 +241,11 @@ class Engine:
     from dflash_jax import batching
     from dflash_jax.sampling import SamplingConfig
     for bsz in _buckets(self.max_batch):
-      b = batching.SlotBatch(self.target, self.draft, self.dec_for(bsz), bsz, self.eog)
+      dec = self.dec_for(bsz)
+      b = batching.SlotBatch(self.target, self.draft, dec, bsz, self.eog)
       for samp in (SamplingConfig(), SamplingConfig(temperature=1.0)):
-        b.prefill(0, np.zeros(1, np.int32), 3, samp)
+        for n in batching.prefill_sizes(dec.prefill_chunk):
+          b.prefill(0, np.zeros(n, np.int32), 3, samp)
         b.run(1)
       jax.block_until_ready(b.state.out)
 

@@ -34,14 +34,7 @@ _SERVER_ARGS = flags.DEFINE_list("server_args", [], "Extra server flags (e.g. --
 _JSON = flags.DEFINE_string("json_out", None, "Write results JSON here.")
 _SERVER_LOG = flags.DEFINE_string("server_log", "/tmp/dflash_bench_serve.log", "The server's output.")
 
-PROMPTS = cli.CHAT_PROMPTS + [           # 16 different prompts
-    "Write a haiku about autumn leaves.",
-    "What does the Python 'with' statement do?",
-    "List three uses of a hash map.",
-    "Explain recursion to a beginner.",
-    "Write a bash one-liner that counts lines in all .py files.",
-    "What is the difference between TCP and UDP?",
-]
+PROMPTS = cli.CHAT_PROMPTS           # 16 different prompts
 
 
 def _free_port() -> int:

@@ -126,7 +126,9 @@ def test_chain_random_draft_smollm2_equals_ar_and_stops_at_eog(smol, smol_prompt
 
 def test_no_recompile_across_prompts_and_lengths(qwen_f32, qwen_draft, qwen_ref):
   kw = dict(max_ctx=256, mode="chain")
+  # one prefill program per forward length: prompts < 32 tokens run 32 rows, < 64 run 64
   dj.generate(qwen_f32, qwen_draft, qwen_ref["tokens"][0, :20], max_new_tokens=5, **kw)
+  dj.generate(qwen_f32, qwen_draft, qwen_ref["tokens"][0, :40], max_new_tokens=5, **kw)
   before = _compiled_counts()
   for r, (n, m) in enumerate([(7, 9), (33, 17), (48, 3)]):
     dj.generate(qwen_f32, qwen_draft, qwen_ref["tokens"][r, :n], max_new_tokens=m, **kw)
