@@ -105,17 +105,27 @@ class SlotBatch:
       pass
 
   def prefill_chunks(self, slot: int, ids: np.ndarray, max_new: int,
-                     sampling: SamplingConfig) -> Iterator[int]:
+                     sampling: SamplingConfig, start: int = 0) -> Iterator[int]:
     """`prefill` one chunk (dec.prefill_chunk tokens, fewer for a short prompt: `prefill_len`)
     per step of the iterator, yielding the tokens prefilled so far: a server interleaves the
     chunks with decode calls of the other rows (the row stays out of the loop until its last
-    chunk)."""
-    c = prefill_len(ids.size, self.dec.prefill_chunk)
+    chunk).
+
+    start: prompt rows 0..start-1 are taken as already in the slot's caches (prefix reuse: the
+    slot's previous sequence had the same first `start` prompt tokens, so its target K/V and
+    draft context rows there are this prompt's). Only for targets without recurrent layers
+    (their SSM / conv state is that of the whole previous sequence). Raises ValueError for a
+    start outside [0, len(ids)) or a start > 0 on a hybrid target."""
+    if not 0 <= start < ids.size:
+      raise ValueError(f"prefill start {start} outside [0, {ids.size})")
+    if start and self.plan.tcfg.gdn_layers:
+      raise ValueError("prefix reuse needs a target without recurrent (Gated DeltaNet) layers")
+    c = prefill_len(ids.size - start, self.dec.prefill_chunk)
     if sampling.greedy:
       self.sampled_rows.discard(slot)
     else:
       self.sampled_rows.add(slot)
-    for s0 in range(0, ids.size, c):
+    for s0 in range(start, ids.size, c):
       chunk = ids[s0:s0 + c]
       n = chunk.size
       self.state = decode_lib.prefill_chunk(

@@ -51,6 +51,9 @@ _MAX_BATCH = flags.DEFINE_integer("max_batch", None, "Requests decoded together 
 _STEPS_PER_CALL = flags.DEFINE_integer("steps_per_call", 4, "Decode rounds per loop call: new "
                                        "requests join and text streams between calls.",
                                        lower_bound=1)
+_REUSE_PREFIX = flags.DEFINE_boolean("reuse_prefix", True, "Prefill a request into the free slot "
+                                    "whose previous prompt shares the longest prefix with it and "
+                                    "skip those rows (targets without recurrent layers only).")
 _MODEL_NAME = flags.DEFINE_string("model_name", None, "Model id in the API (default: the GGUF "
                                   "file name).")
 
@@ -122,6 +125,7 @@ class _Live:
   sent: int = 0
   t_submit: float = 0.0
   t_first: Optional[float] = None
+  reused: int = 0
 
 
 def _emit(r: _Live, text: Optional[str]):
@@ -147,10 +151,16 @@ class Engine:
 
   dec: resolved DecodeConfig, or a function B -> DecodeConfig (mode "auto": the mode measured
   fastest for B rows); rows only move between buckets with the same mode.
+  reuse_prefix: a request goes to the free slot whose previous prompt shares the longest prefix
+  with its own, and the prefill starts after that prefix (the slot's K/V and draft-context rows
+  there are already this prompt's: the shared system prompt of a chat template is prefilled
+  once per slot). Only for targets without recurrent layers (a hybrid target's SSM / conv state
+  is that of the slot's whole previous sequence); ignored otherwise.
   """
 
   def __init__(self, target, draft, dec, sampling_defaults, model_name: str, max_queue: int,
-               max_batch: Optional[int] = None, steps_per_call: int = 4):
+               max_batch: Optional[int] = None, steps_per_call: int = 4,
+               reuse_prefix: bool = True):
     from dflash_jax import api, batching
     self.target, self.draft = target, draft
     self.dec_for = dec if callable(dec) else (lambda _b, d=dec: d)
@@ -158,12 +168,15 @@ class Engine:
     self.sampling_defaults, self.model_name, self.max_queue = sampling_defaults, model_name, max_queue
     self.max_batch = batching.bucket(max_batch or api.default_batch_size())
     self.steps_per_call = steps_per_call
+    self.reuse_prefix = reuse_prefix and not target.config.gdn_layers
+    self._slot_prompt: dict[int, np.ndarray] = {}   # slot -> prompt whose rows it still holds
     self.eog = api._eog(target, None)
     self.eog_set = set(np.asarray(self.eog).tolist())
     self.waiting = 0
     self.metrics = {"requests_total": 0, "requests_failed": 0, "tokens_generated_total": 0,
                     "decode_seconds_total": 0.0, "steps_total": 0, "cancelled_total": 0,
-                    "batch_rows_peak": 0, "batch_resizes_total": 0}
+                    "batch_rows_peak": 0, "batch_resizes_total": 0,
+                    "prompt_tokens_total": 0, "prompt_tokens_reused_total": 0}
     self._cv = threading.Condition()
     self._pending: collections.deque[_Live] = collections.deque()
     self._live: list[_Live] = []          # requests holding a slot
@@ -279,8 +292,12 @@ class Engine:
     with self._cv:
       while free and self._pending:
         r = self._pending.popleft()
-        r.slot = free.pop(0)
-        r.prefill = self._batch.prefill_chunks(r.slot, r.ids, r.max_new, r.samp)
+        r.slot, r.reused = self._pick_slot(free, r.ids)
+        free.remove(r.slot)
+        r.prefill = self._batch.prefill_chunks(r.slot, r.ids, r.max_new, r.samp, start=r.reused)
+        self._slot_prompt[r.slot] = r.ids[:r.reused]      # the rows that hold this prompt
+        self.metrics["prompt_tokens_total"] += int(r.ids.size)
+        self.metrics["prompt_tokens_reused_total"] += r.reused
         self._live.append(r)
       self.metrics["batch_rows_peak"] = max(self.metrics["batch_rows_peak"], len(self._live))
     for r in [r for r in self._live if r.prefill is not None and r.cancelled()]:
@@ -290,12 +307,15 @@ class Engine:
     if joining:                                 # one chunk per iteration, oldest request first
       r = min(joining, key=lambda x: x.t_submit)
       try:
-        if next(r.prefill) >= r.ids.size:
+        n_done = next(r.prefill)
+        self._slot_prompt[r.slot] = r.ids[:n_done]
+        if n_done >= r.ids.size:
           raise StopIteration
       except StopIteration:
         r.prefill = None
         r.t_first = time.perf_counter()
         if not self._batch.finite(r.slot):
+          self._slot_prompt.pop(r.slot, None)
           self._batch.release(r.slot)
           self._fail(r, ApiError(500, f"{self.target.path}: the target's logits after prefill "
                                  "are not finite (NaN or inf)", type_="server_error"))
@@ -308,6 +328,24 @@ class Engine:
       n_out, idle = self._batch.progress()
     for r in decoding:
       self._stream(r, int(n_out[r.slot]), bool(idle[r.slot]))
+
+  def _pick_slot(self, free: list[int], ids: np.ndarray) -> tuple[int, int]:
+    """(slot, prompt rows already in it): the free slot whose previous prompt shares the
+    longest prefix with ids (at most len(ids) - 1 rows: the last prompt token is always run,
+    for its logits); the lowest free slot and 0 without prefix reuse."""
+    best, n_best = free[0], 0
+    if not self.reuse_prefix:
+      return best, n_best
+    for slot in free:
+      prev = self._slot_prompt.get(slot)
+      if prev is None:
+        continue
+      m = min(prev.size, ids.size - 1)
+      diff = np.flatnonzero(prev[:m] != ids[:m])
+      n = int(diff[0]) if diff.size else m
+      if n > n_best:
+        best, n_best = slot, n
+    return best, n_best
 
   def _fit(self, want: int):
     """Make the batch `want` slots (a bucket) when that changes its size, moving live rows."""
@@ -326,6 +364,7 @@ class Engine:
     dec = self.dec_for(want)
     if b is not None and self._live and dec != b.dec:
       return                                    # rows cannot change mode mid-sequence
+    self._slot_prompt.clear()                   # rows move or the caches start empty
     if b is None or not self._live:
       self._batch = batching.SlotBatch(self.target, self.draft, dec, want, self.eog)
       return
@@ -389,6 +428,7 @@ class Engine:
              "decode_tokens_per_second": (n_tok - 1) / decode_s if decode_s > 0 and n_tok > 1 else 0.0,
              "steps": row.n_steps if row else 0,
              "time_to_first_token_s": (r.t_first - r.t_submit) if r.t_first else None,
+             "prompt_tokens_reused": r.reused,
              "sampling": r.samp.describe()}
     with self._cv:
       self.waiting -= 1
@@ -410,7 +450,9 @@ class Engine:
             ("dflash_batch_rows", len(self._live)),
             ("dflash_batch_slots", self._batch.size if self._batch is not None else 0),
             ("dflash_batch_rows_peak", m["batch_rows_peak"]),
-            ("dflash_batch_resizes_total", m["batch_resizes_total"])]
+            ("dflash_batch_resizes_total", m["batch_resizes_total"]),
+            ("dflash_prompt_tokens_total", m["prompt_tokens_total"]),
+            ("dflash_prompt_tokens_reused_total", m["prompt_tokens_reused_total"])]
     return "".join(f"{k} {v}\n" for k, v in rows)
 
 
@@ -582,7 +624,7 @@ def build_engine() -> Engine:
           for b in _buckets(64)}          # mode "auto": per batch size
   name = _MODEL_NAME.value or os.path.basename(target.path)
   engine = Engine(target, draft, decs.__getitem__, defaults, name, _MAX_QUEUE.value,
-                  _MAX_BATCH.value, _STEPS_PER_CALL.value)
+                  _MAX_BATCH.value, _STEPS_PER_CALL.value, reuse_prefix=_REUSE_PREFIX.value)
   dj.api.check_config(target, draft, decs[engine.max_batch], engine.max_batch)
   engine.warm_up()
   return engine

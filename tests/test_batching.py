@@ -215,3 +215,30 @@ def test_engine_cancel_frees_the_slot(qwen_f32, qwen_draft, qwen_ref):
   assert b.result(timeout=600).tokens == alone.tokens
   assert c.result(timeout=600).completion_tokens == 0
   assert eng.metrics["cancelled_total"] == 2 and eng.waiting == 0 and not eng._live
+
+
+def test_engine_prefix_reuse_smollm2(smol):
+  """Prefix reuse (SmolLM2: no recurrent layers): requests after the first go to the slot
+  holding the longest shared prompt prefix (the chat template's system prompt; a repeated prompt
+  all but its last token) and prefill only the rest, over several chunks; each still gets the
+  tokens and acceptance lengths `generate` gives alone (so the reused target K/V and draft
+  context rows are that prompt's). Without reuse nothing is skipped."""
+  from dflash_jax import cli, serve
+  draft = dj.load_draft(cli.find_draft_dir(smol), smol)
+  texts = ["Write a Python function that adds two numbers.",
+           "Write a Python function that adds two numbers.", "Name three colors."]
+  prompts = [cli.build_prompt(smol, t, chat=True) for t in texts]
+  dec = dj.api.resolve_config(draft, mode="chain", max_ctx=256, prefill_chunk=32)
+  for reuse in (True, False):
+    eng = serve.Engine(smol, draft, dec, None, "smol", max_queue=4, max_batch=1,
+                       steps_per_call=4, reuse_prefix=reuse)
+    for i, ids in enumerate(prompts):
+      out = _submit(eng, ids, 12)[0].result(timeout=600)
+      alone = dj.generate(smol, draft, ids, max_new_tokens=12, max_ctx=256,
+                          prefill_chunk=32, mode="chain")
+      assert out.tokens == alone.tokens, (reuse, i)
+      assert out.stats["mean_acceptance_length"] == pytest.approx(alone.mean_accept_len), (reuse, i)
+    n = min(len(prompts[1]), len(prompts[2]))
+    shared = int(np.flatnonzero(np.asarray(prompts[1][:n]) != np.asarray(prompts[2][:n]))[0])
+    want = len(prompts[1]) - 1 + shared if reuse else 0
+    assert shared > 10 and eng.metrics["prompt_tokens_reused_total"] == want
