@@ -176,8 +176,8 @@ def attention_live(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int,
 
   q: [T, H, Dh] float32; k_all / v_all: [n_layer, Hkv, S, Dh|Dv] head-major caches (any float
   dtype, read as float32; see `write_block`); layer: static row of k_all; mask: [T, S] bool
-  visible cache keys, or None (all rows below n_live visible); n_live: [] int32 cache rows that may be visible (rows >= n_live never
-  are). local: None or (k [T2, Hkv, Dh], v [T2, Hkv, Dv], mask [T, T2] bool). live_bound:
+  visible cache keys, or None (all rows below n_live visible); n_live: [] int32 cache rows that
+  may be visible (rows >= n_live never are). local: None or (k [T2, Hkv, Dh], v [T2, Hkv, Dv], mask [T, T2] bool). live_bound:
   optional [] int32 >= n_live that sets the number of chunks visited; the batched decode loop
   passes the largest n_live of its rows, unbatched, so that under `vmap` every row reads the
   same chunk offsets (plain slices instead of per-row gathers). Returns [T, H, Dv] float32,

@@ -364,12 +364,13 @@ class Engine:
     dec = self.dec_for(want)
     if b is not None and self._live and dec != b.dec:
       return                                    # rows cannot change mode mid-sequence
-    self._slot_prompt.clear()                   # rows move or the caches start empty
     if b is None or not self._live:
+      self._slot_prompt.clear()                 # the new batch's caches start empty
       self._batch = batching.SlotBatch(self.target, self.draft, dec, want, self.eog)
       return
     if any(r.prefill is not None for r in self._live):
       return                                    # move rows between prefills, not during one
+    self._slot_prompt.clear()                   # rows move to other slots
     keep = sorted(self._live, key=lambda r: r.slot)
     self._batch = b.resized(want, [r.slot for r in keep])
     self.metrics["batch_resizes_total"] += 1
