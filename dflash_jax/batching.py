@@ -65,6 +65,19 @@ def _move_rows(state, idx, n, *, plan, batch):
       fresh, state)
 
 
+@functools.partial(jax.jit, static_argnames=("dec",))
+def _host_view(state, *, dec):
+  """What the host polls between loop calls, in one program and one transfer: (n_out [B],
+  active [B] bool, out [B, S + L] int32, finite [B] bool)."""
+  return state.n_out, decode_lib.active_rows(state, dec), state.out, state.finite
+
+
+@jax.jit
+def _row_view(state, slot):
+  """Row `slot`'s (out, accept_lens, n_out, n_steps), one program and one transfer."""
+  return state.out[slot], state.accept_lens[slot], state.n_out[slot], state.n_steps[slot]
+
+
 class SlotBatch:
   """B decode slots over one target (+ draft or proposer) and one decode plan.
 
@@ -88,6 +101,16 @@ class SlotBatch:
     self.eog = eog
     self.state = decode_lib.init_state(self.plan, batch)
     self.sampled_rows: set[int] = set()      # slots last prefilled with temperature > 0
+
+  @property
+  def state(self):
+    """The batched decode_lib.DecodeState (device arrays)."""
+    return self._state
+
+  @state.setter
+  def state(self, value):
+    self._state = value
+    self._view = None                        # host arrays read from this state (see _host)
 
   @property
   def dec(self):
@@ -166,23 +189,29 @@ class SlotBatch:
         self.target.params, self.dparams, self.state, jnp.int32(max_steps), self.eog,
         plan=self.plan, sampled=bool(self.sampled_rows), proposer=self.proposer)
 
+  def _host(self):
+    """(n_out, active, out, finite) as host arrays, read once per state (cached until the state
+    changes: a prefill, release or run)."""
+    if self._view is None:
+      self._view = tuple(np.asarray(x) for x in
+                         jax.device_get(_host_view(self.state, dec=self.dec)))
+    return self._view
+
   def progress(self) -> tuple[np.ndarray, np.ndarray]:
     """(n_out [B] int32, idle [B] bool: done, out of budget or context, or free), one read."""
-    s = self.state
-    n_out, act = jax.device_get((s.n_out, decode_lib.active_rows(s, self.dec)))
-    return np.asarray(n_out), ~np.asarray(act)
+    n_out, act = self._host()[:2]
+    return n_out, ~act
 
   def finite(self, slot: int) -> bool:
     """Whether the logits at the end of `slot`'s prefill were all finite."""
-    return bool(self.state.finite[slot])
+    return bool(self._host()[3][slot])
 
   def new_tokens(self, slot: int, start: int, stop: int) -> list[int]:
-    return [int(x) for x in np.asarray(self.state.out[slot, start:stop])]
+    """Generated tokens start..stop-1 of `slot` (from the same read as `progress`)."""
+    return [int(x) for x in self._host()[2][slot, start:stop]]
 
   def row(self, slot: int) -> Row:
     """Read row `slot` back (one transfer)."""
-    s = self.state
-    out, acc, n_out, n_steps = jax.device_get((s.out[slot], s.accept_lens[slot], s.n_out[slot],
-                                               s.n_steps[slot]))
+    out, acc, n_out, n_steps = jax.device_get(_row_view(self.state, jnp.int32(slot)))
     return Row(tokens=[int(x) for x in out[:int(n_out)]],
                accept_lens=[int(x) for x in acc[:int(n_steps)]], n_steps=int(n_steps))

@@ -142,24 +142,30 @@ def _uses_rejection(dec: DecodeConfig, sampled: bool) -> bool:
   return sampled and dec.mode == "chain" and dec.chain_rule == "rejection"
 
 
-def _prefill_row(tparams, dparams, row: DecodeState, tokens, start, n_valid, eog_ids, final, *,
-                 plan: Plan, sampled: bool) -> DecodeState:
-  """One prefill chunk of one row (see `prefill_chunk`)."""
-  pre = target_lib.prefill(tparams, plan.tcfg, tokens, start, n_valid, row.target, plan.rt,
-                           feature_layers=plan.feature_layers)
-  dcache = row.draft
+def _prefill_row(tparams, dparams, row: DecodeState, k_all, v_all, slot, tokens, start, n_valid,
+                 eog_ids, final, *, plan: Plan, sampled: bool):
+  """One prefill chunk of one row (see `prefill_chunk`). row: the row's state without its K/V
+  and draft caches (target.k / .v and draft None); k_all / v_all: the batch's target caches,
+  read in place at row `slot`. Returns (new row, target K rows [n_attn, T, Hkv, Dh], V rows,
+  draft context K rows [n_draft, T, Hkv, Dh] and V rows, or None without a draft): the caller
+  writes the rows."""
+  tc = target_lib.TargetCache(k=k_all, v=v_all, ssm=row.target.ssm, conv=row.target.conv)
+  pre = target_lib.prefill(tparams, plan.tcfg, tokens, start, n_valid, tc, plan.rt,
+                           feature_layers=plan.feature_layers, kv_row=slot)
+  dk = dv = None
   if plan.uses_draft:
-    dcache = draft_lib.ingest(dparams, plan.dcfg, pre.feats, start, dcache, plan.rt)
+    dk, dv = draft_lib.ingest_rows(dparams, plan.dcfg, pre.feats, start, plan.rt)
   last = jax.lax.dynamic_slice_in_dim(pre.hidden, n_valid - 1, 1, axis=0)
   key = jax.random.fold_in(row.key, sampling_lib.PREFILL_STREAM)
   logits = target_lib.logits(tparams, plan.tcfg, last, plan.rt)
   first = _next_token(logits, key, row.samp, sampled)[0]
-  return dataclasses.replace(
-      row, target=pre.cache, draft=dcache, pos=start + n_valid, bonus=first,
-      finite=jnp.all(jnp.isfinite(logits)),
+  new = dataclasses.replace(
+      row, target=dataclasses.replace(row.target, ssm=pre.cache.ssm, conv=pre.cache.conv),
+      pos=start + n_valid, bonus=first, finite=jnp.all(jnp.isfinite(logits)),
       out=row.out.at[0].set(first), n_out=jnp.int32(1),
       done=jnp.any(first == eog_ids) | (row.max_new <= 1) | ~final,
       n_steps=jnp.int32(0))
+  return new, pre.k, pre.v, dk, dv
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "sampled"), donate_argnames=("state",))
@@ -172,23 +178,39 @@ def prefill_chunk(tparams, dparams, state: DecodeState, slot: jax.Array, tokens:
   tokens: [C] int32 (C = dec.prefill_chunk, padded) at positions start.., of which n_valid are
   real; slot, start, n_valid, seed, max_new: [] int32 (traced: any slot, chunk or prompt length
   reuses one compiled function); final: [] bool, True for the prompt's last chunk (the row stays
-  done, i.e. out of the decode loop, until then: a running batch may decode between chunks). The row's PRNG key (from `seed`), length budget `max_new` and
-  sampling params `samp` (SamplingParams of scalars; temperature 0 = greedy) are set on every
-  chunk. Updates the row's target cache, feeds the chunk's target features to its draft context
-  cache, and sets the first generated token (argmax, or a draw in the `sampled` variant, after
-  the last real row) as its bonus: final only after the last chunk, when the row becomes
-  active (done stays False unless that token is an EOG token or max_new <= 1).
-  Only row `slot` is read and written (dynamic slice / update slice: in place on the donated
-  state).
+  done, i.e. out of the decode loop, until then: a running batch may decode between chunks).
+  The row's PRNG key (from `seed`), length budget `max_new` and sampling params `samp`
+  (SamplingParams of scalars; temperature 0 = greedy) are set on every chunk. Updates the row's
+  target cache, feeds the chunk's target features to its draft context cache, and sets the
+  first generated token (argmax, or a draw in the `sampled` variant, after the last real row)
+  as its bonus: final only after the last chunk, when the row becomes active (done stays False
+  unless that token is an EOG token or max_new <= 1).
+  Only row `slot` is read and written: its K/V and draft caches in place in the donated state
+  (attention reads the row's chunks where they lie; the new rows are dynamic-update-slices), its
+  small state (positions, SSM / conv state, ...) sliced out and written back.
   """
-  row = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, slot, 0, keepdims=False), state)
+  tk, tv, dc = state.target.k, state.target.v, state.draft
+  small = dataclasses.replace(state, target=dataclasses.replace(state.target, k=None, v=None),
+                              draft=None)
+  row = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, slot, 0, keepdims=False), small)
   fresh = start == 0          # a new sequence: recurrent state starts from zero (a reused slot
   tc = row.target             # keeps the previous sequence's; stale KV rows are masked by position)
   tc = dataclasses.replace(tc, ssm=jnp.where(fresh, 0.0, tc.ssm), conv=jnp.where(fresh, 0.0, tc.conv))
   row = dataclasses.replace(row, key=jax.random.key(seed), max_new=max_new, samp=samp, target=tc)
-  row = _prefill_row(tparams, dparams, row, tokens, start, n_valid, eog_ids, final, plan=plan,
-                     sampled=sampled)
-  return jax.tree.map(lambda x, r: jax.lax.dynamic_update_index_in_dim(x, r, slot, 0), state, row)
+  row, k, v, dk, dv = _prefill_row(tparams, dparams, row, tk, tv, slot, tokens, start, n_valid,
+                                   eog_ids, final, plan=plan, sampled=sampled)
+  # The forward reads the caches inside attention loops; the writes must be ordered after every
+  # read, else XLA copies whole caches to keep the reads correct (as in _commit_rows).
+  (row, k, v, dk, dv), (tk, tv, dc) = jax.lax.optimization_barrier(((row, k, v, dk, dv),
+                                                                    (tk, tv, dc)))
+  small = jax.tree.map(lambda x, r: jax.lax.dynamic_update_index_in_dim(x, r, slot, 0), small, row)
+  at = (slot, jnp.int32(0), jnp.int32(0), start, jnp.int32(0))
+  put = lambda cache, rows: jax.lax.dynamic_update_slice(
+      cache, layers.kv_rows(rows)[None].astype(cache.dtype), at)
+  if dk is not None:
+    dc = draft_lib.DraftCache(put(dc.k, dk), put(dc.v, dv))
+  return dataclasses.replace(small, target=dataclasses.replace(small.target, k=put(tk, k),
+                                                                v=put(tv, v)), draft=dc)
 
 
 def dflash_proposer(tparams, dparams, s: DecodeState, *, dcfg: DraftConfig, dec: DecodeConfig,

@@ -168,7 +168,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
 
 def attention_live(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int,
                    mask, n_live: jax.Array, chunk: int = 128, local=None,
-                   live_bound=None) -> jax.Array:
+                   live_bound=None, row=None) -> jax.Array:
   """Softmax attention over the live rows of a stacked KV cache only, chunk by chunk with an
   online softmax (FlashAttention's running max / sum, arXiv:2205.14135): the work is
   proportional to n_live, not to the cache capacity S; optionally plus `local` keys that are not
@@ -180,13 +180,15 @@ def attention_live(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int,
   may be visible (rows >= n_live never are). local: None or (k [T2, Hkv, Dh], v [T2, Hkv, Dv], mask [T, T2] bool). live_bound:
   optional [] int32 >= n_live that sets the number of chunks visited; the batched decode loop
   passes the largest n_live of its rows, unbatched, so that under `vmap` every row reads the
-  same chunk offsets (plain slices instead of per-row gathers). Returns [T, H, Dv] float32,
+  same chunk offsets (plain slices instead of per-row gathers). row: None, or [] int32 with
+  k_all / v_all a batch's caches [B, n_layer, Hkv, S, Dh]: this sequence's cache is row `row`,
+  read in place (a prefill never copies its row out of the batch). Returns [T, H, Dv] float32,
   equal to `attention` over the visible keys up to float rounding (a different summation
   order). Chunks are `chunk` rows (S if smaller); the last one is slid back to end at S and its
   already-seen rows masked, so any S works. A query must see at least one key.
   """
   t, h, dh = q.shape
-  _, hkv, s_cap, dv = v_all.shape
+  hkv, s_cap, dv = v_all.shape[-3:]
   c = min(chunk, s_cap)
   r = h // hkv
   hp = jax.lax.Precision.HIGHEST
@@ -202,10 +204,18 @@ def attention_live(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int,
     return (m_new, l * corr + p.sum(-1),
             acc * corr[..., None] + jnp.einsum("grts,gsd->grtd", p, vc, precision=hp))
 
-  def body(i, carry):
+  def read(i, k_src, v_src):
     c0 = jnp.minimum(i * c, s_cap - c)                 # slid back for the last partial chunk
-    kc = jax.lax.dynamic_slice(k_all, (layer, 0, c0, 0), (1, hkv, c, dh))[0].astype(jnp.float32)
-    vc = jax.lax.dynamic_slice(v_all, (layer, 0, c0, 0), (1, hkv, c, dv))[0].astype(jnp.float32)
+    if row is None:
+      kc = jax.lax.dynamic_slice(k_src, (layer, 0, c0, 0), (1, hkv, c, dh))[0]
+      vc = jax.lax.dynamic_slice(v_src, (layer, 0, c0, 0), (1, hkv, c, dv))[0]
+    else:
+      kc = jax.lax.dynamic_slice(k_src, (row, layer, 0, c0, 0), (1, 1, hkv, c, dh))[0, 0]
+      vc = jax.lax.dynamic_slice(v_src, (row, layer, 0, c0, 0), (1, 1, hkv, c, dv))[0, 0]
+    return c0, kc.astype(jnp.float32), vc.astype(jnp.float32)
+
+  def body(i, carry):
+    c0, kc, vc = read(i, k_all, v_all)
     cols = c0 + jnp.arange(c, dtype=jnp.int32)
     vis = ((cols >= i * c) & (cols < n_live))[None, :]
     if mask is not None:

@@ -67,6 +67,8 @@ class Prefilled:
   hidden: jax.Array
   feats: Optional[jax.Array]
   cache: TargetCache
+  k: Optional[jax.Array] = None      # with kv_row: the new K rows [n_attn, T, Hkv, Dh], unwritten
+  v: Optional[jax.Array] = None
 
 
 @jax.tree_util.register_dataclass
@@ -154,7 +156,7 @@ def logits(params: TargetParams, cfg: TargetConfig, hidden: jax.Array, rt: Runti
 # ----------------------------------------------------------------------------- layers
 
 def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_all, v_all, li: int, start, pos,
-                local_mask, rope_freqs, rt: Runtime, live_bound=None):
+                local_mask, rope_freqs, rt: Runtime, live_bound=None, kv_row=None):
   """Softmax attention (gated for qwen35). x: [T, D]; k_all/v_all: [n_attn, Hkv, S, Dh] the
   whole KV cache (read only: rows < start are the committed past, all visible); li: this
   layer's row in it; pos: [T] int32 RoPE positions; local_mask: [T, T] bool which of this
@@ -177,7 +179,7 @@ def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_all, v_all, li: int, star
   q, k = rope(q), rope(k)
   k, v = k.astype(k_all.dtype), v.astype(v_all.dtype)   # as stored (and read back) by the cache
   o = layers.attention_live(q, k_all, v_all, li, None, start, local=(k, v, local_mask),
-                            live_bound=live_bound)
+                            live_bound=live_bound, row=kv_row)
   o = o.reshape(t, h * dv)
   if gate is not None:
     o = o * jax.nn.sigmoid(gate)
@@ -190,7 +192,7 @@ GDNMixer = Callable
 
 def _trunk(params: TargetParams, cfg: TargetConfig, x, cache: TargetCache, start, pos,
            local_mask, gdn_mixer: GDNMixer, feature_layers: tuple[int, ...], rt: Runtime,
-           live_bound=None):
+           live_bound=None, kv_row=None):
   """All layers over x [T, D]: attention reads the cache's committed rows (< start) plus this
   call's own rows (local_mask [T, T]) and returns its K/V rows instead of writing them (the
   caller commits them); each Gated DeltaNet layer runs `gdn_mixer`. Returns (hidden [T, D],
@@ -205,7 +207,7 @@ def _trunk(params: TargetParams, cfg: TargetConfig, x, cache: TargetCache, start
       ig += 1
     else:
       o, k, v = _attn_layer(x, p, cfg, cache.k, cache.v, ia, start, pos, local_mask,
-                            params.rope_freqs, rt, live_bound)
+                            params.rope_freqs, rt, live_bound, kv_row)
       ks.append(k)
       vs.append(v)
       ia += 1
@@ -225,13 +227,18 @@ def _trunk(params: TargetParams, cfg: TargetConfig, x, cache: TargetCache, start
 
 def prefill(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, start: jax.Array,
             n_valid: jax.Array, cache: TargetCache, rt: Runtime, *,
-            feature_layers: tuple[int, ...] = ()) -> Prefilled:
+            feature_layers: tuple[int, ...] = (), kv_row=None, live_bound=None) -> Prefilled:
   """Forward of T prompt tokens at positions start..start+T-1 (causal), of which the first
   n_valid are real (the rest is chunk padding), committing them to the cache: KV rows written,
   SSM state advanced by the chunked gated delta rule, conv state = the last K-1 real inputs.
 
   tokens: [T] int32; start, n_valid: [] int32. feature_layers: static target layer ids whose
   residual-stream outputs are returned, concatenated (DFlash's hidden_states[lid+1]).
+  kv_row: None, or [] int32 with cache.k / cache.v a batch's caches [B, n_attn, Hkv, S, Dh]
+  (cache.ssm / cache.conv this sequence's own): the sequence is row kv_row of them, read in
+  place, and its new K/V rows come back unwritten in Prefilled.k / .v (the caller writes them,
+  e.g. as `decode.prefill_rows` does; cache.k / .v come back as given). live_bound: as in `verify` (a vmapped
+  group of rows shares the chunk count of its longest).
   """
   t = tokens.shape[0]
   pos = start + jnp.arange(t, dtype=jnp.int32)
@@ -243,7 +250,9 @@ def prefill(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, start: j
 
   x = take_rows(params.embed, tokens)
   h, feats, k, v, cache, _ = _trunk(params, cfg, x, cache, start, pos, causal, mixer,
-                                    feature_layers, rt)
+                                    feature_layers, rt, live_bound=live_bound, kv_row=kv_row)
+  if kv_row is not None:
+    return Prefilled(hidden=h, feats=feats, cache=cache, k=k, v=v)
   cache = dataclasses.replace(cache, k=layers.write_block(cache.k, start, k),
                               v=layers.write_block(cache.v, start, v))
   return Prefilled(hidden=h, feats=feats, cache=cache)

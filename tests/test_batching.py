@@ -108,7 +108,13 @@ def test_compiled_step_copies_no_cache(qwen_f32, qwen_draft, mode):
   hlo = decode.decode_loop.lower(qwen_f32.params, b.dparams, b.state, jnp.int32(4), b.eog,
                                  plan=b.plan, sampled=False,
                                  proposer=b.proposer).compile().as_text()
-  st = b.state
+  bad = _whole_cache_ops(hlo, b.state)
+  assert not bad, bad
+
+
+def _whole_cache_ops(hlo: str, st, allow_ssm_select: bool = True) -> list[str]:
+  """HLO lines whose result is a whole KV / draft cache made by a copy, select or scatter, or a
+  whole SSM state made by a copy or scatter (or a select, unless allowed)."""
   kv = {tuple(x.shape) for x in [st.target.k, st.target.v] + jax.tree.leaves(st.draft)}
   ssm = tuple(st.target.ssm.shape)
   ops = [(tuple(int(x) for x in m.group(1).split(",") if x), m.group(2), line.strip()[:160])
@@ -116,7 +122,22 @@ def test_compiled_step_copies_no_cache(qwen_f32, qwen_draft, mode):
          for m in [re.search(r"= \w+\[([\d,]*)\]\{[^}]*\} (copy|select|scatter|copy-start)\(", line)]
          if m]
   assert kv and all(len(s) == 5 for s in kv)
-  bad = [l for shape, op, l in ops if (shape in kv) or (shape == ssm and op != "select")]
+  return [l for shape, op, l in ops
+          if (shape in kv) or (shape == ssm and (op != "select" or not allow_ssm_select))]
+
+
+@pytest.mark.parametrize("mode", ["ar", "chain"])
+def test_prefill_chunk_copies_no_cache(qwen_f32, qwen_draft, mode):
+  """A prefill chunk reads its row's K/V where it lies in the batch's caches and writes its new
+  rows in place: no whole-cache copy, select or scatter (a row sliced out and written back cost
+  two copies of the row; reads ordered after the writes cost two copies of the whole cache)."""
+  dec = dj.api.resolve_config(qwen_draft, mode=mode, max_ctx=64, budget=6)
+  b = batching.SlotBatch(qwen_f32, qwen_draft, dec, 4, jnp.asarray([-1], jnp.int32))
+  hlo = decode.prefill_chunk.lower(
+      qwen_f32.params, b.dparams, b.state, jnp.int32(1), jnp.zeros(dec.prefill_chunk, jnp.int32),
+      jnp.int32(0), jnp.int32(3), jnp.bool_(True), b.eog, jnp.int32(0), jnp.int32(3),
+      dj.SamplingConfig().params(), plan=b.plan).compile().as_text()
+  bad = _whole_cache_ops(hlo, b.state, allow_ssm_select=False)
   assert not bad, bad
 
 
