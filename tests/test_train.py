@@ -1,5 +1,8 @@
-"""Draft training: objective pieces against hand-computed cases, loss goes down, checkpoints
-round-trip in the z-lab format, a trained draft still decodes losslessly, data parallel runs."""
+"""Draft training: objective pieces against hand-computed cases and a float64 reference (online
+target features, distillation term), loss goes down, resume equals an uninterrupted run,
+checkpoints round-trip in the z-lab format, a trained draft still decodes losslessly, data
+parallel runs, and the whole recipe (batched generation -> token shards -> online-feature
+training -> z-lab checkpoint -> lossless decode) runs end to end on the tiny target."""
 
 import json
 import os
@@ -49,8 +52,7 @@ def test_anchor_sampling_and_labels_hand_computed(qwen_f32):
   assert anchors[:3].tolist() == [5, 6, 7] and valid.tolist() == [1, 1, 1, 0, 0, 0]
   assert anchors[3:].tolist() == [5, 5, 5]
   cfg = _tiny_cfg(qwen_f32, block_size=3)
-  seq = train.TrainSeq(tokens=np.arange(100, 109, dtype=np.int32),
-                       feats=np.zeros((8, 6), np.float16), prompt_len=5)
+  seq = train.TokenSeq(np.arange(100, 105, dtype=np.int32), np.arange(105, 109, dtype=np.int32), 0)
   b = train.make_batch(np.random.default_rng(1), [seq], cfg, seq_len=12, n_anchors=6,
                        mask_token_id=77)
   a = b.anchors[0]
@@ -61,6 +63,7 @@ def test_anchor_sampling_and_labels_hand_computed(qwen_f32):
   # labels past the end (position 9) and padded anchors are masked
   assert b.label_valid[0, :3].tolist() == [[1, 1], [1, 1], [1, 0]]
   assert not b.label_valid[0, 3:].any()
+  assert b.tokens[0, :9].tolist() == list(range(100, 109)) and b.lengths.tolist() == [9]
   w = train.loss_weights(4, 2.0)
   assert np.allclose(w, [1.0, np.exp(-0.5), np.exp(-1.0)])
 
@@ -92,41 +95,74 @@ def test_train_forward_equals_decode_path(qwen_f32, qwen_draft, draft_ref):
 
 @pytest.fixture(scope="module")
 def tiny_data(qwen_f32, qwen_ref):
-  prompts = [qwen_ref["tokens"][r, :12].tolist() for r in range(3)]
-  return train.generate_with_features(qwen_f32, prompts, n_gen=40, feature_layers=(1, 3, 5),
-                                      eog_ids=())
+  """Three greedy responses of the tiny target (the batched generation of the data pipeline)."""
+  from dflash_jax.train import datagen
+  prompts = [(r, qwen_ref["tokens"][r, :12].tolist()) for r in range(3)]
+  return datagen.generate_token_seqs(qwen_f32, prompts, max_new_tokens=40, temperature=0.0,
+                                     seed=0, batch_size=4, max_ctx=64)
 
 
-def test_generated_data_matches_forward(qwen_f32, tiny_data):
-  s = tiny_data[0]
-  assert s.tokens.size == 52 and s.feats.shape == (51, 768)
-  ref = dj.generate(qwen_f32, None, s.tokens[:12], max_new_tokens=40, mode="ar", max_ctx=128,
-                    eog_ids=())
-  assert s.tokens[12:].tolist() == ref.tokens
-  _, feats = dj.forward_logits(qwen_f32, s.tokens[:51], feature_layers=(1, 3, 5))
-  assert np.abs(s.feats.astype(np.float32) - feats).max() < 2e-2  # float16 storage
+def test_distillation_term_against_float64(qwen_f32, tiny_data):
+  """batch_loss(kl_weight=w) - batch_loss(kl_weight=0) = w * the weighted mean of KL(p || q),
+  with p the target's next-token distribution (its logits at anchor+k-1, from the independent
+  full forward `forward_logits`) and q the draft's, computed in float64 numpy."""
+  cfg = _tiny_cfg(qwen_f32, block_size=4)
+  params = jax.tree.map(jnp.asarray, draft_io.init_params(jax.random.key(1), cfg, 256,
+                                                          weight_fmt="f32"))
+  batch = train.make_batch(np.random.default_rng(2), tiny_data[:2], cfg, seq_len=64, n_anchors=5,
+                           mask_token_id=cfg.mask_token_id)
+  tparams, lm = train.frozen_target_tensors(qwen_f32)
+  w = jnp.asarray(train.loss_weights(4, 3.0))
+  l0, m0 = train.batch_loss(params, cfg, batch, tparams, qwen_f32.config, lm, w, 0.0)
+  l1, m1 = train.batch_loss(params, cfg, batch, tparams, qwen_f32.config, lm, w, 0.7)
+  num = den = 0.0
+  for i, s in enumerate(tiny_data[:2]):
+    toks = s.tokens
+    t_logits, feats = dj.forward_logits(qwen_f32, toks, feature_layers=cfg.target_layer_ids)
+    pad = np.zeros((64, feats.shape[1]), np.float32)
+    pad[:feats.shape[0]] = feats
+    h = draft_lib.train_hidden(params, cfg, jnp.asarray(pad), jnp.asarray(batch.block_ids[i]),
+                               jnp.asarray(batch.anchors[i]), qwen_f32.params.embed, Runtime())
+    d_logits = np.asarray(h[:, 1:], np.float64) @ np.asarray(lm, np.float64).T   # [A, L-1, V]
+    for a in range(5):
+      for k in range(1, 4):
+        if not batch.label_valid[i, a, k - 1]:
+          continue
+        tl = np.asarray(t_logits[batch.anchors[i, a] + k - 1], np.float64)
+        lp = tl - tl.max() - np.log(np.exp(tl - tl.max()).sum())
+        dl = d_logits[a, k - 1]
+        lq = dl - dl.max() - np.log(np.exp(dl - dl.max()).sum())
+        wk = float(w[k - 1])
+        num += wk * np.sum(np.exp(lp) * (lp - lq))
+        den += wk
+  kl_ref = num / den
+  assert float(m0["kl"]) == 0.0 and abs(float(m1["ce"]) - float(m0["ce"])) < 1e-6
+  assert abs(float(m1["kl"]) - kl_ref) < 1e-4 * max(1.0, kl_ref), (float(m1["kl"]), kl_ref)
+  assert abs(float(l1) - float(l0) - 0.7 * kl_ref) < 1e-4 * max(1.0, kl_ref)
 
 
-def _train(qwen_f32, tiny_data, steps, cfg, lr=3e-3):
+def _train(qwen_f32, tiny_data, steps, cfg, lr=3e-3, kl_weight=0.0):
   params = jax.tree.map(jnp.asarray, draft_io.init_params(jax.random.key(0), cfg, 256,
                                                           weight_fmt="f32"))
   opt = optax.adamw(lr)
   state = opt.init(params)
-  embed, lm = train.frozen_target_tensors(qwen_f32)
-  step = train.make_train_step(cfg, opt, jnp.asarray(train.loss_weights(cfg.block_size, 7.0)))
+  tparams, lm = train.frozen_target_tensors(qwen_f32)
+  step = train.make_train_step(cfg, qwen_f32.config, opt,
+                               jnp.asarray(train.loss_weights(cfg.block_size, 7.0)),
+                               kl_weight=kl_weight)
   batch = train.make_batch(np.random.default_rng(0), tiny_data, cfg, seq_len=64, n_anchors=8,
                            mask_token_id=cfg.mask_token_id)
   losses = []
   for _ in range(steps):
-    params, state, m = step(params, state, batch, embed, lm)
+    params, state, m = step(params, state, batch, tparams, lm)
     losses.append(float(m["loss"]))
   return params, losses
 
 
 def test_loss_decreases(qwen_f32, tiny_data):
   cfg = _tiny_cfg(qwen_f32, block_size=8)
-  _, losses = _train(qwen_f32, tiny_data, 12, cfg)
-  assert losses[-1] < 0.75 * losses[0], losses  # measured: 7.0 -> 4.7 in 12 steps
+  _, losses = _train(qwen_f32, tiny_data, 12, cfg, kl_weight=0.5)
+  assert losses[-1] < 0.75 * losses[0], losses
 
 
 def test_checkpoint_round_trip_and_lossless(tmp_path, qwen_f32, tiny_data, qwen_ref):
@@ -175,18 +211,18 @@ cfg = DraftConfig(d_model=256, n_layer=1, n_head=4, n_kv_head=2, head_dim=64, d_
                   rms_eps=1e-6, rope_theta=1e7, block_size=4, mask_token_id=1023,
                   target_layer_ids=(1, 3, 5), sliding=(False,))
 rng = np.random.default_rng(0)
-seqs = [train.TrainSeq(rng.integers(0, 1000, 30).astype(np.int32),
-                       rng.standard_normal((29, 768)).astype(np.float16), 8) for _ in range(4)]
+seqs = [train.TokenSeq(rng.integers(0, 1000, 8).astype(np.int32),
+                       rng.integers(0, 1000, 22).astype(np.int32), 0) for _ in range(4)]
 batch = train.make_batch(rng, seqs, cfg, seq_len=32, n_anchors=4, mask_token_id=1023)
-embed, lm = train.frozen_target_tensors(t)
+tparams, lm = train.frozen_target_tensors(t)
 w = jnp.asarray(train.loss_weights(4, 7.0))
 mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 out = []
 for m in (None, mesh):
   p = jax.tree.map(jnp.asarray, draft_io.init_params(jax.random.key(0), cfg, 256, weight_fmt="f32"))
   opt = optax.sgd(1.0)  # params after one step = init - grad: compares the gradients
-  step = train.make_train_step(cfg, opt, w, mesh=m)
-  p, s, metrics = step(p, opt.init(p), batch, embed, lm)
+  step = train.make_train_step(cfg, t.config, opt, w, kl_weight=0.5, mesh=m)
+  p, s, metrics = step(p, opt.init(p), batch, tparams, lm)
   out.append((float(metrics["loss"]), np.asarray(p.fc.data)))
 assert abs(out[0][0] - out[1][0]) < 1e-4 * abs(out[0][0]), out
 err = np.abs(out[0][1] - out[1][1]).max() / np.abs(out[0][1]).max()
@@ -204,14 +240,59 @@ def test_data_parallel_on_two_host_devices(qwen_f32_path):
   assert r.returncode == 0 and "DP_OK" in r.stdout, r.stderr[-3000:]
 
 
-def test_sampled_data_features_match_forward(qwen_f32, qwen_ref, tiny_data):
-  prompts = [qwen_ref["tokens"][r, :12].tolist() for r in range(3)]
-  sampled = train.generate_with_features(qwen_f32, prompts, n_gen=40, feature_layers=(1, 3, 5),
-                                         eog_ids=(), temperature=1.0, seed=3)
-  assert any(a.tokens.tolist() != b.tokens.tolist() for a, b in zip(sampled, tiny_data))
-  s = sampled[1]
-  _, feats = dj.forward_logits(qwen_f32, s.tokens[:-1], feature_layers=(1, 3, 5))
-  assert np.abs(s.feats.astype(np.float32) - feats).max() < 2e-2
+def test_resume_equals_uninterrupted(tmp_path, qwen_f32, tiny_data):
+  """6 steps in one run give the same params and optimizer state as 3 steps, a save, a load into
+  a fresh state and 3 more steps (a step's batch depends only on the seed and the step)."""
+  cfg = _tiny_cfg(qwen_f32, block_size=4)
+  tc = train.TrainConfig(steps=6, batch=2, anchors=4, seq_len=64, lr=3e-3, warmup=2, seed=5)
+  fresh = lambda: train.init_state(draft_io.init_params(jax.random.key(0), cfg, 256,
+                                                        weight_fmt="f32"), train.make_optimizer(tc))
+  full = train.train(qwen_f32, cfg, tiny_data, tc, fresh())
+  half = train.train(qwen_f32, cfg, tiny_data, tc, fresh(), until=3)
+  path = str(tmp_path / "state.npz")
+  half.save(path)
+  resumed = train.TrainState.load(path, fresh())
+  assert resumed.step == 3
+  resumed = train.train(qwen_f32, cfg, tiny_data, tc, resumed)
+  assert resumed.step == full.step == 6
+  for a, b in zip(jax.tree.leaves((full.params, full.opt_state)),
+                  jax.tree.leaves((resumed.params, resumed.opt_state))):
+    assert np.array_equal(np.asarray(a), np.asarray(b))
+  other = _tiny_cfg(qwen_f32, block_size=4, n_layer=2)
+  with pytest.raises(ValueError, match="arrays"):
+    train.TrainState.load(path, train.init_state(
+        draft_io.init_params(jax.random.key(0), other, 256, weight_fmt="f32"),
+        train.make_optimizer(tc)))
+
+
+def test_recipe_smoke(tmp_path, qwen_f32, qwen_ref):
+  """The full recipe on the tiny target, through the scripts' own code path: batched generation
+  into token shards (gen_data.py's datagen.generate_shards), online-feature training from the
+  shards (train_draft.py's trainer), a z-lab checkpoint, and a lossless decode with it."""
+  from dflash_jax.train import datagen
+  d = str(tmp_path / "data")
+  prompts = [(r, qwen_ref["tokens"][r % 2, r:r + 10].tolist()) for r in range(6)]
+  summ = datagen.generate_shards(qwen_f32, prompts, d, max_new_tokens=24, temperature=0.0, seed=0,
+                                 batch_size=4, max_ctx=64, shard_prompts=3, meta={"command": "t"},
+                                 log=lambda _: None)
+  assert summ["shards"] == 2 and summ["sequences"] == 6
+  seqs = train.read_shards(d, qwen_f32.config.n_vocab)
+  cfg = _tiny_cfg(qwen_f32, block_size=4)
+  tc = train.TrainConfig(steps=8, batch=3, anchors=4, seq_len=48, lr=3e-3, warmup=2)
+  st = train.init_state(draft_io.init_params(jax.random.key(0), cfg, 256, weight_fmt="f32"),
+                        train.make_optimizer(tc))
+  seen = []
+  st = train.train(qwen_f32, cfg, seqs, tc, st, on_metrics=lambda i, m: seen.append(m["loss"]))
+  assert len(seen) == 8 and seen[-1] < seen[0], seen
+  out = str(tmp_path / "ck")
+  draft_io.save(out, st.params, cfg, extra={"target_general_name": "tiny"})
+  draft = dj.load_draft(out, qwen_f32)
+  prompt = qwen_ref["tokens"][1, :15]
+  ar = dj.generate(qwen_f32, None, prompt, max_new_tokens=20, mode="ar", max_ctx=64, eog_ids=())
+  for mode in ("chain", "ddtree"):
+    r = dj.generate(qwen_f32, draft, prompt, max_new_tokens=20, mode=mode, max_ctx=64, eog_ids=(),
+                    budget=5)
+    assert r.tokens == ar.tokens, mode
 
 
 def test_corpus_general_prompts_and_stable_order():

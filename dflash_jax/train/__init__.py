@@ -1,15 +1,21 @@
-"""DFlash draft training in JAX: `corpus` (prompts), `data` (target responses with features,
-npz shards), `objective` (anchors, typed batches, the weighted block loss, the train step).
-Checkpoints are written by `dflash_jax.draft_io.save` (z-lab format).
+"""DFlash draft training in JAX: `corpus` (prompts), `datagen` + `shards` (the target's responses
+as token-id shards, made with the batched decoding loop), `objective` (anchors, typed batches,
+the weighted block loss with online target features and distillation, the train step),
+`trainer` (the loop, AdamW schedule, resumable state). Checkpoints are written by
+`dflash_jax.draft_io.save` (z-lab format).
 """
 
 from dflash_jax.train.corpus import (GENERAL_TEMPLATES, PACKAGE_CORPUS, Prompt, build_corpus,
                                      package_functions, topic_words)
-from dflash_jax.train.data import TrainSeq, generate_with_features, load_shards, save_shard
-from dflash_jax.train.objective import (Batch, batch_loss, frozen_target_tensors, loss_weights,
-                                        make_batch, make_train_step, sample_anchors)
+from dflash_jax.train.objective import (Batch, batch_loss, distill_kl, frozen_target_tensors,
+                                        loss_weights, make_batch, make_train_step, sample_anchors,
+                                        target_pass)
+from dflash_jax.train.shards import TokenSeq, read_shards
+from dflash_jax.train.trainer import (TrainConfig, TrainState, init_state, make_optimizer,
+                                      make_step, train)
 
 __all__ = ["GENERAL_TEMPLATES", "PACKAGE_CORPUS", "Prompt", "build_corpus", "package_functions",
-           "topic_words", "TrainSeq", "generate_with_features", "load_shards", "save_shard",
-           "Batch", "batch_loss", "frozen_target_tensors", "loss_weights", "make_batch",
-           "make_train_step", "sample_anchors"]
+           "topic_words", "Batch", "batch_loss", "distill_kl", "frozen_target_tensors",
+           "loss_weights", "make_batch", "make_train_step", "sample_anchors", "target_pass",
+           "TokenSeq", "read_shards", "TrainConfig", "TrainState", "init_state", "make_optimizer",
+           "make_step", "train"]

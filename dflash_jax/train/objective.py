@@ -1,8 +1,13 @@
 """The DFlash training objective (arXiv:2602.06036; SpecForge's public trainer): anchors sampled
 inside the response; per anchor a block `[x_anchor, MASK x (L-1)]` that sees target features
 strictly before the anchor and its own block (bidirectional), never other blocks; cross-entropy
-on offsets k = 1..L-1 weighted by exp(-(k-1)/gamma); the target's embedding and lm_head are
-frozen and shared. Data-parallel over a mesh's "data" axis.
+on offsets k = 1..L-1 weighted by exp(-(k-1)/gamma), plus a distillation term (KL from the
+target's next-token distribution at the same positions, as ModelOpt / SpecForge add); the
+target's embedding and lm_head are frozen and shared.
+
+Target features are computed online: the training step runs the frozen target's prefill over
+each stored token sequence inside the same jit as the draft loss (no feature cache on disk).
+Data-parallel over a mesh's "data" axis.
 """
 
 from __future__ import annotations
@@ -15,10 +20,10 @@ import numpy as np
 import optax
 
 from dflash_jax import draft as draft_lib
-from dflash_jax.config import DraftConfig
+from dflash_jax import target as target_lib
+from dflash_jax.config import DraftConfig, TargetConfig
 from dflash_jax.quants import dequantize
 from dflash_jax.runtime import Runtime
-from dflash_jax.train.data import TrainSeq
 
 
 def sample_anchors(rng: np.random.Generator, prompt_len: int, length: int, n_anchors: int):
@@ -37,43 +42,44 @@ def sample_anchors(rng: np.random.Generator, prompt_len: int, length: int, n_anc
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Batch:
-  """A training batch (B sequences, A anchors each, block size L).
+  """A training batch (B sequences of T tokens, A anchors each, block size L).
 
   Attributes:
-    feats: [B, T, F*D] float32 target features (zero past a sequence's end).
+    tokens: [B, T] int32 prompt + response ids (zero past a sequence's end).
+    lengths: [B] int32 real tokens per row.
     block_ids: [B, A, L] int32 draft block inputs [x_anchor, MASK x (L-1)].
     anchors: [B, A] int32 positions of the blocks' first rows.
     labels: [B, A, L-1] int32 the tokens at anchor+1..anchor+L-1.
     label_valid: [B, A, L-1] bool labels inside the sequence of a real anchor.
   """
 
-  feats: jax.Array
+  tokens: jax.Array
+  lengths: jax.Array
   block_ids: jax.Array
   anchors: jax.Array
   labels: jax.Array
   label_valid: jax.Array
 
 
-def make_batch(rng: np.random.Generator, seqs: list[TrainSeq], cfg: DraftConfig, *, seq_len: int,
+def make_batch(rng: np.random.Generator, seqs, cfg: DraftConfig, *, seq_len: int,
                n_anchors: int, mask_token_id: int) -> Batch:
-  """Pad sequences to seq_len (longer ones keep a random window that contains response rows)
-  and sample anchors. Returns a Batch of numpy arrays."""
+  """Pad sequences (objects with `.tokens` [N] int and `.prompt_len`, e.g. shards.TokenSeq) to
+  seq_len and sample anchors in their responses. A longer sequence keeps a random window that
+  contains response rows (its features are then those of the window alone: keep seq_len above
+  the data's longest sequence where possible). Returns a Batch of numpy arrays."""
   L = cfg.block_size
   B = len(seqs)
-  fd = seqs[0].feats.shape[-1]
   tokens = np.zeros((B, seq_len + L), np.int32)
-  feats = np.zeros((B, seq_len, fd), np.float32)
   anchors = np.zeros((B, n_anchors), np.int32)
   avalid = np.zeros((B, n_anchors), bool)
   lengths = np.zeros((B,), np.int32)
   for i, s in enumerate(seqs):
-    t, f, p = s.tokens, s.feats, s.prompt_len
+    t, p = np.asarray(s.tokens), int(s.prompt_len)
     if t.size > seq_len:  # keep a window ending inside the sequence, starting >= 0
-      start = rng.integers(0, t.size - seq_len + 1)
-      t, f = t[start:start + seq_len], f[start:start + seq_len]
+      start = int(rng.integers(0, t.size - seq_len + 1))
+      t = t[start:start + seq_len]
       p = max(p - start, 1)
     tokens[i, :t.size] = t
-    feats[i, :f.shape[0]] = f
     lengths[i] = t.size
     anchors[i], avalid[i] = sample_anchors(rng, p, t.size, n_anchors)
   offs = np.arange(L)
@@ -82,8 +88,8 @@ def make_batch(rng: np.random.Generator, seqs: list[TrainSeq], cfg: DraftConfig,
   lab_pos = anchors[..., None] + offs[None, None, 1:]                   # [B, A, L-1]
   labels = np.take_along_axis(tokens, lab_pos.reshape(B, -1), 1).reshape(lab_pos.shape)
   lvalid = avalid[..., None] & (lab_pos < lengths[:, None, None])
-  return Batch(feats=feats, block_ids=block_ids, anchors=anchors, labels=labels,
-               label_valid=lvalid)
+  return Batch(tokens=tokens[:, :seq_len], lengths=lengths, block_ids=block_ids,
+               anchors=anchors, labels=labels, label_valid=lvalid)
 
 
 def loss_weights(block_size: int, gamma: float) -> np.ndarray:
@@ -92,40 +98,75 @@ def loss_weights(block_size: int, gamma: float) -> np.ndarray:
   return np.exp(-(k - 1) / gamma).astype(np.float32)
 
 
-def batch_loss(params, cfg: DraftConfig, batch: Batch, embed, lm_head_w, weights,
-               rt: Runtime = Runtime()):
-  """Weighted cross-entropy over a batch (vmapped over sequences). lm_head_w: [V, D] frozen.
-  Returns (loss, metrics {"acc": top-1 accuracy over valid labels, "acc1": at offset 1})."""
+def target_pass(tparams, tcfg: TargetConfig, tokens: jax.Array, length: jax.Array,
+                feature_layers: tuple[int, ...], rt: Runtime):
+  """The frozen target over one sequence (a prefill from position 0 into a fresh cache of T
+  rows): (features [T, F*D] float32 at `feature_layers`, final hidden [T, D] float32), no
+  gradient. tokens: [T] int32 of which `length` are real."""
+  cache = target_lib.init_cache(tcfg, tokens.shape[0], rt)
+  pre = target_lib.prefill(tparams, tcfg, tokens, jnp.int32(0), length, cache, rt,
+                           feature_layers=feature_layers)
+  return jax.lax.stop_gradient(pre.feats), jax.lax.stop_gradient(pre.hidden)
 
-  def one(feats, block_ids, anchors):
-    h = draft_lib.train_hidden(params, cfg, feats, block_ids, anchors, embed, rt)
-    return jnp.einsum("ald,vd->alv", h[:, 1:].astype(rt.cdt), lm_head_w.astype(rt.cdt),
-                      preferred_element_type=jnp.float32)
 
-  logits = jax.vmap(one)(batch.feats, batch.block_ids, batch.anchors)  # [B, A, L-1, V]
+def distill_kl(t_logits: jax.Array, d_logits: jax.Array) -> jax.Array:
+  """KL(p_target || q_draft) per position: sum_v p (log p - log q), natural log, float32.
+  t_logits, d_logits: [..., V]. Returns [...]."""
+  lp = jax.nn.log_softmax(t_logits.astype(jnp.float32), axis=-1)
+  lq = jax.nn.log_softmax(d_logits.astype(jnp.float32), axis=-1)
+  return jnp.sum(jnp.exp(lp) * (lp - lq), axis=-1)
+
+
+def batch_loss(params, cfg: DraftConfig, batch: Batch, tparams, tcfg: TargetConfig, lm_head_w,
+               weights, kl_weight: float = 0.0, rt: Runtime = Runtime()):
+  """Weighted cross-entropy on the target's tokens plus kl_weight x the weighted KL from the
+  target's next-token distribution (its logits at position anchor+k-1 predict the label at
+  anchor+k), both normalised by the label weights; target features computed online
+  (`target_pass`). lm_head_w: [V, D] frozen (the target's). kl_weight: static.
+  Returns (loss, metrics {"ce", "kl", "acc": top-1 accuracy over valid labels, "acc1": at
+  offset 1})."""
+  L = cfg.block_size
+
+  def one(tokens, length, block_ids, anchors):
+    feats, hidden = target_pass(tparams, tcfg, tokens, length, cfg.target_layer_ids, rt)
+    h = draft_lib.train_hidden(params, cfg, feats, block_ids, anchors, tparams.embed, rt)
+    d = jnp.einsum("ald,vd->alv", h[:, 1:].astype(rt.cdt), lm_head_w.astype(rt.cdt),
+                   preferred_element_type=jnp.float32)
+    if not kl_weight:
+      return d, jnp.zeros(d.shape[:2], jnp.float32)
+    rows = jnp.clip(anchors[:, None] + jnp.arange(L - 1), 0, tokens.shape[0] - 1)   # [A, L-1]
+    t = target_lib.logits(tparams, tcfg, hidden[rows.reshape(-1)], rt).reshape(d.shape)
+    return d, distill_kl(t, d)
+
+  logits, kl = jax.vmap(one)(batch.tokens, batch.lengths, batch.block_ids, batch.anchors)
   logp = jax.nn.log_softmax(logits, axis=-1)
   nll = -jnp.take_along_axis(logp, batch.labels[..., None], axis=-1)[..., 0]
   w = weights[None, None, :] * batch.label_valid
-  loss = jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1e-6)
+  norm = jnp.maximum(jnp.sum(w), 1e-6)
+  ce = jnp.sum(nll * w) / norm
+  kl = jnp.sum(kl * w) / norm
   hit = (jnp.argmax(logits, -1) == batch.labels) & batch.label_valid
   acc = jnp.sum(hit) / jnp.maximum(jnp.sum(batch.label_valid), 1)
   acc1 = jnp.sum(hit[..., 0]) / jnp.maximum(jnp.sum(batch.label_valid[..., 0]), 1)
-  return loss, {"acc": acc, "acc1": acc1}
+  return ce + kl_weight * kl, {"ce": ce, "kl": kl, "acc": acc, "acc1": acc1}
 
 
 def frozen_target_tensors(target):
-  """(embed QuantWeight, lm_head [V, D] float32) shared with the target, never trained."""
-  return target.params.embed, dequantize(target.params.lm_head, jnp.float32)
+  """(target params, lm_head [V, D] float32): the frozen target the step runs (features, KL)
+  and its lm_head shared with the draft, never trained."""
+  return target.params, dequantize(target.params.lm_head, jnp.float32)
 
 
-def make_train_step(cfg: DraftConfig, optimizer, weights, *, mesh=None, rt: Runtime = Runtime()):
-  """A jitted train step. With a mesh, the batch is sharded over its 'data' axis (data parallel)
-  and params/optimizer state are replicated; XLA inserts the gradient all-reduce."""
+def make_train_step(cfg: DraftConfig, tcfg: TargetConfig, optimizer, weights, *,
+                    kl_weight: float = 0.0, mesh=None, rt: Runtime = Runtime()):
+  """A jitted train step (params, opt_state, batch, tparams, lm_head_w) -> (params, opt_state,
+  metrics). With a mesh, the batch is sharded over its 'data' axis (data parallel) and params /
+  optimizer state / target are replicated; XLA inserts the gradient all-reduce."""
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  def step(params, opt_state, batch, embed, lm_head_w):
+  def step(params, opt_state, batch, tparams, lm_head_w):
     (loss, metrics), grads = jax.value_and_grad(batch_loss, has_aux=True)(
-        params, cfg, batch, embed, lm_head_w, weights, rt)
+        params, cfg, batch, tparams, tcfg, lm_head_w, weights, kl_weight, rt)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))

@@ -42,6 +42,10 @@ class TokenSeq:
     """[P + R] int32."""
     return np.concatenate([self.prompt, self.response]).astype(np.int32)
 
+  @property
+  def prompt_len(self) -> int:
+    return int(self.prompt.size)
+
 
 def sha256_file(path: str, chunk: int = 1 << 20) -> str:
   h = hashlib.sha256()

@@ -1,0 +1,146 @@
+"""The draft training loop and its resumable state: AdamW with linear warm-up and cosine decay,
+batches of stored token sequences (`shards`), target features online (`objective`), state saved
+as one npz (params, optimizer moments, step) next to the z-lab checkpoint, so an interrupted run
+resumes exactly where it stopped (a step's batch depends only on the seed and the step index).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dflash_jax.config import DraftConfig
+from dflash_jax.runtime import Runtime
+from dflash_jax.train import objective
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Training hyper-parameters.
+
+  steps: optimizer steps in all; batch: sequences per step; anchors: blocks per sequence;
+  seq_len: tokens per sequence (padded / windowed); lr: peak learning rate (AdamW), reached after
+  `warmup` linear steps, then cosine decay to lr * final_lr_fraction; weight_decay; clip: global
+  gradient-norm clip; gamma: loss decay over block offsets; kl_weight: weight of the
+  distillation term; seed: batch sampling (and init); compute_dtype: "float32" | "bfloat16".
+  """
+
+  steps: int = 1000
+  batch: int = 4
+  anchors: int = 16
+  seq_len: int = 1024
+  lr: float = 1e-3
+  warmup: int = 50
+  final_lr_fraction: float = 0.05
+  weight_decay: float = 0.01
+  clip: float = 1.0
+  gamma: float = 7.0
+  kl_weight: float = 0.5
+  seed: int = 0
+  compute_dtype: str = "float32"
+
+  def __post_init__(self):
+    for name in ("steps", "batch", "anchors", "seq_len"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"TrainConfig.{name}={getattr(self, name)} must be >= 1")
+    if self.lr <= 0 or self.kl_weight < 0 or self.gamma <= 0:
+      raise ValueError("TrainConfig: lr and gamma must be > 0, kl_weight >= 0")
+
+
+def make_optimizer(tc: TrainConfig):
+  """clip_by_global_norm + AdamW on a warm-up + cosine schedule."""
+  warmup = min(tc.warmup, max(tc.steps - 1, 0))
+  sched = optax.warmup_cosine_decay_schedule(0.0, tc.lr, warmup, max(tc.steps, warmup + 1),
+                                             end_value=tc.lr * tc.final_lr_fraction)
+  return optax.chain(optax.clip_by_global_norm(tc.clip),
+                     optax.adamw(sched, weight_decay=tc.weight_decay))
+
+
+@dataclasses.dataclass
+class TrainState:
+  """params (draft pytree), opt_state (optax), step (optimizer steps done)."""
+
+  params: object
+  opt_state: object
+  step: int = 0
+
+  def save(self, path: str):
+    """Write the state to `path` (npz, atomically: a temporary file renamed)."""
+    leaves = jax.tree.leaves((self.params, self.opt_state))
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, step=self.step, **{f"leaf_{i}": np.asarray(x) for i, x in enumerate(leaves)})
+    os.replace(tmp, path)
+
+  @classmethod
+  def load(cls, path: str, like: "TrainState") -> "TrainState":
+    """The state saved at `path`, shaped as `like` (a fresh state of the same config).
+    Raises ValueError when the file does not match (another draft config or optimizer)."""
+    treedef = jax.tree.structure((like.params, like.opt_state))
+    want = jax.tree.leaves((like.params, like.opt_state))
+    with np.load(path) as z:
+      n = sum(1 for k in z.files if k.startswith("leaf_"))
+      if n != len(want):
+        raise ValueError(f"{path}: {n} arrays, this draft and optimizer have {len(want)}")
+      leaves = [z[f"leaf_{i}"] for i in range(n)]
+      step = int(z["step"])
+    for i, (a, b) in enumerate(zip(leaves, want)):
+      if a.shape != np.shape(b):
+        raise ValueError(f"{path}: array {i} has shape {a.shape}, expected {np.shape(b)}")
+    params, opt_state = jax.tree.unflatten(treedef, [jnp.asarray(x) for x in leaves])
+    return cls(params, opt_state, step)
+
+
+def init_state(params, optimizer) -> TrainState:
+  params = jax.tree.map(jnp.asarray, params)
+  return TrainState(params, optimizer.init(params), 0)
+
+
+def step_batch(tc: TrainConfig, cfg: DraftConfig, seqs: Sequence, step: int) -> objective.Batch:
+  """The batch of optimizer step `step`: a function of (seed, step) only, so a resumed run sees
+  the batches an uninterrupted one would."""
+  rng = np.random.default_rng([tc.seed, step])
+  pick = rng.choice(len(seqs), size=tc.batch, replace=len(seqs) < tc.batch)
+  return objective.make_batch(rng, [seqs[i] for i in pick], cfg, seq_len=tc.seq_len,
+                              n_anchors=tc.anchors, mask_token_id=cfg.mask_token_id)
+
+
+def make_step(target, cfg: DraftConfig, tc: TrainConfig, mesh=None):
+  """The jitted train step for this target, draft config and TrainConfig (objective.make_train_step
+  with the TrainConfig's optimizer, loss weights, kl_weight and compute dtype)."""
+  return objective.make_train_step(
+      cfg, target.config, make_optimizer(tc),
+      jnp.asarray(objective.loss_weights(cfg.block_size, tc.gamma)), kl_weight=tc.kl_weight,
+      mesh=mesh, rt=Runtime(compute_dtype=tc.compute_dtype))
+
+
+def train(target, cfg: DraftConfig, seqs: Sequence, tc: TrainConfig, state: TrainState, *,
+          until: Optional[int] = None, mesh=None, step_fn=None,
+          on_metrics: Optional[Callable[[int, dict], None]] = None,
+          on_step: Optional[Callable[[TrainState], None]] = None) -> TrainState:
+  """Run optimizer steps state.step .. min(until, tc.steps) - 1 on `seqs` (shards.TokenSeq or
+  anything with .tokens / .prompt_len) with target features computed online from `target`.
+  on_metrics(step, {loss, ce, kl, acc, acc1, grad_norm} floats) after every step; on_step(state)
+  after every step (checkpointing, evaluation). step_fn: `make_step(target, cfg, tc, mesh)`,
+  made once by a caller that calls train repeatedly (else one is made, and compiled, here).
+  Returns the state (also updated in place). Raises ValueError for an empty sequence list."""
+  if not seqs:
+    raise ValueError("train: no training sequences")
+  tparams, lm_head_w = objective.frozen_target_tensors(target)
+  step_fn = step_fn or make_step(target, cfg, tc, mesh)
+  end = tc.steps if until is None else min(until, tc.steps)
+  while state.step < end:
+    batch = step_batch(tc, cfg, seqs, state.step)
+    state.params, state.opt_state, m = step_fn(state.params, state.opt_state, batch, tparams,
+                                               lm_head_w)
+    state.step += 1
+    if on_metrics is not None:
+      on_metrics(state.step - 1, {k: float(v) for k, v in m.items()})
+    if on_step is not None:
+      on_step(state)
+  return state
