@@ -27,6 +27,10 @@ _OUT = flags.DEFINE_string("out_dir", None, "Checkpoint directory (z-lab format)
                            required=True)
 _DATA = flags.DEFINE_list("data_dirs", ["checkpoints/train_data/smollm2-135m-instruct"],
                           "Token-shard directories (scripts/gen_data.py).")
+_INIT = flags.DEFINE_string("init_checkpoint", None, "Start from this z-lab draft (its architecture, "
+                            "layer ids and mask token replace the draft flags below; the "
+                            "optimizer starts fresh). A run with train_state.npz in --out_dir "
+                            "resumes from that instead.")
 _LAYERS = flags.DEFINE_integer("draft_layers", 2, "Draft decoder layers.")
 _N_FEAT = flags.DEFINE_integer("n_features", 4, "Target layers feeding the draft (z-lab spacing).")
 _LAYER_IDS = flags.DEFINE_list("target_layer_ids", None, "Target layers feeding the draft "
@@ -108,7 +112,12 @@ def main(argv):
   deadline = t_start + 60 * _MINUTES.value if _MINUTES.value else None
   path = _TARGET.value or cli.default_target_path()
   target = dj.load_target(path, weights="f32")
-  cfg = _draft_config(target)
+  init = None
+  if _INIT.value:
+    cfg, p0 = draft_io.load(_INIT.value, target.config)
+    init = draft_io.params_from_arrays(draft_io.params_to_arrays(p0), cfg, weight_fmt="f32")
+  else:
+    cfg = _draft_config(target)
   for d in _DATA.value:
     if not os.path.exists(os.path.join(d, "manifest.json")):
       raise app.UsageError(f"--data_dirs: {d} holds no token shards (manifest.json); make them "
@@ -127,9 +136,10 @@ def main(argv):
                          kl_weight=_KL.value, seed=_SEED.value, compute_dtype=_DTYPE.value)
   out_norm = (_INIT_NORM.value * np.asarray(target.params.out_norm, np.float32)
               if _INIT_NORM.value > 0 else None)
-  st = train.init_state(draft_io.init_params(jax.random.key(_SEED.value), cfg,
-                                             target.config.d_model, weight_fmt="f32",
-                                             out_norm=out_norm), train.make_optimizer(tc))
+  if init is None:
+    init = draft_io.init_params(jax.random.key(_SEED.value), cfg, target.config.d_model,
+                                weight_fmt="f32", out_norm=out_norm)
+  st = train.init_state(init, train.make_optimizer(tc))
   os.makedirs(_OUT.value, exist_ok=True)
   state_path = os.path.join(_OUT.value, "train_state.npz")
   log_path = os.path.join(_OUT.value, "train_log.json")
@@ -160,6 +170,8 @@ def main(argv):
     log["evals"].append(e)
     tqdm.write(f"[train] step {st.step}: held-out acceptance {e}", file=sys.stderr)
 
+  if not log["evals"]:
+    evaluate()                                  # the starting point of the curve
   bar = tqdm(total=tc.steps, initial=st.step, desc="training", unit="step", file=sys.stderr)
   ema = {}
 
