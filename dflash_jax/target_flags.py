@@ -21,10 +21,13 @@ class TargetFlags:
   fuse_projections: flags.FlagHolder
   compute_dtype: flags.FlagHolder
   kv_dtype: flags.FlagHolder
+  compile_cache: flags.FlagHolder
+  compile_cache_dir: flags.FlagHolder
 
 
 def define(flag_values: flags.FlagValues = flags.FLAGS) -> TargetFlags:
-  """Defines --target, --weights, --kernels, --fuse_projections, --compute_dtype, --kv_dtype."""
+  """Defines --target, --weights, --kernels, --fuse_projections, --compute_dtype, --kv_dtype,
+  --compile_cache, --compile_cache_dir."""
   return TargetFlags(
       target=flags.DEFINE_string(
           "target", None, "Target GGUF file. Default: SmolLM2-135M-Instruct Q4_1 from the "
@@ -47,6 +50,14 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> TargetFlags:
       kv_dtype=flags.DEFINE_enum(
           "kv_dtype", "float32", ["float32", "bfloat16"], "KV cache storage dtype.",
           flag_values=flag_values),
+      compile_cache=flags.DEFINE_boolean(
+          "compile_cache", True, "Keep compiled programs in a persistent cache on disk, so the "
+          "next run reads them back instead of compiling (--nocompile_cache: off).",
+          flag_values=flag_values),
+      compile_cache_dir=flags.DEFINE_string(
+          "compile_cache_dir", None, "Directory of the compile cache (default "
+          "$XDG_CACHE_HOME/dflash_jax/xla, i.e. ~/.cache/dflash_jax/xla).",
+          flag_values=flag_values),
   )
 
 
@@ -56,10 +67,31 @@ def target_path(f: TargetFlags) -> str:
   return f.target.value or cli.default_target_path()
 
 
+def setup_compile_cache(f: TargetFlags):
+  """Turn the persistent compile cache on (in --compile_cache_dir) or off, as the flags say.
+  Raises ValueError naming --compile_cache_dir when the directory given cannot be used; when the
+  default one cannot, warns and runs without a cache."""
+  from absl import logging
+  from dflash_jax import compile_cache
+  if not f.compile_cache.value:
+    compile_cache.disable()
+    return
+  try:
+    compile_cache.enable(f.compile_cache_dir.value)
+  except ValueError as e:
+    if f.compile_cache_dir.value:
+      raise ValueError(f"--compile_cache_dir: {e}") from None
+    logging.warning("%s; running without a compile cache", e)
+    compile_cache.disable()
+
+
 def load(f: TargetFlags):
-  """The `api.Target` the flags name. Raises what `api.load_target` raises (bad file, unknown
-  architecture or quant type) and FileNotFoundError when no target is given or installed."""
+  """The `api.Target` the flags name (the compile cache set up first, `setup_compile_cache`).
+  Raises what `api.load_target` raises (bad file, unknown architecture or quant type),
+  FileNotFoundError when no target is given or installed, ValueError for a bad
+  --compile_cache_dir."""
   from dflash_jax import api
+  setup_compile_cache(f)
   return api.load_target(target_path(f), weights=f.weights.value,
                          compute_dtype=f.compute_dtype.value, kv_dtype=f.kv_dtype.value,
                          kernels=f.kernels.value,

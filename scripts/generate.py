@@ -73,7 +73,10 @@ def _load():
 def _warm_up(target, draft, dec, samp, ids, n_rows=None):
   """Compile what the run uses: the one-prompt loop, or (n_rows given) the batch of the bucket
   that n_rows prompts at --batch_size take."""
+  import jax
   import dflash_jax as dj
+  cache = jax.config.jax_compilation_cache_dir
+  print(f"[dflash] compiling (compile cache: {cache or 'off'}) ...", file=sys.stderr, flush=True)
   t0 = time.perf_counter()
   if n_rows is None:
     dj.generate(target, draft, ids[:1], max_new_tokens=2, config=dec, sampling=samp,
