@@ -3,6 +3,11 @@
   python -m dflash_jax.serve --port 8000                      # embedded default target + draft
   python -m dflash_jax.serve --target model.gguf --draft dir --mode ddtree --budget 8
 
+The port opens at once: /health answers 503 {"status": "loading"} (and /v1 routes a 503 error)
+while the model loads and compiles, then 200. This module defines the Engine and the app; the
+command line (flags, start-up) lives in `dflash_jax.serve_cli`, so importing this module defines
+no absl flags.
+
 Endpoints: POST /v1/chat/completions (GGUF chat template; `stream` as server-sent events ending
 with `data: [DONE]`), POST /v1/completions (raw prompt), GET /v1/models, GET /health, GET /metrics
 (Prometheus text). Requests carry `max_tokens` / `max_completion_tokens`, `stop`, `temperature`,
@@ -28,34 +33,12 @@ import time
 import uuid
 from typing import Any, Callable, Iterator, Optional, Union
 
-from absl import app, flags
 import fastapi
 import jax
 import numpy as np
 import pydantic
 
-from dflash_jax import cli, decode_flags, target_flags
-
-_TF = target_flags.define()
-_DF = decode_flags.define()
-_DRAFT = flags.DEFINE_string("draft", None, "z-lab DFlash draft directory; default: the "
-                             "checkpoints/ draft matching the target; 'none': autoregressive.")
-_HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
-_PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
-_API_KEY = flags.DEFINE_string("api_key", None, "If set, /v1 requests need 'Authorization: "
-                               "Bearer <key>'.")
-_MAX_QUEUE = flags.DEFINE_integer("max_queue", 64, "Requests waiting for the model at most.")
-_MAX_BATCH = flags.DEFINE_integer("max_batch", None, "Requests decoded together at most (1..64; "
-                                  "default 8 on CPU, 32 on accelerators).", lower_bound=1,
-                                  upper_bound=64)
-_STEPS_PER_CALL = flags.DEFINE_integer("steps_per_call", 4, "Decode rounds per loop call: new "
-                                       "requests join and text streams between calls.",
-                                       lower_bound=1)
-_REUSE_PREFIX = flags.DEFINE_boolean("reuse_prefix", True, "Prefill a request into the free slot "
-                                    "whose previous prompt shares the longest prefix with it and "
-                                    "skip those rows (targets without recurrent layers only).")
-_MODEL_NAME = flags.DEFINE_string("model_name", None, "Model id in the API (default: the GGUF "
-                                  "file name).")
+from dflash_jax import cli
 
 
 class ApiError(Exception):
@@ -573,10 +556,21 @@ def _validation_error(e) -> ApiError:
   return ApiError(400, msg, param=loc or None)
 
 
-def create_app(engine: Engine, api_key: Optional[str] = None) -> fastapi.FastAPI:
-  """The FastAPI application around `engine` (api_key: required as a Bearer token on /v1)."""
+def create_app(engine, api_key: Optional[str] = None) -> fastapi.FastAPI:
+  """The FastAPI application around `engine`: an Engine, or a function returning the Engine or
+  None while it is still loading (then /health answers 503 {"status": "loading"} and the other
+  routes a 503 error). api_key: required as a Bearer token on /v1."""
   from fastapi.exceptions import RequestValidationError
   from fastapi.responses import JSONResponse, PlainTextResponse
+
+  get = engine if callable(engine) else (lambda: engine)
+
+  def ready() -> Engine:
+    e = get()
+    if e is None:
+      raise ApiError(503, "the model is still loading; retry when /health answers 200",
+                     type_="server_error", code="model_loading")
+    return e
 
   api = fastapi.FastAPI(title="dflash-jax")
   api.exception_handler(ApiError)(
@@ -592,58 +586,31 @@ def create_app(engine: Engine, api_key: Optional[str] = None) -> fastapi.FastAPI
                                    code="invalid_api_key").body(), status_code=401)
     return await call_next(request)
 
-  api.get("/health")(lambda: {"status": "ok", "model": engine.model_name, "waiting": engine.waiting})
-  api.get("/metrics")(lambda: PlainTextResponse(engine.metrics_text()))
+  @api.get("/health")
+  def health():
+    e = get()
+    if e is None:
+      return JSONResponse({"status": "loading"}, status_code=503)
+    return {"status": "ok", "model": e.model_name, "waiting": e.waiting}
+
+  api.get("/metrics")(lambda: PlainTextResponse(ready().metrics_text()))
   api.get("/v1/models")(lambda: {"object": "list", "data": [
-      {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "dflash-jax"}]})
+      {"id": ready().model_name, "object": "model", "created": 0, "owned_by": "dflash-jax"}]})
 
   @api.post("/v1/chat/completions")
   async def chat(req: ChatRequest, request: fastapi.Request):
-    return await _complete(engine, "chat", req, request)
+    return await _complete(ready(), "chat", req, request)
 
   @api.post("/v1/completions")
   async def completions(req: CompletionRequest, request: fastapi.Request):
-    return await _complete(engine, "completion", req, request)
+    return await _complete(ready(), "completion", req, request)
 
   return api
 
 
-def build_engine() -> Engine:
-  """Load the target and draft the flags name, compile the decode functions (greedy and
-  sampling variants) with a warm-up, and return the Engine."""
-  import os
-  import dflash_jax as dj
-  from dflash_jax import cli
-  target = target_flags.load(_TF)
-  draft_dir = _DRAFT.value if _DRAFT.value is not None else cli.find_draft_dir(target)
-  draft = dj.load_draft(draft_dir, target) if draft_dir and draft_dir != "none" else None
-  dec = decode_flags.config(_DF)
-  if dec.mode not in ("ar", "auto") and draft is None:
-    raise app.UsageError(f"--mode={dec.mode} needs a draft (--draft)")
-  defaults = decode_flags.sampling(_DF, target.sampling_defaults)
-  decs = {b: dj.api.resolve_config(draft, dec, target=target, batch=b)
-          for b in _buckets(64)}          # mode "auto": per batch size
-  name = _MODEL_NAME.value or os.path.basename(target.path)
-  engine = Engine(target, draft, decs.__getitem__, defaults, name, _MAX_QUEUE.value,
-                  _MAX_BATCH.value, _STEPS_PER_CALL.value, reuse_prefix=_REUSE_PREFIX.value)
-  dj.api.check_config(target, draft, decs[engine.max_batch], engine.max_batch)
-  engine.warm_up()
-  return engine
-
-
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  import uvicorn
-  engine = build_engine()
-  modes = ", ".join(f"B={b}: {engine.dec_for(b).mode}" for b in _buckets(engine.max_batch))
-  print(f"[dflash] serving {engine.model_name} ({modes}) on http://{_HOST.value}:{_PORT.value}",
-        flush=True)
-  uvicorn.run(create_app(engine, _API_KEY.value), host=_HOST.value, port=_PORT.value,
-              log_level="warning")
-
-
 if __name__ == "__main__":
-  import jax
-  jax.config.config_with_absl()
-  app.run(main)
+  from absl import flags as _flags
+  from dflash_jax import decode_flags as _df, serve_cli as _cli, target_flags as _tf
+  for _m in (_cli, _tf, _df):       # --help lists them: key flags of the main module
+    _flags.adopt_module_key_flags(_m)
+  _cli.run()

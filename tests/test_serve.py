@@ -210,3 +210,40 @@ def test_concurrent_clients_all_complete(server, smol):
     results = list(ex.map(client, range(20)))
   assert all(all(r) for r in results) and sum(len(r) for r in results) == 40
   assert _http(base, "GET", "/health")[1]["waiting"] == 0
+
+
+def test_health_loading_then_ready(server):
+  """The app answers while the model loads: /health 503 {"status": "loading"}, /v1 routes a 503
+  OpenAI-shaped error; once the engine is there, 200 and normal answers."""
+  holder = {}
+  base, srv, th = _start(lambda: holder.get("engine"))
+  try:
+    status, r = _http(base, "GET", "/health")
+    assert status == 503 and r == {"status": "loading"}
+    status, r = _http(base, "GET", "/v1/models")
+    assert status == 503 and r["error"]["code"] == "model_loading"
+    holder["engine"] = server[1]
+    status, r = _http(base, "GET", "/health")
+    assert status == 200 and r["status"] == "ok"
+    assert _http(base, "GET", "/v1/models")[0] == 200
+  finally:
+    srv.should_exit = True
+    th.join(timeout=10)
+
+
+def test_serve_module_defines_no_flags_and_help_lists_them():
+  """Importing dflash_jax.serve defines no absl flags (a script may define the shared ones);
+  `python -m dflash_jax.serve --help` lists the model, decoding, sampling and server flags."""
+  import os
+  import subprocess
+  import sys
+  code = ("import dflash_jax.serve\nfrom absl import flags\nassert 'port' not in flags.FLAGS\n"
+          "from dflash_jax import decode_flags, target_flags\n"
+          "decode_flags.define(); target_flags.define(); print('OK')")
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-2000:]
+  r = subprocess.run([sys.executable, "-m", "dflash_jax.serve", "--help"], capture_output=True,
+                     text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert "Traceback" not in r.stderr, r.stderr[-2000:]       # (absl's --help exits with 1)
+  for flag in ("--target", "--mode", "--temperature", "--port", "--max_batch", "--compile_cache_dir"):
+    assert f"  {flag}" in r.stdout, flag

@@ -1,0 +1,92 @@
+"""The server's command line: `python -m dflash_jax.serve` (this module's `run`). Defines the
+model (target_flags), decoding and sampling (decode_flags) and server flags, opens the port at
+once and loads + compiles the model in a background thread; /health answers 503
+{"status": "loading"} until the model is ready (a load error ends the process with one `error:`
+line and exit status 1).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+from absl import app, flags
+
+from dflash_jax import decode_flags, serve, target_flags
+
+_TF = target_flags.define()
+_DF = decode_flags.define()
+_DRAFT = flags.DEFINE_string("draft", None, "z-lab DFlash draft directory; default: the "
+                             "checkpoints/ draft matching the target; 'none': autoregressive.")
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
+_PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
+_API_KEY = flags.DEFINE_string("api_key", None, "If set, /v1 requests need 'Authorization: "
+                               "Bearer <key>'.")
+_MAX_QUEUE = flags.DEFINE_integer("max_queue", 64, "Requests waiting for the model at most.")
+_MAX_BATCH = flags.DEFINE_integer("max_batch", None, "Requests decoded together at most (1..64; "
+                                  "default 8 on CPU, 32 on accelerators).", lower_bound=1,
+                                  upper_bound=64)
+_STEPS_PER_CALL = flags.DEFINE_integer("steps_per_call", 4, "Decode rounds per loop call: new "
+                                       "requests join and text streams between calls.",
+                                       lower_bound=1)
+_REUSE_PREFIX = flags.DEFINE_boolean("reuse_prefix", True, "Prefill a request into the free slot "
+                                    "whose previous prompt shares the longest prefix with it and "
+                                    "skip those rows (targets without recurrent layers only).")
+_MODEL_NAME = flags.DEFINE_string("model_name", None, "Model id in the API (default: the GGUF "
+                                  "file name).")
+
+
+def build_engine() -> serve.Engine:
+  """Load the target and draft the flags name, compile the decode functions (greedy and
+  sampling variants of every batch bucket) with a warm-up, and return the Engine. Raises
+  ValueError / FileNotFoundError / app.UsageError for bad flags or files."""
+  import dflash_jax as dj
+  from dflash_jax import cli
+  target = target_flags.load(_TF)
+  draft_dir = _DRAFT.value if _DRAFT.value is not None else cli.find_draft_dir(target)
+  draft = dj.load_draft(draft_dir, target) if draft_dir and draft_dir != "none" else None
+  dec = decode_flags.config(_DF)
+  if dec.mode not in ("ar", "auto") and draft is None:
+    raise app.UsageError(f"--mode={dec.mode} needs a draft (--draft)")
+  defaults = decode_flags.sampling(_DF, target.sampling_defaults)
+  decs = {b: dj.api.resolve_config(draft, dec, target=target, batch=b)
+          for b in serve._buckets(64)}          # mode "auto": per batch size
+  name = _MODEL_NAME.value or os.path.basename(target.path)
+  engine = serve.Engine(target, draft, decs.__getitem__, defaults, name, _MAX_QUEUE.value,
+                        _MAX_BATCH.value, _STEPS_PER_CALL.value, reuse_prefix=_REUSE_PREFIX.value)
+  dj.api.check_config(target, draft, decs[engine.max_batch], engine.max_batch)
+  engine.warm_up()
+  return engine
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  import uvicorn
+  holder: dict = {}
+
+  def load():
+    try:
+      engine = build_engine()
+    except Exception as e:          # the server cannot serve anything: say why and stop
+      print(f"error: {e}", file=sys.stderr, flush=True)
+      os._exit(1)
+    holder["engine"] = engine
+    modes = ", ".join(f"B={b}: {engine.dec_for(b).mode}" for b in serve._buckets(engine.max_batch))
+    print(f"[dflash] ready: {engine.model_name} ({modes}) on http://{_HOST.value}:{_PORT.value}",
+          flush=True)
+
+  print(f"[dflash] listening on http://{_HOST.value}:{_PORT.value}; loading and compiling the "
+        "model (/health: 503 until ready)", flush=True)
+  threading.Thread(target=load, name="dflash-load", daemon=True).start()
+  uvicorn.run(serve.create_app(lambda: holder.get("engine"), _API_KEY.value), host=_HOST.value,
+              port=_PORT.value, log_level="warning")
+
+
+def run():
+  """Entry point of `python -m dflash_jax.serve` (which makes these flags and the model,
+  decoding and sampling flags key flags, so `--help` lists them)."""
+  import jax
+  jax.config.config_with_absl()
+  app.run(main)
