@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -106,13 +107,40 @@ def _bounded_reader_class():
       if itype == GGUFValueType.ARRAY:
         raise GGUFFormatError(f"{self._where}: nested arrays are not supported (as in llama.cpp)")
       nptype = self.gguf_scalar_to_np.get(itype)
-      if nptype is None:                  # strings: >= 8 bytes each (the length)
+      if itype == GGUFValueType.STRING:   # >= 8 bytes each (the length)
         self._check_room(offs, n, 8, "string array")
+        return self._string_array(offs, n, [raw_itype, alen], [gtype, itype])
+      if nptype is None:
         return super()._get_field_parts(orig_offs, raw_type)
       # Scalars: one view of all items (the parent loops creating one array per item).
       self._check_room(offs, n, np.dtype(nptype).itemsize, "array")
       vals = self._get(offs, nptype, n)
       return 12 + int(vals.nbytes), [raw_itype, alen, vals], [2], [gtype, itype]
+
+    def _string_array(self, offs: int, n: int, head: list, types: list):
+      """The parts of an array of n strings at offs, as GGUFReader builds them ([length, bytes]
+      per item), in one lean loop: the parent recurses per item, ~25 us each, seconds for a
+      tokenizer's vocabulary and merges."""
+      data, size = self.data, len(self.data)
+      order = sys.byteorder if self.byte_order == "I" else (
+          "big" if sys.byteorder == "little" else "little")
+      u64 = np.dtype(np.uint64).newbyteorder(self.byte_order)
+      mv = memoryview(data)
+      parts, idxs, start = list(head), [], offs
+      for i in range(n):
+        if offs + 8 > size:
+          raise GGUFFormatError(f"{self._where}: string {i} of {n} starts past the end of the file "
+                                "(truncated or corrupt)")
+        slen = int.from_bytes(mv[offs:offs + 8], order)
+        end = offs + 8 + slen
+        if end > size:
+          raise GGUFFormatError(f"{self._where}: string {i} of {n} claims {slen} bytes past the "
+                                "end of the file (corrupt length)")
+        parts.append(data[offs:offs + 8].view(u64))
+        parts.append(data[offs + 8:end])
+        idxs.append(len(parts) - 1)
+        offs = end
+      return 12 + offs - start, parts, idxs, types
 
     def _build_fields(self, offs, count):
       self._check_room(offs, int(count), 8 + 4 + 1, "kv_count")

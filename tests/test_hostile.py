@@ -206,3 +206,23 @@ def test_max_ctx_checks_before_compiling(qwen_f32, monkeypatch):
   assert qwen_f32.config.n_ctx_train == 4096
   with pytest.warns(UserWarning, match=r"max_ctx=8192 exceeds the model's context_length=4096"):
     api.check_config(qwen_f32, None, api.resolve_config(None, mode="ar", max_ctx=8192))
+
+
+def test_string_arrays_equal_gguf_reader():
+  """The bounded reader parses string arrays (the tokenizer's vocabulary and merges) in its own
+  lean loop; every field equals what gguf's GGUFReader reads (SmolLM2 and the tiny file)."""
+  from gguf import GGUFReader, GGUFValueType
+  from dflash_jax import cli, gguf_io
+  ours = gguf_io._bounded_reader_class()
+  for path in (cli.default_target_path(), SRC):
+    a, b = GGUFReader(path), ours(path)
+    assert list(a.fields) == list(b.fields)
+    n_str = 0
+    for k, fa in a.fields.items():
+      fb = b.fields[k]
+      assert fa.types == fb.types and fa.offset == fb.offset and fa.contents() == fb.contents(), k
+      if fa.types[:2] == [GGUFValueType.ARRAY, GGUFValueType.STRING]:
+        n_str += 1
+        assert fa.data == fb.data and len(fa.parts) == len(fb.parts), k
+        assert all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(fa.parts, fb.parts))
+    assert n_str >= 2
