@@ -82,9 +82,14 @@ def from_numpy(raw: np.ndarray, fmt: str, shape: tuple[int, int], *, name: str =
   return QuantWeight(raw, fmt, (int(n), int(k)))
 
 
+_dequantize_jit = jax.jit(dequantize, static_argnums=1)
+
+
 def to_dtype(w: QuantWeight, fmt: str) -> QuantWeight:
-  """Dequantize at load (host side) into a float QuantWeight of fmt 'f32' | 'bf16' | 'f16'."""
+  """Dequantize at load (host side) into a float QuantWeight of fmt 'f32' | 'bf16' | 'f16'.
+  One compiled program per (format, shape, dtype), so the layers of a model share a handful
+  (eager ops cost ~1 s of dispatch for SmolLM2's 211 tensors)."""
   if fmt == w.fmt:
     return w
   dt = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}[fmt]
-  return QuantWeight(np.asarray(dequantize(jax.tree.map(jnp.asarray, w), dt)), fmt, w.shape)
+  return QuantWeight(np.asarray(_dequantize_jit(jax.tree.map(jnp.asarray, w), dt)), fmt, w.shape)
