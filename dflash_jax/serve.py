@@ -134,10 +134,11 @@ class Engine:
 
   dec: resolved DecodeConfig, or a function B -> DecodeConfig (mode "auto": the mode measured
   fastest for B rows); rows only move between buckets with the same mode.
-  reuse_prefix: a request goes to the free slot whose previous prompt shares the longest prefix
-  with its own, and the prefill starts after that prefix (the slot's K/V and draft-context rows
-  there are already this prompt's: the shared system prompt of a chat template is prefilled
-  once per slot). Only for targets without recurrent layers (a hybrid target's SSM / conv state
+  reuse_prefix: a request goes to the free slot whose previous sequence (prompt and answer)
+  shares the longest prefix with its prompt, and the prefill starts after that prefix (the slot's
+  K/V and draft-context rows there are already this prompt's: the shared system prompt of a chat
+  template is prefilled once per slot, and a chat's next turn skips the previous turn's prompt and
+  answer). Only for targets without recurrent layers (a hybrid target's SSM / conv state
   is that of the slot's whole previous sequence); ignored otherwise.
   """
 
@@ -390,6 +391,10 @@ class Engine:
     if r in self._live:
       self._live.remove(r)
     row = self._batch.row(r.slot) if r.t_first is not None else None
+    if row is not None and self.reuse_prefix and len(row.tokens) > 1:
+      # The slot's caches hold the prompt and every generated token but the last (never fed):
+      # a next turn that repeats this answer after the prompt reuses those rows too.
+      self._slot_prompt[r.slot] = np.concatenate([r.ids, np.asarray(row.tokens[:-1], np.int32)])
     # Every token went through the scanner: scan.text is the whole completion (cut at a stop
     # string; control tokens such as <|im_end|> dropped); send what was held back.
     if len(r.scan.text) > r.sent:

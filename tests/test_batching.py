@@ -263,3 +263,21 @@ def test_engine_prefix_reuse_smollm2(smol):
     shared = int(np.flatnonzero(np.asarray(prompts[1][:n]) != np.asarray(prompts[2][:n]))[0])
     want = len(prompts[1]) - 1 + shared if reuse else 0
     assert shared > 10 and eng.metrics["prompt_tokens_reused_total"] == want
+  # A chat's second turn repeats the first turn's prompt and answer: both are reused (the
+  # answer's rows but its last token, which was never fed), the output is still `generate`'s.
+  eng = serve.Engine(smol, draft, dec, None, "smol", max_queue=4, max_batch=1, steps_per_call=4)
+  first = _submit(eng, prompts[2], 12)[0].result(timeout=600)
+  msgs = [{"role": "user", "content": texts[2]}, {"role": "assistant", "content": first.text},
+          {"role": "user", "content": "And three animals?"}]
+  turn2 = smol.tokenizer.encode(smol.tokenizer.apply_chat_template(msgs, add_generation_prompt=True))
+  before = eng.metrics["prompt_tokens_reused_total"]
+  out = _submit(eng, turn2, 12)[0].result(timeout=600)
+  alone = dj.generate(smol, draft, turn2, max_new_tokens=12, max_ctx=256, prefill_chunk=32,
+                      mode="chain")
+  assert out.tokens == alone.tokens
+  held = list(prompts[2]) + first.tokens[:-1]
+  m = min(len(held), len(turn2) - 1)
+  diff = np.flatnonzero(np.asarray(held[:m]) != np.asarray(turn2[:m]))
+  want = int(diff[0]) if diff.size else m
+  assert want > len(prompts[2]) and out.stats["prompt_tokens_reused"] == want
+  assert eng.metrics["prompt_tokens_reused_total"] - before == want
