@@ -471,7 +471,9 @@ def _final(kind: str, rid: str, created: int, model: str, out: Outcome, n_prompt
     obj = "text_completion"
   return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
           "usage": {"prompt_tokens": n_prompt, "completion_tokens": out.completion_tokens,
-                    "total_tokens": n_prompt + out.completion_tokens},
+                    "total_tokens": n_prompt + out.completion_tokens,
+                    "prompt_tokens_details": {
+                        "cached_tokens": int(out.stats.get("prompt_tokens_reused", 0))}},
           "dflash": out.stats}
 
 

@@ -98,6 +98,11 @@ def test_chat_equals_generate_streamed_and_not(server, smol):
   assert r.choices[0].finish_reason == ("stop" if ref.stop_reason == "eog" else "length")
   extra = r.model_extra["dflash"]
   assert extra["mode"] == "chain" and extra["mean_acceptance_length"] >= 1.0
+  # the same request again: its slot holds the prompt (all but the last token is reused)
+  again = c.chat.completions.create(model="smol", messages=msgs, max_tokens=12, temperature=0)
+  assert again.choices[0].message.content == want
+  assert again.usage.prompt_tokens_details.cached_tokens == \
+      again.model_extra["dflash"]["prompt_tokens_reused"] > 0
   chunks = list(c.chat.completions.create(model="smol", messages=msgs, max_tokens=12,
                                           temperature=0, stream=True,
                                           stream_options={"include_usage": True}))
