@@ -177,8 +177,8 @@ def attention_live(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int,
   q: [T, H, Dh] float32; k_all / v_all: [n_layer, Hkv, S, Dh|Dv] head-major caches (any float
   dtype, read as float32; see `write_block`); layer: static row of k_all; mask: [T, S] bool
   visible cache keys, or None (all rows below n_live visible); n_live: [] int32 cache rows that
-  may be visible (rows >= n_live never are). local: None or (k [T2, Hkv, Dh], v [T2, Hkv, Dv], mask [T, T2] bool). live_bound:
-  optional [] int32 >= n_live that sets the number of chunks visited; the batched decode loop
+  may be visible (rows >= n_live never are). local: None or (k [T2, Hkv, Dh], v [T2, Hkv, Dv],
+  mask [T, T2] bool). live_bound: optional [] int32 >= n_live that sets the number of chunks visited; the batched decode loop
   passes the largest n_live of its rows, unbatched, so that under `vmap` every row reads the
   same chunk offsets (plain slices instead of per-row gathers). row: None, or [] int32 with
   k_all / v_all a batch's caches [B, n_layer, Hkv, S, Dh]: this sequence's cache is row `row`,
@@ -204,18 +204,15 @@ def attention_live(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int,
     return (m_new, l * corr + p.sum(-1),
             acc * corr[..., None] + jnp.einsum("grts,gsd->grtd", p, vc, precision=hp))
 
-  def read(i, k_src, v_src):
+  def body(i, carry):
     c0 = jnp.minimum(i * c, s_cap - c)                 # slid back for the last partial chunk
     if row is None:
-      kc = jax.lax.dynamic_slice(k_src, (layer, 0, c0, 0), (1, hkv, c, dh))[0]
-      vc = jax.lax.dynamic_slice(v_src, (layer, 0, c0, 0), (1, hkv, c, dv))[0]
+      kc = jax.lax.dynamic_slice(k_all, (layer, 0, c0, 0), (1, hkv, c, dh))[0]
+      vc = jax.lax.dynamic_slice(v_all, (layer, 0, c0, 0), (1, hkv, c, dv))[0]
     else:
-      kc = jax.lax.dynamic_slice(k_src, (row, layer, 0, c0, 0), (1, 1, hkv, c, dh))[0, 0]
-      vc = jax.lax.dynamic_slice(v_src, (row, layer, 0, c0, 0), (1, 1, hkv, c, dv))[0, 0]
-    return c0, kc.astype(jnp.float32), vc.astype(jnp.float32)
-
-  def body(i, carry):
-    c0, kc, vc = read(i, k_all, v_all)
+      kc = jax.lax.dynamic_slice(k_all, (row, layer, 0, c0, 0), (1, 1, hkv, c, dh))[0, 0]
+      vc = jax.lax.dynamic_slice(v_all, (row, layer, 0, c0, 0), (1, 1, hkv, c, dv))[0, 0]
+    kc, vc = kc.astype(jnp.float32), vc.astype(jnp.float32)
     cols = c0 + jnp.arange(c, dtype=jnp.int32)
     vis = ((cols >= i * c) & (cols < n_live))[None, :]
     if mask is not None:

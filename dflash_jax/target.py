@@ -227,7 +227,7 @@ def _trunk(params: TargetParams, cfg: TargetConfig, x, cache: TargetCache, start
 
 def prefill(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, start: jax.Array,
             n_valid: jax.Array, cache: TargetCache, rt: Runtime, *,
-            feature_layers: tuple[int, ...] = (), kv_row=None, live_bound=None) -> Prefilled:
+            feature_layers: tuple[int, ...] = (), kv_row=None) -> Prefilled:
   """Forward of T prompt tokens at positions start..start+T-1 (causal), of which the first
   n_valid are real (the rest is chunk padding), committing them to the cache: KV rows written,
   SSM state advanced by the chunked gated delta rule, conv state = the last K-1 real inputs.
@@ -237,8 +237,7 @@ def prefill(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, start: j
   kv_row: None, or [] int32 with cache.k / cache.v a batch's caches [B, n_attn, Hkv, S, Dh]
   (cache.ssm / cache.conv this sequence's own): the sequence is row kv_row of them, read in
   place, and its new K/V rows come back unwritten in Prefilled.k / .v (the caller writes them,
-  e.g. as `decode.prefill_rows` does; cache.k / .v come back as given). live_bound: as in `verify` (a vmapped
-  group of rows shares the chunk count of its longest).
+  as `decode.prefill_chunk` does; cache.k / .v come back as given).
   """
   t = tokens.shape[0]
   pos = start + jnp.arange(t, dtype=jnp.int32)
@@ -250,7 +249,7 @@ def prefill(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, start: j
 
   x = take_rows(params.embed, tokens)
   h, feats, k, v, cache, _ = _trunk(params, cfg, x, cache, start, pos, causal, mixer,
-                                    feature_layers, rt, live_bound=live_bound, kv_row=kv_row)
+                                    feature_layers, rt, kv_row=kv_row)
   if kv_row is not None:
     return Prefilled(hidden=h, feats=feats, cache=cache, k=k, v=v)
   cache = dataclasses.replace(cache, k=layers.write_block(cache.k, start, k),
