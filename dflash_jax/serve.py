@@ -27,6 +27,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import hmac
 import json
 import threading
 import time
@@ -54,6 +55,11 @@ class ApiError(Exception):
                       "code": self.code}}
 
 
+class StreamOptions(pydantic.BaseModel):
+  model_config = pydantic.ConfigDict(extra="allow")
+  include_usage: Optional[bool] = None
+
+
 class _Request(pydantic.BaseModel):
   model_config = pydantic.ConfigDict(extra="allow")   # unknown fields are ignored, as OpenAI does
   model: Optional[str] = None
@@ -67,6 +73,7 @@ class _Request(pydantic.BaseModel):
   min_p: Optional[float] = None
   seed: Optional[int] = None
   n: int = 1
+  stream_options: Optional[StreamOptions] = None
 
 
 class ChatRequest(_Request):
@@ -144,7 +151,7 @@ class Engine:
 
   def __init__(self, target, draft, dec, sampling_defaults, model_name: str, max_queue: int,
                max_batch: Optional[int] = None, steps_per_call: int = 4,
-               reuse_prefix: bool = True):
+               reuse_prefix: bool = True, parse_special: bool = False):
     from dflash_jax import api, batching
     self.target, self.draft = target, draft
     self.dec_for = dec if callable(dec) else (lambda _b, d=dec: d)
@@ -152,6 +159,7 @@ class Engine:
     self.sampling_defaults, self.model_name, self.max_queue = sampling_defaults, model_name, max_queue
     self.max_batch = batching.bucket(max_batch or api.default_batch_size())
     self.steps_per_call = steps_per_call
+    self.parse_special = parse_special
     self.reuse_prefix = reuse_prefix and not target.config.gdn_layers
     self._slot_prompt: dict[int, np.ndarray] = {}   # slot -> prompt whose rows it still holds
     self.eog = api._eog(target, None)
@@ -169,8 +177,36 @@ class Engine:
     self._small_since: Optional[float] = None
     self.shrink_after_s = 1.0     # a batch shrinks when fewer rows than half of it stayed busy
 
+  def max_prompt_chars(self) -> int:
+    """Characters a prompt may have: more than max_ctx tokens of the longest token cannot fit
+    the context, whatever their tokenization (checked before tokenizing)."""
+    return self.dec.max_ctx * self.target.tokenizer.max_token_chars
+
+  def max_body_bytes(self) -> int:
+    """Default request body limit: 1 MiB of JSON around max_prompt_chars characters at their
+    longest JSON form (12 bytes: an escaped surrogate pair)."""
+    return (1 << 20) + 12 * self.max_prompt_chars()
+
+  def check_size(self, req):
+    """Refuse a prompt (or conversation) longer in characters than the context could hold
+    (ApiError 400 context_length_exceeded), before any tokenizing."""
+    if isinstance(req, ChatRequest):
+      n = sum(len(m.get("content")) for m in req.messages
+              if isinstance(m, dict) and isinstance(m.get("content"), str))
+      param = "messages"
+    else:
+      n = len(req.prompt) if isinstance(req.prompt, str) else 0
+      param = "prompt"
+    if n > self.max_prompt_chars():
+      raise ApiError(400, f"the prompt has {n} characters, more than this server's context of "
+                     f"{self.dec.max_ctx} tokens can hold", param=param,
+                     code="context_length_exceeded")
+
   def prompt_ids(self, req) -> list[int]:
-    """Token ids of a request's prompt (chat template for messages). Raises ApiError (400)."""
+    """Token ids of a request's prompt (chat template for messages; special-token text inside
+    message content stays text unless the engine's parse_special). Raises ApiError (400) naming
+    the field for a bad message, a lone surrogate or a template failure."""
+    from dflash_jax.tokenizer import check_text
     tok = self.target.tokenizer
     if isinstance(req, ChatRequest):
       if not req.messages:
@@ -178,9 +214,14 @@ class Engine:
       for i, m in enumerate(req.messages):
         if m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
           raise ApiError(400, f"messages[{i}] needs a role (system, user, assistant) and string "
-                         "content", param="messages")
+                         "content", param=f"messages[{i}]")
+        try:
+          check_text(m["content"])
+        except ValueError as e:
+          raise ApiError(400, f"messages[{i}].content: {e}", param=f"messages[{i}].content") from None
       try:
-        return tok.encode(tok.apply_chat_template(req.messages, add_generation_prompt=True))
+        return tok.encode_chat(req.messages, add_generation_prompt=True,
+                               parse_special=self.parse_special)
       except (ValueError, NotImplementedError) as e:
         raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
     if isinstance(req.prompt, list):
@@ -188,14 +229,23 @@ class Engine:
         raise ApiError(400, "prompt token ids must be non-empty and inside the vocabulary",
                        param="prompt")
       return list(req.prompt)
-    return tok.encode(req.prompt)
+    try:
+      return tok.encode(check_text(req.prompt), parse_special=self.parse_special)
+    except ValueError as e:
+      raise ApiError(400, f"prompt: {e}", param="prompt") from None
 
   def sampling(self, req):
-    """The request's SamplingConfig: its fields over the server defaults. Raises ApiError."""
+    """The request's SamplingConfig: its fields over the server defaults. Raises ApiError naming
+    the bad field."""
     from dflash_jax.sampling import SamplingConfig
     base = self.sampling_defaults or SamplingConfig()
     given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed")
              if getattr(req, k) is not None}
+    for k, v in given.items():         # one at a time, so the error names the bad one
+      try:
+        dataclasses.replace(base, **{k: v})
+      except ValueError as e:
+        raise ApiError(400, str(e).replace("SamplingConfig.", ""), param=k) from None
     try:
       return dataclasses.replace(base, **given)
     except ValueError as e:
@@ -203,6 +253,9 @@ class Engine:
 
   def check(self, req, ids: list[int]) -> tuple[int, list[str]]:
     """(max new tokens, stop strings) of a request. Raises ApiError (400)."""
+    from dflash_jax.tokenizer import check_text
+    if req.n < 1:
+      raise ApiError(400, f"n={req.n}: the number of choices must be at least 1", param="n")
     if req.n != 1:
       raise ApiError(400, "n > 1 is not supported (one choice per request)", param="n")
     if len(ids) + 1 > self.dec.max_ctx:
@@ -213,6 +266,11 @@ class Engine:
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stops) > 4:
       raise ApiError(400, "at most 4 stop strings", param="stop")
+    for s in stops:
+      try:
+        check_text(s)
+      except ValueError as e:
+        raise ApiError(400, f"stop: {e}", param="stop") from None
     limit = req.max_completion_tokens or req.max_tokens or self.dec.max_ctx - len(ids)
     return min(limit, self.dec.max_ctx), stops
 
@@ -510,7 +568,8 @@ def _launch(engine: Engine, ids, max_new, stops, samp, request: fastapi.Request)
 
 
 async def _events(engine: Engine, job: _Job, kind: str, rid: str, created: int, req, n_prompt: int):
-  """The server-sent events of a streamed request, ending with `data: [DONE]`."""
+  """The server-sent events of a streamed request, ending with `data: [DONE]` (an error after
+  the headers went out is sent as an error event before it)."""
   name = engine.model_name
   try:
     if kind == "chat":
@@ -523,9 +582,13 @@ async def _events(engine: Engine, job: _Job, kind: str, rid: str, created: int, 
       yield f"data: {json.dumps(e.body())}\n\n"
       yield "data: [DONE]\n\n"
       return
+    except Exception as e:  # noqa: BLE001 (any failure still ends the stream properly)
+      yield f"data: {json.dumps(_server_error(e).body())}\n\n"
+      yield "data: [DONE]\n\n"
+      return
     last = _chunk(kind, rid, created, name, None, out.finish_reason)
     last["dflash"] = out.stats
-    if (getattr(req, "stream_options", None) or {}).get("include_usage"):
+    if req.stream_options is not None and req.stream_options.include_usage:
       last["usage"] = _final(kind, rid, created, name, out, n_prompt)["usage"]
     yield f"data: {json.dumps(last)}\n\n"
     yield "data: [DONE]\n\n"
@@ -533,15 +596,24 @@ async def _events(engine: Engine, job: _Job, kind: str, rid: str, created: int, 
     job.close()
 
 
+def _server_error(e: Exception) -> ApiError:
+  return ApiError(500, f"internal error: {type(e).__name__}: {e}"[:500], type_="server_error")
+
+
 async def _complete(engine: Engine, kind: str, req, request: fastapi.Request):
-  """Validate, queue and answer one (chat) completion request."""
+  """Validate, queue and answer one (chat) completion request. The cheap checks run first (queue
+  bound, sizes in characters); tokenizing and the chat template run in a worker thread, so a
+  large prompt never holds up the event loop (other clients, /health)."""
   from fastapi.responses import StreamingResponse
-  ids = engine.prompt_ids(req)
-  max_new, stops = engine.check(req, ids)
-  samp = engine.sampling(req)
   if engine.waiting >= engine.max_queue:
     raise ApiError(503, "the server is busy (queue full); retry later", type_="server_error",
                    code="queue_full")
+  engine.check_size(req)
+  ids = await asyncio.to_thread(engine.prompt_ids, req)
+  max_new, stops = engine.check(req, ids)
+  samp = engine.sampling(req)
+  if await request.is_disconnected():       # gone while its prompt was tokenized
+    raise ApiError(499, "the client disconnected", code="client_disconnected")
   rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
   created = int(time.time())
   job = _launch(engine, ids, max_new, stops, samp, request)
@@ -557,18 +629,186 @@ async def _complete(engine: Engine, kind: str, req, request: fastapi.Request):
 
 def _validation_error(e) -> ApiError:
   errs = e.errors()
+  if errs and errs[0].get("type") == "json_invalid":     # loc is (body, character offset)
+    ctx = errs[0].get("ctx") or {}
+    return ApiError(400, f"the request body is not valid JSON ({ctx.get('error', 'parse error')} "
+                    f"at character {errs[0].get('loc', (None, '?'))[-1]})", param=None)
   loc = ".".join(str(x) for x in errs[0].get("loc", ())[1:]) if errs else None
   msg = "; ".join(f"{'.'.join(str(x) for x in d.get('loc', ())[1:]) or 'body'}: {d.get('msg')}"
                   for d in errs) or "invalid request"
   return ApiError(400, msg, param=loc or None)
 
 
-def create_app(engine, api_key: Optional[str] = None) -> fastapi.FastAPI:
-  """The FastAPI application around `engine`: an Engine, or a function returning the Engine or
+def _json_error(e: ApiError, headers: Optional[dict] = None):
+  from fastapi.responses import JSONResponse
+  if e.status in (429, 503):
+    headers = {"Retry-After": "1", **(headers or {})}
+  return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def read_api_key_file(path: str, stdin=None) -> str:
+  """The API key on the first line of `path` ('-': `stdin`, default sys.stdin), stripped.
+  Raises ValueError naming --api_key_file when it cannot be read or the line is empty."""
+  import sys
+  try:
+    if path == "-":
+      line = (stdin or sys.stdin).readline()
+    else:
+      with open(path, encoding="utf-8") as fh:
+        line = fh.readline()
+  except (OSError, UnicodeDecodeError) as e:
+    raise ValueError(f"--api_key_file {path}: cannot read it ({e})") from None
+  key = line.strip()
+  if not key:
+    raise ValueError(f"--api_key_file {path}: the first line is empty")
+  return key
+
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+def default_allowed_hosts(bind_host: str) -> Optional[tuple[str, ...]]:
+  """Host header names the server answers to by default: the loopback names when it listens
+  on a loopback address (a page on another site cannot then reach it through DNS rebinding),
+  else None (any; protect such a server with an API key)."""
+  import ipaddress
+  if bind_host == "localhost":
+    return LOOPBACK_HOSTS
+  try:
+    return LOOPBACK_HOSTS if ipaddress.ip_address(bind_host).is_loopback else None
+  except ValueError:
+    return None
+
+
+def _host_name(value: str) -> str:
+  """The name in a Host header value, without its port ("[::1]:8000" -> "::1")."""
+  value = value.strip().lower()
+  if value.startswith("["):
+    return value[1:value.find("]")] if "]" in value else value
+  return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+def _too_large(limit: int) -> ApiError:
+  return ApiError(413, f"the request body exceeds {limit} bytes (--max_body_bytes)",
+                  code="request_too_large")
+
+
+def _too_large_exception(limit: int):
+  """What the body reader raises past the limit: an HTTPException (FastAPI passes those on,
+  where it turns any other error while reading the body into a 400)."""
+  from starlette.exceptions import HTTPException
+  return HTTPException(413, _too_large(limit).message, headers={"Connection": "close"})
+
+
+class Guard:
+  """Pure ASGI middleware in front of the app (not Starlette's BaseHTTPMiddleware, which hides
+  client disconnects from the routes): checks the Host header against `allowed_hosts` (400
+  invalid_host), the API key on every route but /health (401; hmac.compare_digest), and the
+  request body size (413 request_too_large from Content-Length at once, or as soon as a body
+  without one grows past the limit). max_body_bytes(): the limit now (it follows the engine)."""
+
+  def __init__(self, app, *, api_key: Optional[str], allowed_hosts, max_body_bytes: Callable[[], int]):
+    self.app, self.max_body_bytes = app, max_body_bytes
+    self.key = f"Bearer {api_key}".encode() if api_key else None
+    self.hosts = None if allowed_hosts is None else frozenset(h.lower() for h in allowed_hosts)
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] != "http":
+      return await self.app(scope, receive, send)
+    headers = dict(scope.get("headers") or [])
+    host = headers.get(b"host", b"").decode("latin-1")
+    if self.hosts is not None and _host_name(host) not in self.hosts:
+      return await _json_error(ApiError(400, f"Host header {host[:100]!r} is not allowed (allowed: "
+                                        f"{', '.join(sorted(self.hosts))}; --allowed_hosts)",
+                                        code="invalid_host"))(scope, receive, send)
+    if self.key is not None and scope["path"] != "/health" and not hmac.compare_digest(
+        headers.get(b"authorization", b""), self.key):
+      return await _json_error(ApiError(401, "invalid or missing API key", type_="authentication_error",
+                                        code="invalid_api_key"))(scope, receive, send)
+    limit = self.max_body_bytes()
+    try:
+      declared = int(headers.get(b"content-length", b"0"))
+    except ValueError:
+      declared = 0
+    if declared > limit:
+      return await _json_error(_too_large(limit), {"Connection": "close"})(scope, receive, send)
+    seen = 0
+
+    async def limited_receive():
+      nonlocal seen
+      msg = await receive()
+      if msg["type"] == "http.request":
+        seen += len(msg.get("body", b""))
+        if seen > limit:
+          raise _too_large_exception(limit)
+      return msg
+
+    await self.app(scope, limited_receive, send)
+
+
+def header_timeout_protocol(seconds: float):
+  """uvicorn's h11 protocol class with a header-read timeout: a connection that has not sent a
+  request's complete headers `seconds` after it opened (or after its previous response) is
+  closed, so idle or trickling connections cannot pile up (uvicorn's own keep-alive timeout
+  starts only after a first response). Pass as uvicorn.Config(http=...)."""
+  from uvicorn.protocols.http.h11_impl import H11Protocol
+
+  class HeaderTimeoutProtocol(H11Protocol):
+    _header_timer = None
+
+    def _arm(self):
+      self._disarm()
+      self._header_timer = self.loop.call_later(seconds, self._expired)
+
+    def _disarm(self):
+      if self._header_timer is not None:
+        self._header_timer.cancel()
+        self._header_timer = None
+
+    def _expired(self):
+      self._header_timer = None
+      if not self.transport.is_closing():
+        self.transport.close()
+
+    def connection_made(self, transport):
+      super().connection_made(transport)
+      self._arm()
+
+    def data_received(self, data: bytes):
+      before = self.cycle
+      super().data_received(data)
+      if self.cycle is not before:          # a request's headers are complete
+        self._disarm()
+
+    def on_response_complete(self):
+      before = self.cycle
+      self._arm()
+      super().on_response_complete()
+      if self.cycle is not before:          # a pipelined request started at once
+        self._disarm()
+
+    def connection_lost(self, exc):
+      self._disarm()
+      super().connection_lost(exc)
+
+  return HeaderTimeoutProtocol
+
+
+def create_app(engine, api_key: Optional[str] = None, *, allowed_hosts=None,
+               max_body_bytes: Optional[int] = None) -> Guard:
+  """The ASGI application around `engine`: an Engine, or a function returning the Engine or
   None while it is still loading (then /health answers 503 {"status": "loading"} and the other
-  routes a 503 error). api_key: required as a Bearer token on /v1."""
+  routes a 503 error).
+
+  api_key: required as a Bearer token on every route but /health (docs and /metrics included).
+  allowed_hosts: Host header names accepted (None: any; see default_allowed_hosts).
+  max_body_bytes: request body limit (default Engine.max_body_bytes(), 1 MiB while loading).
+  Every error, routing ones included, has OpenAI's shape {"error": {message, type, param, code}};
+  503s carry Retry-After.
+  """
   from fastapi.exceptions import RequestValidationError
   from fastapi.responses import JSONResponse, PlainTextResponse
+  from starlette.exceptions import HTTPException
 
   get = engine if callable(engine) else (lambda: engine)
 
@@ -580,24 +820,19 @@ def create_app(engine, api_key: Optional[str] = None) -> fastapi.FastAPI:
     return e
 
   api = fastapi.FastAPI(title="dflash-jax")
-  api.exception_handler(ApiError)(
-      lambda _, e: JSONResponse(e.body(), status_code=e.status))
-  api.exception_handler(RequestValidationError)(
-      lambda _, e: JSONResponse(_validation_error(e).body(), status_code=400))
-
-  @api.middleware("http")
-  async def _auth(request: fastapi.Request, call_next):
-    if api_key and request.url.path.startswith("/v1") and \
-        request.headers.get("authorization") != f"Bearer {api_key}":
-      return JSONResponse(ApiError(401, "invalid or missing API key", type_="authentication_error",
-                                   code="invalid_api_key").body(), status_code=401)
-    return await call_next(request)
+  api.exception_handler(ApiError)(lambda _, e: _json_error(e))
+  api.exception_handler(RequestValidationError)(lambda _, e: _json_error(_validation_error(e)))
+  api.exception_handler(HTTPException)(lambda _, e: _json_error(ApiError(
+      e.status_code, str(e.detail), code={404: "not_found", 405: "method_not_allowed",
+                                          413: "request_too_large"}.get(e.status_code)),
+      getattr(e, "headers", None)))
+  api.exception_handler(Exception)(lambda _, e: _json_error(_server_error(e)))
 
   @api.get("/health")
   def health():
     e = get()
     if e is None:
-      return JSONResponse({"status": "loading"}, status_code=503)
+      return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
     return {"status": "ok", "model": e.model_name, "waiting": e.waiting}
 
   api.get("/metrics")(lambda: PlainTextResponse(ready().metrics_text()))
@@ -612,7 +847,13 @@ def create_app(engine, api_key: Optional[str] = None) -> fastapi.FastAPI:
   async def completions(req: CompletionRequest, request: fastapi.Request):
     return await _complete(ready(), "completion", req, request)
 
-  return api
+  def body_limit() -> int:
+    if max_body_bytes is not None:
+      return max_body_bytes
+    e = get()
+    return e.max_body_bytes() if e is not None else 1 << 20
+
+  return Guard(api, api_key=api_key, allowed_hosts=allowed_hosts, max_body_bytes=body_limit)
 
 
 if __name__ == "__main__":

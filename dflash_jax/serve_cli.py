@@ -21,8 +21,28 @@ _DRAFT = flags.DEFINE_string("draft", None, "z-lab DFlash draft directory; defau
                              "checkpoints/ draft matching the target; 'none': autoregressive.")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
 _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
-_API_KEY = flags.DEFINE_string("api_key", None, "If set, /v1 requests need 'Authorization: "
-                               "Bearer <key>'.")
+_API_KEY = flags.DEFINE_string("api_key", None, "If set, every route but /health needs "
+                               "'Authorization: Bearer <key>'. Visible to other users in `ps`: "
+                               "prefer --api_key_file.")
+_API_KEY_FILE = flags.DEFINE_string("api_key_file", None, "Read the API key from this file (its "
+                                    "first line), or from standard input with '-'.")
+_ALLOWED_HOSTS = flags.DEFINE_list("allowed_hosts", None, "Host header names answered (others "
+                                   "get 400 invalid_host: no DNS rebinding). Default: localhost, "
+                                   "127.0.0.1, ::1 when --host is a loopback address, else any; "
+                                   "'*': any.")
+_MAX_BODY = flags.DEFINE_integer("max_body_bytes", None, "Request body limit in bytes (413 "
+                                 "above it). Default: 1 MiB + 12 bytes per character that "
+                                 "max_ctx tokens can hold.", lower_bound=1024)
+_MAX_CONNECTIONS = flags.DEFINE_integer("max_connections", 1024, "Open connections at most "
+                                        "(uvicorn limit_concurrency: 503 beyond).", lower_bound=1)
+_HEADER_TIMEOUT = flags.DEFINE_float("header_timeout", 10.0, "Seconds a connection may take to "
+                                     "send a request's headers before it is closed.",
+                                     lower_bound=0.1)
+_KEEP_ALIVE = flags.DEFINE_float("keep_alive_timeout", 5.0, "Seconds an idle keep-alive "
+                                 "connection stays open.", lower_bound=0.1)
+_DRAIN_TIMEOUT = flags.DEFINE_float("drain_timeout", 30.0, "On SIGTERM / Ctrl-C: seconds "
+                                    "running requests get to finish before the server stops.",
+                                    lower_bound=0.0)
 _MAX_QUEUE = flags.DEFINE_integer("max_queue", 64, "Requests waiting for the model at most.")
 _MAX_BATCH = flags.DEFINE_integer("max_batch", None, "Requests decoded together at most (1..64; "
                                   "default 8 on CPU, 32 on accelerators).", lower_bound=1,
@@ -54,16 +74,56 @@ def build_engine() -> serve.Engine:
           for b in serve._buckets(64)}          # mode "auto": per batch size
   name = _MODEL_NAME.value or os.path.basename(target.path)
   engine = serve.Engine(target, draft, decs.__getitem__, defaults, name, _MAX_QUEUE.value,
-                        _MAX_BATCH.value, _STEPS_PER_CALL.value, reuse_prefix=_REUSE_PREFIX.value)
+                        _MAX_BATCH.value, _STEPS_PER_CALL.value, reuse_prefix=_REUSE_PREFIX.value,
+                        parse_special=_TF.parse_special.value)
   dj.api.check_config(target, draft, decs[engine.max_batch], engine.max_batch)
   engine.warm_up()
   return engine
+
+
+def api_key() -> str | None:
+  """The API key from --api_key_file (first line; '-': standard input) or --api_key. Raises
+  ValueError naming the flag for an unreadable or empty file, or both flags given."""
+  if _API_KEY_FILE.value is None:
+    return _API_KEY.value
+  if _API_KEY.value is not None:
+    raise ValueError("give --api_key or --api_key_file, not both")
+  return serve.read_api_key_file(_API_KEY_FILE.value)
+
+
+def allowed_hosts():
+  """--allowed_hosts as a tuple, None for any ('*', or the default on a non-loopback --host)."""
+  if _ALLOWED_HOSTS.value is None:
+    return serve.default_allowed_hosts(_HOST.value)
+  return None if "*" in _ALLOWED_HOSTS.value else tuple(_ALLOWED_HOSTS.value)
+
+
+def _raise_fd_limit():
+  """Raise the soft open-files limit to the hard one (each connection holds a descriptor)."""
+  try:
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+      resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+  except (ImportError, ValueError, OSError):
+    pass
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   import uvicorn
+  try:
+    key, hosts = api_key(), allowed_hosts()
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
+  if _API_KEY.value is not None:
+    print("[dflash] warning: --api_key is visible to other users of this machine (ps); prefer "
+          "--api_key_file", file=sys.stderr, flush=True)
+  if key is None and hosts is None:
+    print(f"[dflash] warning: listening on {_HOST.value} with no API key: anyone who can reach "
+          "this address can use the model (--api_key_file)", file=sys.stderr, flush=True)
   holder: dict = {}
 
   def load():
@@ -80,8 +140,13 @@ def main(argv):
   print(f"[dflash] listening on http://{_HOST.value}:{_PORT.value}; loading and compiling the "
         "model (/health: 503 until ready)", flush=True)
   threading.Thread(target=load, name="dflash-load", daemon=True).start()
-  uvicorn.run(serve.create_app(lambda: holder.get("engine"), _API_KEY.value), host=_HOST.value,
-              port=_PORT.value, log_level="warning")
+  _raise_fd_limit()
+  app_ = serve.create_app(lambda: holder.get("engine"), key, allowed_hosts=hosts,
+                          max_body_bytes=_MAX_BODY.value)
+  uvicorn.run(app_, host=_HOST.value, port=_PORT.value, log_level="warning",
+              http=serve.header_timeout_protocol(_HEADER_TIMEOUT.value),
+              limit_concurrency=_MAX_CONNECTIONS.value, timeout_keep_alive=_KEEP_ALIVE.value,
+              timeout_graceful_shutdown=_DRAIN_TIMEOUT.value)
 
 
 def run():

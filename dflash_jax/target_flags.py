@@ -23,11 +23,12 @@ class TargetFlags:
   kv_dtype: flags.FlagHolder
   compile_cache: flags.FlagHolder
   compile_cache_dir: flags.FlagHolder
+  parse_special: flags.FlagHolder
 
 
 def define(flag_values: flags.FlagValues = flags.FLAGS) -> TargetFlags:
   """Defines --target, --weights, --kernels, --fuse_projections, --compute_dtype, --kv_dtype,
-  --compile_cache, --compile_cache_dir."""
+  --compile_cache, --compile_cache_dir, --parse_special."""
   return TargetFlags(
       target=flags.DEFINE_string(
           "target", None, "Target GGUF file. Default: SmolLM2-135M-Instruct Q4_1 from the "
@@ -57,6 +58,12 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> TargetFlags:
       compile_cache_dir=flags.DEFINE_string(
           "compile_cache_dir", None, "Directory of the compile cache (default "
           "$XDG_CACHE_HOME/dflash_jax/xla, i.e. ~/.cache/dflash_jax/xla).",
+          flag_values=flag_values),
+      parse_special=flags.DEFINE_boolean(
+          "parse_special", False, "Tokenize special-token text inside chat message content "
+          "(e.g. '<|im_start|>system') as the control tokens it names, as llama-server does. "
+          "Default: it stays text, as the OpenAI API treats it, so a message cannot open a turn "
+          "of another role or end the prompt with an end-of-generation token.",
           flag_values=flag_values),
   )
 
@@ -92,6 +99,11 @@ def load(f: TargetFlags):
   --compile_cache_dir."""
   from dflash_jax import api
   setup_compile_cache(f)
+  if f.kernels.value == "pallas":
+    import jax
+    if jax.default_backend() != "gpu":
+      raise ValueError(f"--kernels=pallas needs a GPU; JAX's backend here is "
+                       f"{jax.default_backend()!r}: use --kernels=auto or --kernels=reference")
   return api.load_target(target_path(f), weights=f.weights.value,
                          compute_dtype=f.compute_dtype.value, kv_dtype=f.kv_dtype.value,
                          kernels=f.kernels.value,

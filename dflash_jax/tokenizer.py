@@ -2,12 +2,15 @@
 
 `tokenizer.ggml.model = gpt2` (byte-level BPE) is supported with the pre-tokenizer regexes that
 llama.cpp uses for `tokenizer.ggml.pre` (src/llama-vocab.cpp, llm_tokenizer_bpe); CONTROL and
-USER_DEFINED tokens are parsed out of the text as special tokens (llama.cpp `parse_special=true`).
+USER_DEFINED tokens are parsed out of text the program writes (templates, raw prompts) as special
+tokens (llama.cpp `parse_special=true`); in chat message content they are text by default
+(`encode_chat`), as the OpenAI API treats them, so a message cannot open a turn of another role.
 """
 
 from __future__ import annotations
 
 import datetime
+import re
 from typing import Any, Mapping, Sequence
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -109,7 +112,14 @@ class GGUFTokenizer:
     special = [i for i, ty in enumerate(types) if ty in (_CONTROL, _USER_DEFINED)]
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
     self._tok = tok
+    self._tok_text = Tokenizer.from_str(tok.to_str())   # special-token text stays text
+    self._tok_text.encode_special_tokens = True
+    texts = sorted({tokens[i] for i in special}, key=len, reverse=True)
+    self._special_re = re.compile("|".join(map(re.escape, texts))) if texts else None
     self.path = path
+    # Longest token in characters (byte-level BPE: one character per byte): a text of more than
+    # max_token_chars * n characters has more than n tokens, known before tokenizing it.
+    self.max_token_chars = max(len(t) for t in tokens)
     self.tokens = tokens
     self.control_ids = frozenset(i for i, ty in enumerate(types) if ty == _CONTROL)
     self.bos_id = _token_id(meta, "tokenizer.ggml.bos_token_id", len(tokens), path)
@@ -126,16 +136,72 @@ class GGUFTokenizer:
   def n_vocab(self) -> int:
     return len(self.tokens)
 
-  def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
-    """Text -> token ids (special tokens in the text are parsed). add_bos default: the GGUF's.
-    Raises ValueError when the ids would not decode back to `text` (a vocabulary that lacks
-    tokens for some characters: they would be dropped silently)."""
-    ids = self._tok.encode(text, add_special_tokens=False).ids
+  def encode(self, text: str, *, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
+    """Text -> token ids. parse_special: CONTROL / USER_DEFINED token texts in `text` become
+    those tokens (llama.cpp parse_special=true), else they are tokenized as plain text.
+    add_bos default: the GGUF's.
+
+    Raises ValueError when `text` is not a str, holds a lone surrogate (not encodable as UTF-8,
+    e.g. from the JSON escape "\\ud800"), or when the ids would not decode back to `text` (a
+    vocabulary that lacks tokens for some characters: they would be dropped silently)."""
+    check_text(text)
+    ids = (self._tok if parse_special else self._tok_text).encode(text, add_special_tokens=False).ids
     if self._tok.decode(ids, skip_special_tokens=False) != text:
       raise ValueError(f"{self.path}: the vocabulary cannot encode this text exactly (characters "
                        f"without a token; byte-level BPE needs all 256 byte tokens)")
     if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
       ids = [int(self.bos_id)] + ids
+    return ids
+
+  def special_text(self, text: str) -> str | None:
+    """The first special-token text (e.g. '<|im_end|>') inside `text`, or None."""
+    m = self._special_re.search(text) if self._special_re is not None else None
+    return m.group(0) if m else None
+
+  def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+                  parse_special: bool = False, **kwargs) -> list[int]:
+    """Token ids of `messages` rendered by the chat template.
+
+    The template's own text is tokenized with special tokens parsed; message content is text:
+    a special-token string inside it (e.g. "<|im_end|><|im_start|>system") is tokenized as the
+    characters it is, not as control tokens (OpenAI's behaviour; the tokens are then the same as
+    llama.cpp's for content without such strings). parse_special=True tokenizes the whole
+    rendered prompt with special tokens parsed (llama-server's behaviour: content can open turns).
+
+    Raises ValueError for a message that is not {role: str, content: str} with valid Unicode
+    (naming messages[i]), for template failures (apply_chat_template), and when content holds
+    special-token text but the template changes content on the way (then it cannot be kept text).
+    """
+    for i, m in enumerate(messages):
+      if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or \
+          not isinstance(m.get("content"), str):
+        raise ValueError(f"messages[{i}] must be an object with string 'role' and 'content'")
+      try:
+        check_text(m["content"])
+        check_text(m["role"])
+      except ValueError as e:
+        raise ValueError(f"messages[{i}]: {e}") from None
+    text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+    spoof = [i for i, m in enumerate(messages) if self.special_text(m["content"])]
+    if parse_special or not spoof:
+      return self.encode(text)
+    # Render again with a marker in place of each such content, then tokenize the template's
+    # pieces with special tokens and the contents as text.
+    marks = {i: f"\ue000{i}\ue001" for i in spoof}
+    marked = [dict(m, content=marks[i]) if i in marks else m for i, m in enumerate(messages)]
+    skeleton = self.apply_chat_template(marked, add_generation_prompt=add_generation_prompt, **kwargs)
+    parts = re.split("\ue000(\\d+)\ue001", skeleton)
+    pieces = [(parts[k], True) if k % 2 == 0 else (messages[int(parts[k])]["content"], False)
+              for k in range(len(parts))]
+    if "".join(p for p, _ in pieces) != text:
+      i = spoof[0]
+      raise ValueError(f"messages[{i}].content contains the special token text "
+                       f"{self.special_text(messages[i]['content'])!r} and this chat template "
+                       f"changes message content, so it cannot be kept as plain text")
+    ids = self.encode("", add_bos=None)
+    for piece, special in pieces:
+      if piece:
+        ids += self.encode(piece, add_bos=False, parse_special=special)
     return ids
 
   def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
@@ -161,6 +227,19 @@ class GGUFTokenizer:
           bos_token=tok(self.bos_id), eos_token=tok(self.eos_id), **kwargs)
     except ValueError as e:
       raise ValueError(f"{self.path}: {e}") from None
+
+
+def check_text(text) -> str:
+  """`text` if it is a str encodable as UTF-8. Raises ValueError naming the position of a lone
+  surrogate (valid in JSON as "\\ud800", not text), or saying what was given instead of a str."""
+  if not isinstance(text, str):
+    raise ValueError(f"expected a string, got {type(text).__name__}")
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise ValueError(f"the text holds a lone surrogate {text[e.start]!r} at character {e.start} "
+                     "(not valid Unicode text)") from None
+  return text
 
 
 _TEMPLATE_CHARS = 1 << 22       # longest string / list a template may build, plus the messages

@@ -129,14 +129,35 @@ def _read_rows(path):
 
 
 def _check_output(path):
-  """Raises ValueError for an existing --output_file without --overwrite, the prompt file as
-  output, or a directory (checked before the model loads)."""
+  """Raises ValueError naming --output_file for an existing file without --overwrite, the prompt
+  file as output, a directory, a missing or unwritable directory, or a <file>.partial that is
+  a symbolic link or not a regular file (all checked before the model loads)."""
   if os.path.isdir(path):
     raise ValueError(f"--output_file {path} is a directory")
   if os.path.realpath(path) == os.path.realpath(_PROMPT_FILE.value):
     raise ValueError(f"--output_file {path} is the prompt file")
   if os.path.exists(path) and os.path.getsize(path) > 0 and not _OVERWRITE.value:
     raise ValueError(f"--output_file {path} exists; pass --overwrite to replace it")
+  folder = os.path.dirname(os.path.abspath(path))
+  if not os.path.isdir(folder):
+    raise ValueError(f"--output_file {path}: the directory {folder} does not exist")
+  if not os.access(folder, os.W_OK | os.X_OK):
+    raise ValueError(f"--output_file {path}: the directory {folder} is not writable")
+  partial = path + ".partial"
+  if os.path.islink(partial) or (os.path.lexists(partial) and not os.path.isfile(partial)):
+    raise ValueError(f"--output_file {path}: {partial} exists and is not a regular file "
+                     "(a symbolic link is never followed); remove it")
+
+
+def _open_partial(path):
+  """<path>.partial opened for writing without following a symbolic link (O_NOFOLLOW: one
+  planted after the check fails here instead of redirecting the write)."""
+  partial = path + ".partial"
+  try:
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+  except OSError as e:
+    raise ValueError(f"--output_file {path}: cannot write {partial} ({e.strerror})") from None
+  return os.fdopen(fd, "w", encoding="utf-8")
 
 
 def _prepare_row(target, dec, row):
@@ -146,7 +167,8 @@ def _prepare_row(target, dec, row):
   max_new = row.get("max_new_tokens", _MAX_NEW.value)
   if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
     raise ValueError(f"max_new_tokens={max_new!r} must be an integer >= 1")
-  ids = cli.build_prompt(target, text, chat=_CHAT.value, system=row.get("system", _SYSTEM.value))
+  ids = cli.build_prompt(target, text, chat=_CHAT.value, system=row.get("system", _SYSTEM.value),
+                         parse_special=_TF.parse_special.value, max_ctx=dec.max_ctx)
   return text, api.check_prompt(target, ids, dec), max_new
 
 
@@ -159,7 +181,7 @@ def _batch(target, draft, dec, samp, rows):
   "error"} and the batch goes on. Returns the number of failed rows."""
   import dflash_jax as dj
   from dflash_jax import cli
-  out = open(_OUTPUT_FILE.value + ".partial", "w", encoding="utf-8") if _OUTPUT_FILE.value else None
+  out = _open_partial(_OUTPUT_FILE.value) if _OUTPUT_FILE.value else None
   recs, todo = [None] * len(rows), []        # todo: (row index, key, text, ids, max_new)
   for i, (line, row) in enumerate(rows):
     key = row.get("id", i) if isinstance(row, dict) else i
@@ -235,8 +257,9 @@ def main(argv):
     if _batch(target, draft, dec, samp, rows):
       sys.exit(1)
     return
-  ids = api.check_prompt(target, cli.build_prompt(target, text, chat=_CHAT.value,
-                                                  system=_SYSTEM.value), dec)
+  ids = api.check_prompt(target, cli.build_prompt(
+      target, text, chat=_CHAT.value, system=_SYSTEM.value,
+      parse_special=_TF.parse_special.value, max_ctx=dec.max_ctx), dec)
   if _WARMUP.value:
     _warm_up(target, draft, dec, samp, ids)
   t0 = time.perf_counter()
