@@ -220,7 +220,7 @@ def _batch(target, draft, dec, samp, rows):
   finally:
     if out is not None:
       out.close()
-      os.replace(out.name, _OUTPUT_FILE.value)
+      os.replace(_OUTPUT_FILE.value + ".partial", _OUTPUT_FILE.value)
   n_failed = sum(1 for r in recs if r is not None and "error" in r)
   print(f"[dflash] {len(rows) - n_failed} rows ok, {n_failed} failed", file=sys.stderr)
   return n_failed

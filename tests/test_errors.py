@@ -101,3 +101,70 @@ def test_unsupported_tokenizer_kind():
     GGUFTokenizer({"tokenizer.ggml.model": "llama"}, path="m.gguf")
   with pytest.raises(NotImplementedError, match=r"tokenizer\.ggml\.pre='mystery'"):
     GGUFTokenizer({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "mystery"}, path="m.gguf")
+
+
+@pytest.mark.parametrize("ids,match", [
+    ([5, 1 << 20], r"token_ids\[1\] = 1048576"),
+    ([3, -1], r"token_ids\[1\] = -1"),
+    ([1.7, 2.0], "must be integers"),
+    ([[1, 2], [3, 4]], r"one-dimensional.*\(2, 2\)"),
+    ([True, False], "must be integers"),
+    ([], "at least one token"),
+])
+def test_forward_logits_checks_ids(qwen_f32, ids, match):
+  """forward_logits refuses what generate refuses (out-of-vocabulary, negative, float, 2-D ids)
+  instead of returning non-finite or wrapped logits."""
+  with pytest.raises(ValueError, match=match):
+    dj.forward_logits(qwen_f32, ids)
+
+
+def test_generate_argument_types(qwen_f32):
+  with pytest.raises(TypeError, match="config must be a DecodeConfig.*mode='chain'"):
+    dj.generate(qwen_f32, None, [1, 2], max_new_tokens=2, config="chain")
+  with pytest.raises(TypeError, match="sampling must be a SamplingConfig.*keywords"):
+    dj.generate(qwen_f32, None, [1, 2], max_new_tokens=2, mode="ar", sampling={"temperature": 1})
+  with pytest.raises(TypeError, match="config must be a DecodeConfig"):
+    dj.generate_batch(qwen_f32, None, [[1, 2]], max_new_tokens=2, config="ar")
+  for eog, match in ((["2"], "'2' is not a token id"), ("2", "must be a sequence"),
+                     ([1 << 40], "1099511627776 is not a token id"), ([True], "True is not")):
+    with pytest.raises(ValueError, match=match):
+      dj.generate(qwen_f32, None, [1, 2], max_new_tokens=2, mode="ar", eog_ids=eog)
+  with pytest.raises(ValueError, match=r"one-dimensional.*\(1, 2\)"):
+    dj.generate(qwen_f32, None, [[1, 2]], max_new_tokens=2, mode="ar")
+  with pytest.raises(ValueError, match=r"prompt list is empty or not a list"):
+    dj.generate_batch(qwen_f32, None, "12", max_new_tokens=2, mode="ar")
+
+
+def test_pallas_kernels_without_gpu_name_the_option():
+  from dflash_jax.runtime import Runtime
+  with pytest.raises(ValueError, match=r"kernels='pallas' \(--kernels\) needs a GPU"):
+    Runtime.for_backend("pallas")
+
+
+def test_draft_with_integer_weights_or_repeated_layers(tmp_path, qwen_f32):
+  from safetensors.numpy import save_file
+  from dflash_jax.draft_io import _load_safetensors
+  d = tmp_path / "draft"
+  shutil.copytree(DRAFT, d)
+  arrays = _load_safetensors(str(d / "model.safetensors"))
+  arrays["layers.0.mlp.up_proj.weight"] = arrays["layers.0.mlp.up_proj.weight"].astype(np.int8)
+  save_file(arrays, str(d / "model.safetensors"))
+  with pytest.raises(ValueError, match=r"up_proj\.weight' has dtype int8.*quantized drafts"):
+    dj.load_draft(str(d), qwen_f32)
+
+  def repeat(cfg):
+    ids = cfg["dflash_config"]["target_layer_ids"]
+    cfg["dflash_config"]["target_layer_ids"] = [ids[0]] * len(ids)
+    return cfg
+  d2 = draft_copy(tmp_path / "b", repeat)
+  with pytest.warns(UserWarning, match=r"target_layer_ids .* repeats layer"):
+    dj.load_draft(d2, qwen_f32)
+
+
+def test_text_that_is_not_unicode():
+  from dflash_jax.tokenizer import check_text
+  assert check_text("héllo") == "héllo"
+  with pytest.raises(ValueError, match=r"lone surrogate '\\ud800' at character 1"):
+    check_text("a\ud800b")
+  with pytest.raises(ValueError, match="expected a string, got int"):
+    check_text(5)

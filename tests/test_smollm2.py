@@ -101,6 +101,9 @@ def test_generate_script_batch_keeps_going_and_protects_output(tmp_path):
       "{not json", json.dumps("just a string"),
       json.dumps({"id": "bad_n", "prompt": "x", "max_new_tokens": "many"}),
       json.dumps({"id": "long", "prompt": "word " * 300}),
+      json.dumps({"id": "surrogate", "prompt": "a\ud800b"}),
+      json.dumps({"id": "sys", "prompt": "x", "system": 5}),
+      json.dumps({"id": "huge", "prompt": "word " * 2_000_000}),
       json.dumps({"id": "ok2", "text": "1, 2, 3,", "max_new_tokens": 2})]) + "\n")
   out = tmp_path / "out.jsonl"
   out.write_text("precious\n")
@@ -117,12 +120,15 @@ def test_generate_script_batch_keeps_going_and_protects_output(tmp_path):
                      text=True, timeout=900, cwd=ROOT)
   assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
   rows = [json.loads(l) for l in out.read_text().splitlines()]
-  assert [x["id"] for x in rows] == ["ok", 1, 2, "bad_n", "long", "ok2"]
-  assert "completion" in rows[0] and "completion" in rows[5]
+  assert [x["id"] for x in rows] == ["ok", 1, 2, "bad_n", "long", "surrogate", "sys", "huge", "ok2"]
+  assert "completion" in rows[0] and "completion" in rows[8]
   assert rows[1]["error"].startswith(f"{prompts}:2: not valid JSON") and rows[1]["line"] == 2
   assert rows[2]["error"].startswith(f"{prompts}:3: expected a JSON object")
   assert "max_new_tokens='many'" in rows[3]["error"] and "max_ctx=64" in rows[4]["error"]
-  assert "4 rows ok" not in r.stderr and "2 rows ok, 4 failed" in r.stderr
+  assert rows[5]["error"].startswith("prompt: the text holds a lone surrogate")
+  assert rows[6]["error"] == "system: expected a string, got int"
+  assert rows[7]["error"].startswith("prompt has 10000000 characters: more than max_ctx=64")
+  assert "2 rows ok, 7 failed" in r.stderr
   assert not os.path.exists(str(out) + ".partial")
 
 
@@ -130,6 +136,9 @@ def test_generate_script_batch_keeps_going_and_protects_output(tmp_path):
     (["--nochat"], b"\xff\xfe bad bytes", "error: stdin is not UTF-8 text"),
     (["--prompt_file", "{tmp}"], b"", "error: --prompt_file {tmp}: cannot read it"),
     (["--prompt_file", "{tmp}/p.jsonl", "--output_file", "{tmp}"], b"", "is a directory"),
+    (["--prompt_file", "{tmp}/p.jsonl", "--output_file", "{tmp}/no/o.jsonl"], b"",
+     "error: --output_file {tmp}/no/o.jsonl: the directory {tmp}/no does not exist"),
+    (["--prompt", "x", "--kernels", "pallas"], b"", "error: --kernels=pallas needs a GPU"),
     (["--prompt", "x", "--max_new_tokens", "0"], b"", "max_new_tokens"),
     (["--prompt", "x", "--mode", "ddtree", "--budget", "100000"], b"", "budget=100000: must be in"),
     (["--prompt", "x", "--max_ctx", "10000000", "--draft", "none"], b"",
@@ -144,6 +153,22 @@ def test_generate_script_bad_input_is_one_line(tmp_path, args, stdin, match):
   err = r.stderr.decode()
   assert r.returncode == 1 and match.replace("{tmp}", str(tmp_path)) in err, err[-2000:]
   assert "Traceback" not in err and "compiled in" not in err
+
+
+def test_generate_script_never_follows_a_partial_symlink(tmp_path):
+  """An <output>.partial planted as a symbolic link is refused before loading; its target is
+  untouched."""
+  (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "x"}) + "\n")
+  victim = tmp_path / "victim.txt"
+  victim.write_text("precious\n")
+  os.symlink(victim, tmp_path / "o.jsonl.partial")
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "generate.py"),
+                      "--prompt_file", str(tmp_path / "p.jsonl"), "--output_file",
+                      str(tmp_path / "o.jsonl")], capture_output=True, text=True, timeout=600,
+                     cwd=ROOT)
+  assert r.returncode == 1 and "o.jsonl.partial exists and is not a regular file" in r.stderr
+  assert "Traceback" not in r.stderr and "loading" not in r.stderr
+  assert victim.read_text() == "precious\n"
 
 
 def test_generate_script_sigint_keeps_finished_rows(tmp_path):
