@@ -176,6 +176,7 @@ class Engine:
     self._thread: Optional[threading.Thread] = None
     self._small_since: Optional[float] = None
     self.shrink_after_s = 1.0     # a batch shrinks when fewer rows than half of it stayed busy
+    self.warmed: list[int] = []   # buckets whose programs are compiled (warm_up)
 
   def max_prompt_chars(self) -> int:
     """Characters a prompt may have: more than max_ctx tokens of the longest token cannot fit
@@ -290,12 +291,14 @@ class Engine:
       self._cv.notify()
     return fut
 
-  def warm_up(self):
-    """Compile the programs of every bucket up to max_batch (prefill and decode, greedy and
-    sampling variants) before the first request."""
+  def warm_up(self, buckets: Optional[list[int]] = None):
+    """Compile (or read from the compile cache) the programs of `buckets` (default: every bucket
+    up to max_batch): prefill and decode, greedy and sampling variants. The server warms bucket
+    1 before it reports ready and the others right after (`warmed` lists the buckets done);
+    a request that needs a bucket not yet warm compiles it on the spot."""
     from dflash_jax import batching
     from dflash_jax.sampling import SamplingConfig
-    for bsz in _buckets(self.max_batch):
+    for bsz in (_buckets(self.max_batch) if buckets is None else buckets):
       dec = self.dec_for(bsz)
       b = batching.SlotBatch(self.target, self.draft, dec, bsz, self.eog)
       for samp in (SamplingConfig(), SamplingConfig(temperature=1.0)):
@@ -303,6 +306,7 @@ class Engine:
           b.prefill(0, np.zeros(n, np.int32), 3, samp)
         b.run(1)
       jax.block_until_ready(b.state.out)
+      self.warmed.append(bsz)
 
   # --- the scheduler thread -------------------------------------------------------------------
 
@@ -833,7 +837,8 @@ def create_app(engine, api_key: Optional[str] = None, *, allowed_hosts=None,
     e = get()
     if e is None:
       return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
-    return {"status": "ok", "model": e.model_name, "waiting": e.waiting}
+    return {"status": "ok", "model": e.model_name, "waiting": e.waiting,
+            "warm_buckets": list(e.warmed), "max_batch": e.max_batch}
 
   api.get("/metrics")(lambda: PlainTextResponse(ready().metrics_text()))
   api.get("/v1/models")(lambda: {"object": "list", "data": [

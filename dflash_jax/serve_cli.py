@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 from absl import app, flags
 
@@ -58,9 +59,10 @@ _MODEL_NAME = flags.DEFINE_string("model_name", None, "Model id in the API (defa
 
 
 def build_engine() -> serve.Engine:
-  """Load the target and draft the flags name, compile the decode functions (greedy and
-  sampling variants of every batch bucket) with a warm-up, and return the Engine. Raises
-  ValueError / FileNotFoundError / app.UsageError for bad flags or files."""
+  """Load the target and draft the flags name, compile the decode functions of batch bucket 1
+  (greedy and sampling variants) with a warm-up, and return the Engine (the other buckets are
+  warmed after it reports ready: `main`). Raises ValueError / FileNotFoundError /
+  app.UsageError for bad flags or files."""
   import dflash_jax as dj
   from dflash_jax import cli
   target = target_flags.load(_TF)
@@ -77,7 +79,7 @@ def build_engine() -> serve.Engine:
                         _MAX_BATCH.value, _STEPS_PER_CALL.value, reuse_prefix=_REUSE_PREFIX.value,
                         parse_special=_TF.parse_special.value)
   dj.api.check_config(target, draft, decs[engine.max_batch], engine.max_batch)
-  engine.warm_up()
+  engine.warm_up([1])
   return engine
 
 
@@ -136,6 +138,15 @@ def main(argv):
     modes = ", ".join(f"B={b}: {engine.dec_for(b).mode}" for b in serve._buckets(engine.max_batch))
     print(f"[dflash] ready: {engine.model_name} ({modes}) on http://{_HOST.value}:{_PORT.value}",
           flush=True)
+    rest = [b for b in serve._buckets(engine.max_batch) if b not in engine.warmed]
+    if rest:       # while the first requests are served (a bucket needed sooner compiles then)
+      t0 = time.perf_counter()
+      try:
+        engine.warm_up(rest)
+      except Exception as e:      # the engine compiles what it needs when a request comes
+        print(f"[dflash] warning: warming batch buckets {rest} failed: {e}", flush=True)
+        return
+      print(f"[dflash] batch buckets {rest} warm ({time.perf_counter() - t0:.0f} s)", flush=True)
 
   print(f"[dflash] listening on http://{_HOST.value}:{_PORT.value}; loading and compiling the "
         "model (/health: 503 until ready)", flush=True)

@@ -43,6 +43,11 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def _all_warm(health: dict) -> bool:
+  warm = health.get("warm_buckets")
+  return warm is None or (bool(warm) and max(warm) >= health.get("max_batch", max(warm)))
+
+
 def start_server(port: int) -> subprocess.Popen:
   cmd = [sys.executable, "-m", "dflash_jax.serve", f"--port={port}", f"--max_batch={_MAX_BATCH.value}",
          f"--mode={_MODE.value}", f"--max_ctx={_MAX_CTX.value}", "--max_queue=256",
@@ -56,7 +61,9 @@ def start_server(port: int) -> subprocess.Popen:
     try:
       conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
       conn.request("GET", "/health")
-      if conn.getresponse().status == 200:
+      resp = conn.getresponse()
+      # ready, and every batch bucket warm (they compile after /health turns 200)
+      if resp.status == 200 and _all_warm(json.loads(resp.read())):
         return proc
     except OSError:
       pass

@@ -193,6 +193,11 @@ class Soak:
       self.stop.wait(1.0)
 
 
+def _all_warm(health: dict) -> bool:
+  warm = health.get("warm_buckets")
+  return warm is None or (bool(warm) and max(warm) >= health.get("max_batch", max(warm)))
+
+
 def start_server(port: int) -> subprocess.Popen:
   cmd = [sys.executable, "-m", "dflash_jax.serve", f"--port={port}", f"--max_ctx={_MAX_CTX.value}",
          "--max_queue=256", "--header_timeout=5", *_SERVER_ARGS.value]
@@ -204,7 +209,9 @@ def start_server(port: int) -> subprocess.Popen:
     try:
       conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
       conn.request("GET", "/health")
-      if conn.getresponse().status == 200:
+      resp = conn.getresponse()
+      # ready, and every batch bucket warm (they compile after /health turns 200)
+      if resp.status == 200 and _all_warm(json.loads(resp.read())):
         return proc
     except OSError:
       pass
