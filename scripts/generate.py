@@ -78,8 +78,8 @@ def _warm_up(target, draft, dec, samp, ids, n_rows=None):
   cache = jax.config.jax_compilation_cache_dir
   print(f"[dflash] compiling (compile cache: {cache or 'off'}) ...", file=sys.stderr, flush=True)
   t0 = time.perf_counter()
-  if n_rows is None:
-    dj.generate(target, draft, ids[:1], max_new_tokens=2, config=dec, sampling=samp,
+  if n_rows is None:       # the prompt's own prefill length (one chunk of it at most)
+    dj.generate(target, draft, ids[:dec.prefill_chunk], max_new_tokens=2, config=dec, sampling=samp,
                 on_tokens=(lambda _: None) if _STREAM.value else None)
   else:
     b = min(n_rows, _BATCH.value or dj.api.default_batch_size())
