@@ -84,6 +84,18 @@ class CompletionRequest(_Request):
   prompt: Union[str, list[int]]
 
 
+# Request fields this server does not implement -> the values that ask for nothing (accepted).
+UNSUPPORTED = {
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "function_call": (None, "none"), "parallel_tool_calls": (None, True, False),
+    "response_format": (None, {"type": "text"}), "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "echo": (None, False),
+    "best_of": (None, 1), "suffix": (None, ""), "audio": (None,), "modalities": (None, ["text"]),
+    "prediction": (None,), "reasoning_effort": (None,),
+}
+
+
 @dataclasses.dataclass
 class Outcome:
   """What one decode produced: text (cut at a stop string), generated token count, finish
@@ -253,8 +265,15 @@ class Engine:
       raise ApiError(400, str(e).replace("SamplingConfig.", ""), param=next(iter(given), None)) from None
 
   def check(self, req, ids: list[int]) -> tuple[int, list[str]]:
-    """(max new tokens, stop strings) of a request. Raises ApiError (400)."""
+    """(max new tokens, stop strings) of a request. Raises ApiError (400), also for a field this
+    server does not implement (`UNSUPPORTED`) given with a value other than its no-op default:
+    nothing a client asks for is silently dropped."""
     from dflash_jax.tokenizer import check_text
+    extra = req.model_extra or {}
+    for name, noop in UNSUPPORTED.items():
+      if name in extra and extra[name] not in noop:
+        raise ApiError(400, f"{name} is not supported by this server (dflash-jax)", param=name,
+                       code="unsupported_parameter")
     if req.n < 1:
       raise ApiError(400, f"n={req.n}: the number of choices must be at least 1", param="n")
     if req.n != 1:

@@ -333,6 +333,9 @@ def test_abandoned_plain_requests_are_cancelled(server):
   """Eight non-streaming 200-token requests whose clients hang up are cancelled (the metrics
   counter), and the next request is answered in < 10 s instead of waiting for them."""
   base, engine = server[0], server[1]
+  with concurrent.futures.ThreadPoolExecutor(8) as ex:      # compile batch buckets 1..8 first
+    list(ex.map(lambda _: _http(base, "POST", "/v1/completions", {"prompt": "1,", "max_tokens": 2}),
+                range(8)))
   before = engine.metrics["cancelled_total"]
   body = json.dumps({"messages": [{"role": "user", "content": "Write a long story about the sea."}],
                      "max_tokens": 200, "temperature": 0}).encode()
@@ -382,12 +385,26 @@ def test_cancel_before_prefill_ends(server):
      "stream_options"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 0.5, "top_p": 7}', "top_p"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "top_k": 3, "min_p": 2}', "min_p"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}', "tools"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}',
+     "response_format"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true}', "logprobs"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}',
+     "presence_penalty"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"1": 5}}', "logit_bias"),
 ])
 def test_bad_fields_are_400_naming_them(server, raw, param):
   status, r = _http(server[0], "POST", "/v1/chat/completions", raw=raw)
   assert status == 400 and r["error"]["param"] == param, r
   status, r = _http(server[0], "POST", "/v1/completions", raw=b'{"prompt": "x\\ud800"}')
   assert status == 400 and r["error"]["param"] == "prompt"
+
+
+def test_unsupported_fields_at_their_noop_values_are_accepted(server):
+  body = {"prompt": "1, 2,", "max_tokens": 2, "presence_penalty": 0, "frequency_penalty": 0.0,
+          "logprobs": False, "response_format": {"type": "text"}, "tools": [], "logit_bias": {}}
+  status, r = _http(server[0], "POST", "/v1/completions", body)
+  assert status == 200 and r["usage"]["completion_tokens"] == 2
 
 
 def test_every_error_has_openai_shape(server):
