@@ -188,7 +188,7 @@ class Engine:
     self._thread: Optional[threading.Thread] = None
     self._small_since: Optional[float] = None
     self.shrink_after_s = 1.0     # a batch shrinks when fewer rows than half of it stayed busy
-    self.warmed: list[int] = []   # buckets whose programs are compiled (warm_up)
+    self.warmed: list[tuple[int, str]] = []   # (bucket, sampling variant) compiled (warm_up)
 
   def max_prompt_chars(self) -> int:
     """Characters a prompt may have: more than max_ctx tokens of the longest token cannot fit
@@ -310,22 +310,36 @@ class Engine:
       self._cv.notify()
     return fut
 
-  def warm_up(self, buckets: Optional[list[int]] = None):
+  def warm_up(self, buckets: Optional[list[int]] = None, variants=("greedy", "sampled")):
     """Compile (or read from the compile cache) the programs of `buckets` (default: every bucket
-    up to max_batch): prefill and decode, greedy and sampling variants. The server warms bucket
-    1 before it reports ready and the others right after (`warmed` lists the buckets done);
-    a request that needs a bucket not yet warm compiles it on the spot."""
+    up to max_batch) for the sampling `variants` ("greedy", "sampled"): prefill at every chunk
+    size and one decode call. The server warms the variant of its default sampling at bucket 1
+    before it reports ready and the rest right after (`warmed`: the (bucket, variant) pairs
+    done; `warm_buckets()`: buckets with both); a request that needs a program not yet warm
+    compiles it on the spot."""
     from dflash_jax import batching
     from dflash_jax.sampling import SamplingConfig
+    samps = {"greedy": SamplingConfig(), "sampled": SamplingConfig(temperature=1.0)}
     for bsz in (_buckets(self.max_batch) if buckets is None else buckets):
       dec = self.dec_for(bsz)
-      b = batching.SlotBatch(self.target, self.draft, dec, bsz, self.eog)
-      for samp in (SamplingConfig(), SamplingConfig(temperature=1.0)):
+      for v in variants:
+        if (bsz, v) in self.warmed:
+          continue
+        b = batching.SlotBatch(self.target, self.draft, dec, bsz, self.eog)
         for n in batching.prefill_sizes(dec.prefill_chunk):
-          b.prefill(0, np.zeros(n, np.int32), 3, samp)
+          b.prefill(0, np.zeros(n, np.int32), 3, samps[v])
         b.run(1)
-      jax.block_until_ready(b.state.out)
-      self.warmed.append(bsz)
+        jax.block_until_ready(b.state.out)
+        self.warmed.append((bsz, v))
+
+  def default_variant(self) -> str:
+    """"greedy" or "sampled": what a request without sampling fields decodes with."""
+    return "greedy" if (self.sampling_defaults is None or self.sampling_defaults.greedy) else "sampled"
+
+  def warm_buckets(self) -> list[int]:
+    """Buckets whose greedy and sampled programs are both warm."""
+    return sorted({b for b, _ in self.warmed if (b, "greedy") in self.warmed
+                   and (b, "sampled") in self.warmed})
 
   # --- the scheduler thread -------------------------------------------------------------------
 
@@ -857,7 +871,7 @@ def create_app(engine, api_key: Optional[str] = None, *, allowed_hosts=None,
     if e is None:
       return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
     return {"status": "ok", "model": e.model_name, "waiting": e.waiting,
-            "warm_buckets": list(e.warmed), "max_batch": e.max_batch}
+            "warm_buckets": e.warm_buckets(), "max_batch": e.max_batch}
 
   api.get("/metrics")(lambda: PlainTextResponse(ready().metrics_text()))
   api.get("/v1/models")(lambda: {"object": "list", "data": [

@@ -79,7 +79,7 @@ def build_engine() -> serve.Engine:
                         _MAX_BATCH.value, _STEPS_PER_CALL.value, reuse_prefix=_REUSE_PREFIX.value,
                         parse_special=_TF.parse_special.value)
   dj.api.check_config(target, draft, decs[engine.max_batch], engine.max_batch)
-  engine.warm_up([1])
+  engine.warm_up([1], [engine.default_variant()])
   return engine
 
 
@@ -138,15 +138,14 @@ def main(argv):
     modes = ", ".join(f"B={b}: {engine.dec_for(b).mode}" for b in serve._buckets(engine.max_batch))
     print(f"[dflash] ready: {engine.model_name} ({modes}) on http://{_HOST.value}:{_PORT.value}",
           flush=True)
-    rest = [b for b in serve._buckets(engine.max_batch) if b not in engine.warmed]
-    if rest:       # while the first requests are served (a bucket needed sooner compiles then)
-      t0 = time.perf_counter()
-      try:
-        engine.warm_up(rest)
-      except Exception as e:      # the engine compiles what it needs when a request comes
-        print(f"[dflash] warning: warming batch buckets {rest} failed: {e}", flush=True)
-        return
-      print(f"[dflash] batch buckets {rest} warm ({time.perf_counter() - t0:.0f} s)", flush=True)
+    # the other programs while the first requests are served (one needed sooner compiles then)
+    t0 = time.perf_counter()
+    try:
+      engine.warm_up()
+    except Exception as e:      # the engine compiles what it needs when a request comes
+      print(f"[dflash] warning: warming the other batch buckets failed: {e}", flush=True)
+      return
+    print(f"[dflash] every batch bucket warm ({time.perf_counter() - t0:.0f} s more)", flush=True)
 
   print(f"[dflash] listening on http://{_HOST.value}:{_PORT.value}; loading and compiling the "
         "model (/health: 503 until ready)", flush=True)
