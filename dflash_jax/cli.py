@@ -80,6 +80,52 @@ def build_prompt(target: Target, text: str, *, chat: bool, system: Optional[str]
   return tok.encode(text)
 
 
+def free_port() -> int:
+  """A free TCP port on 127.0.0.1 (for a server the scripts start)."""
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def health(port: int, timeout: float = 5.0):
+  """(status, JSON body) of GET /health on 127.0.0.1:port; None while nothing answers."""
+  import http.client
+  try:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    conn.request("GET", "/health")
+    resp = conn.getresponse()
+    body = resp.read()
+    conn.close()
+  except OSError:
+    return None
+  try:
+    return resp.status, json.loads(body)
+  except ValueError:
+    return resp.status, {}
+
+
+def start_server(args: list, port: int, log_path: str):
+  """`python -m dflash_jax.serve --port=port *args` as a subprocess (output to log_path), returned
+  once /health is 200 and every batch bucket is warm (they compile after /health turns 200).
+  Raises RuntimeError when the server exits first."""
+  import subprocess
+  import sys
+  import time
+  cmd = [sys.executable, "-m", "dflash_jax.serve", f"--port={port}", *args]
+  proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, text=True)
+  while True:
+    if proc.poll() is not None:
+      raise RuntimeError(f"the server exited ({proc.returncode}) before serving: {' '.join(cmd)}; "
+                         f"see {log_path}")
+    h = health(port)
+    if h is not None and h[0] == 200:
+      warm = h[1].get("warm_buckets")
+      if warm is None or (warm and max(warm) >= h[1].get("max_batch", max(warm))):
+        return proc
+    time.sleep(1.0)
+
+
 # Benchmark chat prompts (bench.py --dataset chat, bench_serve.py), written for this project: never
 # in a draft's training corpus.
 CHAT_PROMPTS = [

@@ -15,7 +15,6 @@ import concurrent.futures
 import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -37,37 +36,10 @@ _SERVER_LOG = flags.DEFINE_string("server_log", "/tmp/dflash_bench_serve.log", "
 PROMPTS = cli.CHAT_PROMPTS           # 16 different prompts
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _all_warm(health: dict) -> bool:
-  warm = health.get("warm_buckets")
-  return warm is None or (bool(warm) and max(warm) >= health.get("max_batch", max(warm)))
-
-
 def start_server(port: int) -> subprocess.Popen:
-  cmd = [sys.executable, "-m", "dflash_jax.serve", f"--port={port}", f"--max_batch={_MAX_BATCH.value}",
-         f"--mode={_MODE.value}", f"--max_ctx={_MAX_CTX.value}", "--max_queue=256",
-         *_SERVER_ARGS.value]
-  log = open(_SERVER_LOG.value, "w")
-  proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
-  while True:                                  # start-up compiles every bucket: minutes on CPU
-    if proc.poll() is not None:
-      raise RuntimeError(f"the server exited ({proc.returncode}) before serving: {' '.join(cmd)}; "
-                         f"see {_SERVER_LOG.value}")
-    try:
-      conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-      conn.request("GET", "/health")
-      resp = conn.getresponse()
-      # ready, and every batch bucket warm (they compile after /health turns 200)
-      if resp.status == 200 and _all_warm(json.loads(resp.read())):
-        return proc
-    except OSError:
-      pass
-    time.sleep(1.0)
+  return cli.start_server([f"--max_batch={_MAX_BATCH.value}", f"--mode={_MODE.value}",
+                           f"--max_ctx={_MAX_CTX.value}", "--max_queue=256", *_SERVER_ARGS.value],
+                          port, _SERVER_LOG.value)
 
 
 def one_request(port: int, prompt: str) -> dict:
@@ -129,7 +101,7 @@ def metrics(port: int) -> dict:
 
 def main(argv):
   del argv
-  port = _free_port()
+  port = cli.free_port()
   proc = start_server(port)
   try:
     one_request(port, "Hi")                    # first request: nothing left to compile

@@ -9,16 +9,16 @@ a fresh compile cache directory (cold: everything compiled), later runs the same
 cache read back), so the table shows both. Prints JSON and a table.
 """
 
-import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 from absl import app, flags
+
+from dflash_jax import cli
 
 _RUNS = flags.DEFINE_integer("runs", 2, "Runs of each command (the first cold, the rest warm).")
 _PROMPT = flags.DEFINE_string("prompt", "Write a Python function that reverses a string.",
@@ -45,9 +45,7 @@ def _generate(cache: str) -> dict:
 
 
 def _serve(cache: str) -> dict:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+  port = cli.free_port()
   cmd = [sys.executable, "-m", "dflash_jax.serve", f"--port={port}",
          f"--compile_cache_dir={cache}", *_EXTRA.value]
   t0 = time.perf_counter()
@@ -57,16 +55,11 @@ def _serve(cache: str) -> dict:
     while True:
       if p.poll() is not None:
         raise RuntimeError(f"the server exited ({p.returncode}): {p.stderr.read().decode()[-2000:]}")
-      try:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-        conn.request("GET", "/health")
-        status = conn.getresponse().status
-        if t_open is None:
-          t_open = time.perf_counter() - t0
-        if status == 200:
-          return {"port_open_s": t_open, "ready_s": time.perf_counter() - t0}
-      except OSError:
-        pass
+      h = cli.health(port)
+      if h is not None and t_open is None:
+        t_open = time.perf_counter() - t0
+      if h is not None and h[0] == 200:
+        return {"port_open_s": t_open, "ready_s": time.perf_counter() - t0}
       time.sleep(0.1)
   finally:
     p.terminate()

@@ -50,12 +50,6 @@ ACTIONS = {"plain": 4, "stream": 4, "stream_disconnect": 2, "plain_disconnect": 
            "malformed": 2, "spoof": 1, "idle": 1, "health": 2}
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _rss_bytes(pid: int) -> int:
   with open(f"/proc/{pid}/status") as fh:
     for line in fh:
@@ -193,34 +187,14 @@ class Soak:
       self.stop.wait(1.0)
 
 
-def _all_warm(health: dict) -> bool:
-  warm = health.get("warm_buckets")
-  return warm is None or (bool(warm) and max(warm) >= health.get("max_batch", max(warm)))
-
-
 def start_server(port: int) -> subprocess.Popen:
-  cmd = [sys.executable, "-m", "dflash_jax.serve", f"--port={port}", f"--max_ctx={_MAX_CTX.value}",
-         "--max_queue=256", "--header_timeout=5", *_SERVER_ARGS.value]
-  log = open(_SERVER_LOG.value, "w")
-  proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
-  while True:
-    if proc.poll() is not None:
-      raise RuntimeError(f"the server exited ({proc.returncode}): see {_SERVER_LOG.value}")
-    try:
-      conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-      conn.request("GET", "/health")
-      resp = conn.getresponse()
-      # ready, and every batch bucket warm (they compile after /health turns 200)
-      if resp.status == 200 and _all_warm(json.loads(resp.read())):
-        return proc
-    except OSError:
-      pass
-    time.sleep(1.0)
+  return cli.start_server([f"--max_ctx={_MAX_CTX.value}", "--max_queue=256", "--header_timeout=5",
+                           *_SERVER_ARGS.value], port, _SERVER_LOG.value)
 
 
 def main(argv):
   del argv
-  port = _free_port()
+  port = cli.free_port()
   proc = start_server(port)
   soak = Soak(port, proc)
   try:
