@@ -19,6 +19,12 @@ calls (its prompt prefilled chunk by chunk, interleaved with the others' decode 
 when it ends, is cancelled or its client disconnects, freeing its slot at once. Requests beyond
 the batch wait in a bounded queue (--max_queue counts all unfinished requests; a full queue
 answers 503).
+
+Under hostile load (`Guard`, `header_timeout_protocol`, the Engine's checks): request bodies are
+bounded (413), prompts are bounded in characters before tokenizing (which runs off the event
+loop), special-token text in message content stays text (parse_special=False), the Host header
+is checked against an allow-list, the API key is compared in constant time on every route but
+/health, connections must send their headers in time, and every error has OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -159,6 +165,8 @@ class Engine:
   template is prefilled once per slot, and a chat's next turn skips the previous turn's prompt and
   answer). Only for targets without recurrent layers (a hybrid target's SSM / conv state
   is that of the slot's whole previous sequence); ignored otherwise.
+  parse_special: tokenize special-token text inside chat content and raw prompts as control
+  tokens (llama-server); default False: it stays text (tokenizer.encode_chat).
   """
 
   def __init__(self, target, draft, dec, sampling_defaults, model_name: str, max_queue: int,
