@@ -9,17 +9,19 @@ Public API (see README.md):
       -> GenerateResult
   generate_batch(target, draft, prompts, *, max_new_tokens, batch_size=None, **fields)
       -> list[GenerateResult]   (B slots in one compiled loop, continuous batching)
+  PromptCache.for_target(target, max_bytes): prefix cache across `generate` calls (prompt_cache=)
   DecodeConfig (mode, block size, context, DDTree options), Runtime (kernels, dtypes).
 """
 
 from dflash_jax.api import (Draft, GenerateResult, Target, first_draft_logits, forward_logits,
                             generate, generate_batch, load_draft, load_target)
 from dflash_jax.config import DecodeConfig, DraftConfig, TargetConfig
+from dflash_jax.prompt_cache import PromptCache
 from dflash_jax.runtime import Runtime
 from dflash_jax.sampling import SamplingConfig
 
 __all__ = ["Draft", "GenerateResult", "Target", "first_draft_logits", "forward_logits", "generate",
-           "generate_batch",
+           "generate_batch", "PromptCache",
            "load_draft", "load_target", "DecodeConfig", "DraftConfig", "Runtime", "SamplingConfig",
            "TargetConfig"]
 __version__ = "0.1.0"

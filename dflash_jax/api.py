@@ -20,6 +20,7 @@ from dflash_jax import target as target_lib
 from dflash_jax import target_params
 from dflash_jax.config import AUTO, SUPPORTED_ARCHS, DecodeConfig, DraftConfig, TargetConfig
 from dflash_jax.gguf_io import read_gguf
+from dflash_jax.prompt_cache import PromptCache
 from dflash_jax.runtime import Runtime
 from dflash_jax.sampling import SamplingConfig
 from dflash_jax.tokenizer import GGUFTokenizer
@@ -184,6 +185,7 @@ class GenerateResult:
     prefill_s, decode_s: wall seconds (compile excluded after the first call with these shapes).
     sampling: the SamplingConfig used (temperature 0 = greedy).
     mode: the mode decoded with ("ar", "chain", "ddtree"; what "auto" resolved to).
+    cached_tokens: prompt tokens taken from the prompt cache instead of prefilled (0 without one).
   """
 
   tokens: list[int]
@@ -195,6 +197,7 @@ class GenerateResult:
   decode_s: float
   sampling: SamplingConfig = SamplingConfig()
   mode: str = ""
+  cached_tokens: int = 0
 
   @property
   def mean_accept_len(self) -> float:
@@ -386,14 +389,15 @@ def _split_overrides(sampling: Optional[SamplingConfig], overrides: dict):
 
 def _result(row: batching.Row, ids: np.ndarray, max_new: int, eog, stopped: bool,
             prefill_s: float, decode_s: float, sampling: SamplingConfig,
-            mode: str) -> GenerateResult:
+            mode: str, cached_tokens: int = 0) -> GenerateResult:
   """GenerateResult of a row read back, with its stop reason."""
   tokens = row.tokens
   stop = ("eog" if tokens and tokens[-1] in set(np.asarray(eog).tolist()) else
           "stopped" if stopped else "max_new_tokens" if len(tokens) >= max_new else "max_ctx")
   return GenerateResult(tokens=tokens, accept_lens=row.accept_lens, n_steps=row.n_steps,
                         prompt_len=int(ids.size), stop_reason=stop, prefill_s=prefill_s,
-                        decode_s=decode_s, sampling=sampling, mode=mode)
+                        decode_s=decode_s, sampling=sampling, mode=mode,
+                        cached_tokens=cached_tokens)
 
 
 def _check_finite(target: Target, b: batching.SlotBatch, slot: int):
@@ -407,7 +411,8 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
              eog_ids: Optional[Sequence[int]] = None,
              on_tokens: Optional[Callable[[list[int]], None]] = None, steps_per_call: int = 4,
              proposer: Optional[Callable] = None, proposer_params=None,
-             sampling: Optional[SamplingConfig] = None, **overrides) -> GenerateResult:
+             sampling: Optional[SamplingConfig] = None,
+             prompt_cache: Optional[PromptCache] = None, **overrides) -> GenerateResult:
   """Generation: speculative (mode "chain": DFlash chain; "ddtree": DDTree) or autoregressive
   ("ar"), as `config` (a DecodeConfig) says (default mode "auto": the mode measured fastest on
   this platform for one row, auto_mode.py; GenerateResult.mode says which), greedy or sampled as `sampling` (a SamplingConfig;
@@ -422,6 +427,9 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
     True from it stops generation there (stop_reason "stopped"; a server's stop strings and
     client disconnects).
   proposer / proposer_params: replace the DFlash draft (see decode.dflash_proposer), e.g. an oracle.
+  prompt_cache: a `PromptCache` (prompt_cache.py): the longest cached prefix of the prompt is
+    restored instead of prefilled (GenerateResult.cached_tokens), and this sequence is added to
+    it afterwards, so a chat's next turn prefills only its new tokens. Output is unchanged.
   Greedy chain and DDTree output equal autoregressive output token for token; sampled output
   has the distribution of autoregressive sampling (sampling.py).
   Raises ValueError for a bad option (naming it), an empty or too long prompt, out-of-vocabulary
@@ -441,8 +449,10 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
   t0 = time.perf_counter()
   b = batching.SlotBatch(target, draft, dec, 1, eog, proposer=proposer,
                          proposer_params=proposer_params)
-  b.prefill(0, ids, max_new_tokens, sampling)
+  start = b.reuse(0, ids, prompt_cache) if prompt_cache is not None else 0
+  b.prefill(0, ids, max_new_tokens, sampling, start=start)
   _check_finite(target, b, 0)
+  checkpoints = b.checkpoint(0) if prompt_cache is not None else {}
   t1 = time.perf_counter()
   stopped = False
   if on_tokens is None:
@@ -461,8 +471,10 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
       b.run(steps_per_call)
   jax.block_until_ready(b.state.out)
   t2 = time.perf_counter()
+  if prompt_cache is not None:
+    b.save(0, ids, prompt_cache, checkpoints)
   return _result(b.row(0), ids, max_new_tokens, eog, stopped, t1 - t0, t2 - t1, sampling,
-                 dec.mode)
+                 dec.mode, cached_tokens=start)
 
 
 def _per_prompt(name: str, value, n: int, check) -> list:

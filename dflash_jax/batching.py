@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import decode as decode_lib
+from dflash_jax import prompt_cache as pc
 from dflash_jax.sampling import SamplingConfig
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -46,11 +47,12 @@ def prefill_len(n_prompt: int, chunk: int) -> int:
 @dataclasses.dataclass
 class Row:
   """One row read back from the device: tokens (generated ids), accept_lens (tokens committed per
-  step), n_steps (decode steps)."""
+  step), n_steps (decode steps), pos (tokens in the row's caches: prompt + committed)."""
 
   tokens: list[int]
   accept_lens: list[int]
   n_steps: int
+  pos: int = 0
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "batch"))
@@ -74,8 +76,9 @@ def _host_view(state, *, dec):
 
 @jax.jit
 def _row_view(state, slot):
-  """Row `slot`'s (out, accept_lens, n_out, n_steps), one program and one transfer."""
-  return state.out[slot], state.accept_lens[slot], state.n_out[slot], state.n_steps[slot]
+  """Row `slot`'s (out, accept_lens, n_out, n_steps, pos), one program and one transfer."""
+  return (state.out[slot], state.accept_lens[slot], state.n_out[slot], state.n_steps[slot],
+          state.pos[slot])
 
 
 class SlotBatch:
@@ -101,6 +104,7 @@ class SlotBatch:
     self.eog = eog
     self.state = decode_lib.init_state(self.plan, batch)
     self.sampled_rows: set[int] = set()      # slots last prefilled with temperature > 0
+    self._restored: dict[int, int] = {}      # slot -> prefix length `reuse` restored
 
   @property
   def state(self):
@@ -121,10 +125,11 @@ class SlotBatch:
     """B, the number of slots."""
     return int(self.state.done.shape[0])
 
-  def prefill(self, slot: int, ids: np.ndarray, max_new: int, sampling: SamplingConfig):
-    """Prefill `ids` [P] int32 into `slot`, chunk by chunk; the row is active after the last
-    chunk (unless its first token ends it)."""
-    for _ in self.prefill_chunks(slot, ids, max_new, sampling):
+  def prefill(self, slot: int, ids: np.ndarray, max_new: int, sampling: SamplingConfig,
+              start: int = 0):
+    """Prefill `ids` [P] int32 (from `start`, see `prefill_chunks`) into `slot`, chunk by chunk;
+    the row is active after the last chunk (unless its first token ends it)."""
+    for _ in self.prefill_chunks(slot, ids, max_new, sampling, start):
       pass
 
   def prefill_chunks(self, slot: int, ids: np.ndarray, max_new: int,
@@ -134,15 +139,17 @@ class SlotBatch:
     chunks with decode calls of the other rows (the row stays out of the loop until its last
     chunk).
 
-    start: prompt rows 0..start-1 are taken as already in the slot's caches (prefix reuse: the
-    slot's previous sequence had the same first `start` prompt tokens, so its target K/V and
-    draft context rows there are this prompt's). Only for targets without recurrent layers
-    (their SSM / conv state is that of the whole previous sequence). Raises ValueError for a
-    start outside [0, len(ids)) or a start > 0 on a hybrid target."""
+    start: prompt rows 0..start-1 are taken as already in the slot's caches (prefix reuse: they
+    were restored by `reuse`, or the slot's previous sequence had the same first `start` tokens).
+    On a hybrid target only start = what `reuse` restored (the recurrent state must be the one
+    after exactly `start` tokens). Raises ValueError for a start outside [0, len(ids)) or a
+    start > 0 on a hybrid target without that restore."""
     if not 0 <= start < ids.size:
       raise ValueError(f"prefill start {start} outside [0, {ids.size})")
-    if start and self.plan.tcfg.gdn_layers:
-      raise ValueError("prefix reuse needs a target without recurrent (Gated DeltaNet) layers")
+    if start and self.recurrent and self._restored.get(slot) != start:
+      raise ValueError(f"prefill start {start} on a hybrid target needs the recurrent state "
+                       "after exactly that many tokens: restore it with SlotBatch.reuse first")
+    self._restored.pop(slot, None)
     c = prefill_len(ids.size - start, self.dec.prefill_chunk)
     if sampling.greedy:
       self.sampled_rows.discard(slot)
@@ -179,6 +186,7 @@ class SlotBatch:
     new.state = _move_rows(self.state, jnp.asarray(idx), jnp.int32(len(slots)), plan=self.plan,
                            batch=batch)
     new.sampled_rows = {i for i, s in enumerate(slots) if s in self.sampled_rows}
+    new._restored = {}
     self.state = None
     return new
 
@@ -212,6 +220,54 @@ class SlotBatch:
 
   def row(self, slot: int) -> Row:
     """Read row `slot` back (one transfer)."""
-    out, acc, n_out, n_steps = jax.device_get(_row_view(self.state, jnp.int32(slot)))
+    out, acc, n_out, n_steps, pos = jax.device_get(_row_view(self.state, jnp.int32(slot)))
     return Row(tokens=[int(x) for x in out[:int(n_out)]],
-               accept_lens=[int(x) for x in acc[:int(n_steps)]], n_steps=int(n_steps))
+               accept_lens=[int(x) for x in acc[:int(n_steps)]], n_steps=int(n_steps),
+               pos=int(pos))
+
+  # Prompt (prefix) cache: see prompt_cache.py.
+
+  @property
+  def recurrent(self) -> bool:
+    """The target has recurrent (Gated DeltaNet) layers: its state is checkpointed, not rows."""
+    return bool(self.plan.tcfg.gdn_layers)
+
+  def reuse(self, slot: int, ids: np.ndarray, cache: "pc.PromptCache") -> int:
+    """Restore into `slot` the cached sequence sharing the longest usable prefix with `ids` [P]
+    (its K/V, draft-context rows and, for a hybrid target, the recurrent state at a checkpoint);
+    returns that prefix length n (0: nothing cached): prefill `ids` with start=n next."""
+    hit = cache.lookup(ids, pc.layout(self.state))
+    if hit is None:
+      return 0
+    ssm, conv = hit.state if hit.state is not None else (
+        jnp.zeros(self.state.target.ssm.shape[1:], self.state.target.ssm.dtype),
+        jnp.zeros(self.state.target.conv.shape[1:], self.state.target.conv.dtype))
+    self.state = pc.restore_rows(self.state, jnp.int32(slot), hit.entry.kv, ssm, conv)
+    self._restored[slot] = hit.n
+    return hit.n
+
+  def checkpoint(self, slot: int) -> dict:
+    """{tokens in the slot's caches: (ssm, conv) copies} for a hybrid target (call right after
+    a prompt's last prefill chunk: the prompt-end checkpoint), {} otherwise."""
+    if not self.recurrent:
+      return {}
+    _, ssm, conv = pc.extract_rows(self.state, jnp.int32(slot), rows=1)
+    return {int(jax.device_get(self.state.pos[slot])): (ssm, conv)}
+
+  def save(self, slot: int, ids: np.ndarray, cache: "pc.PromptCache",
+           checkpoints: Optional[dict] = None):
+    """Put `slot`'s sequence (prompt `ids` and the tokens committed after it, or the prompt
+    rows prefilled so far) into `cache`: copies of its cache rows and, for a hybrid target, its
+    recurrent state now plus `checkpoints` (from `checkpoint`)."""
+    out, _, _, _, n = jax.device_get(_row_view(self.state, jnp.int32(slot)))
+    n = int(n)
+    if n <= 0:
+      return
+    seq = (np.concatenate([ids, np.asarray(out[:n - ids.size], np.int32)]) if n >= ids.size
+           else np.asarray(ids[:n], np.int32))
+    kv, ssm, conv = pc.extract_rows(self.state, jnp.int32(slot),
+                                    rows=pc.padded_rows(n, self.state.target.k.shape[3]))
+    states = {p: st for p, st in (checkpoints or {}).items() if p <= n}
+    if self.recurrent:
+      states[n] = (ssm, conv)
+    cache.insert(pc.Entry(tokens=seq, kv=kv, states=states, layout=pc.layout(self.state)))

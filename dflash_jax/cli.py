@@ -214,7 +214,8 @@ def result_fields(r: GenerateResult) -> dict:
 
 
 def stats_line(r: GenerateResult) -> str:
-  return (f"prompt tokens {r.prompt_len} | prefill {r.prefill_tok_s:.1f} tok/s | "
+  cached = f" ({r.cached_tokens} cached)" if r.cached_tokens else ""
+  return (f"prompt tokens {r.prompt_len}{cached} | prefill {r.prefill_tok_s:.1f} tok/s | "
           f"decode {r.decode_tok_s:.2f} tok/s ({len(r.tokens)} tokens) | "
           f"mean acceptance length {r.mean_accept_len:.2f} | steps {r.n_steps} | "
           f"stop {r.stop_reason} | {r.sampling.describe()}")

@@ -327,13 +327,21 @@ class _RowStep:
   draft_v: Optional[jax.Array]
 
 
-def _advance(s: DecodeState, emit, n_acc, eog_ids) -> DecodeState:
-  """Emit emit[0..n_acc] (accepted drafts, then the bonus); stop after the first EOG token
-  among them and at the row's max_new tokens. emit: [P] int32."""
+def _n_emit(s: DecodeState, emit, n_acc, eog_ids):
+  """(tokens of emit[0..n_acc] the row outputs: up to its first EOG token and its max_new
+  budget, whether an EOG token is among them)."""
   n_commit = n_acc + 1
   is_eog = jnp.any(emit[:, None] == eog_ids[None, :], axis=-1) & (jnp.arange(emit.shape[0]) < n_commit)
   hit = jnp.any(is_eog)
-  n_emit = jnp.minimum(jnp.where(hit, jnp.argmax(is_eog) + 1, n_commit), s.max_new - s.n_out)
+  return jnp.minimum(jnp.where(hit, jnp.argmax(is_eog) + 1, n_commit), s.max_new - s.n_out), hit
+
+
+def _advance(s: DecodeState, emit, n_acc, eog_ids) -> DecodeState:
+  """Emit emit[0..n_acc] (accepted drafts, then the bonus); stop after the first EOG token
+  among them and at the row's max_new tokens. emit: [P] int32. (`_step` caps n_acc there, so
+  a finished row's caches hold exactly its prompt and output but the last token.)"""
+  n_commit = n_acc + 1
+  n_emit, hit = _n_emit(s, emit, n_acc, eog_ids)
   n_out = s.n_out + n_emit
   return dataclasses.replace(
       s, out=jax.lax.dynamic_update_slice_in_dim(s.out, emit, s.n_out, axis=0), n_out=n_out,
@@ -351,7 +359,14 @@ def _step(tparams, dparams, s: DecodeState, eog_ids, live_bound, *, plan: Plan, 
   if dec.speculative:
     dlogits, _ = proposer(tparams, dparams, s, dcfg=plan.dcfg, dec=dec, rt=plan.rt)
   tree, q_logp = build_verify_tree(dlogits, s.bonus, dec, s.samp, k_draft, sampled)
-  choose = lambda logits: accept(tree, logits, q_logp, dec, s.samp, k_accept, sampled)
+
+  def choose(logits):
+    path, n_acc, emit = accept(tree, logits, q_logp, dec, s.samp, k_accept, sampled)
+    # Commit nothing past the row's last output token (its first EOG token, its max_new
+    # budget): the output is the same, and the caches of a finished row then hold exactly its
+    # prompt and output but the last token, a state the prompt cache can reuse (a hybrid's
+    # recurrent state included). As z-lab's package clips the last acceptance length.
+    return path, jnp.minimum(n_acc, _n_emit(s, emit, n_acc, eog_ids)[0] - 1), emit
   c = verify_and_commit(tparams, plan.tcfg, plan.rt, tree, s.pos, s.target, choose,
                         max_ctx=dec.max_ctx, feature_layers=plan.feature_layers,
                         live_bound=live_bound)

@@ -134,6 +134,7 @@ class _Live:
   t_submit: float = 0.0
   t_first: Optional[float] = None
   reused: int = 0
+  checkpoints: dict = dataclasses.field(default_factory=dict)   # prompt-end recurrent state
 
 
 def _emit(r: _Live, text: Optional[str]):
@@ -159,19 +160,19 @@ class Engine:
 
   dec: resolved DecodeConfig, or a function B -> DecodeConfig (mode "auto": the mode measured
   fastest for B rows); rows only move between buckets with the same mode.
-  reuse_prefix: a request goes to the free slot whose previous sequence (prompt and answer)
-  shares the longest prefix with its prompt, and the prefill starts after that prefix (the slot's
-  K/V and draft-context rows there are already this prompt's: the shared system prompt of a chat
-  template is prefilled once per slot, and a chat's next turn skips the previous turn's prompt and
-  answer). Only for targets without recurrent layers (a hybrid target's SSM / conv state
-  is that of the slot's whole previous sequence); ignored otherwise.
+  prompt_cache_bytes: bound of the prompt (prefix) cache (prompt_cache.py; 0: none). Every
+  finished or cancelled request leaves its sequence (prompt and answer) there; a new request
+  restores the cached sequence sharing the longest usable prefix with its prompt into its slot
+  and prefills only the rest (a chat's next turn skips the previous turn's prompt and answer; a
+  shared system prompt is prefilled once). Hybrid targets restore the Gated DeltaNet state
+  checkpointed at the end of a cached prompt or sequence. Output is unchanged (lossless).
   parse_special: tokenize special-token text inside chat content and raw prompts as control
   tokens (llama-server); default False: it stays text (tokenizer.encode_chat).
   """
 
   def __init__(self, target, draft, dec, sampling_defaults, model_name: str, max_queue: int,
                max_batch: Optional[int] = None, steps_per_call: int = 4,
-               reuse_prefix: bool = True, parse_special: bool = False):
+               prompt_cache_bytes: int = 1 << 30, parse_special: bool = False):
     from dflash_jax import api, batching
     self.target, self.draft = target, draft
     self.dec_for = dec if callable(dec) else (lambda _b, d=dec: d)
@@ -180,8 +181,9 @@ class Engine:
     self.max_batch = batching.bucket(max_batch or api.default_batch_size())
     self.steps_per_call = steps_per_call
     self.parse_special = parse_special
-    self.reuse_prefix = reuse_prefix and not target.config.gdn_layers
-    self._slot_prompt: dict[int, np.ndarray] = {}   # slot -> prompt whose rows it still holds
+    from dflash_jax.prompt_cache import PromptCache
+    self.prompt_cache = (PromptCache.for_target(target, prompt_cache_bytes)
+                         if prompt_cache_bytes > 0 else None)
     self.eog = api._eog(target, None)
     self.eog_set = set(np.asarray(self.eog).tolist())
     self.waiting = 0
@@ -379,15 +381,16 @@ class Engine:
     with self._cv:
       while free and self._pending:
         r = self._pending.popleft()
-        r.slot, r.reused = self._pick_slot(free, r.ids)
-        free.remove(r.slot)
+        r.slot = free.pop(0)
+        if self.prompt_cache is not None:
+          r.reused = self._batch.reuse(r.slot, r.ids, self.prompt_cache)
         r.prefill = self._batch.prefill_chunks(r.slot, r.ids, r.max_new, r.samp, start=r.reused)
-        self._slot_prompt[r.slot] = r.ids[:r.reused]      # the rows that hold this prompt
         self.metrics["prompt_tokens_total"] += int(r.ids.size)
         self.metrics["prompt_tokens_reused_total"] += r.reused
         self._live.append(r)
       self.metrics["batch_rows_peak"] = max(self.metrics["batch_rows_peak"], len(self._live))
     for r in [r for r in self._live if r.prefill is not None and r.cancelled()]:
+      self._keep(r)                             # the chunks prefilled so far
       self._batch.release(r.slot)
       self._finish(r, cancelled=True)
     joining = [r for r in self._live if r.prefill is not None]
@@ -395,14 +398,14 @@ class Engine:
       r = min(joining, key=lambda x: x.t_submit)
       try:
         n_done = next(r.prefill)
-        self._slot_prompt[r.slot] = r.ids[:n_done]
         if n_done >= r.ids.size:
           raise StopIteration
       except StopIteration:
         r.prefill = None
         r.t_first = time.perf_counter()
+        if self.prompt_cache is not None:
+          r.checkpoints = self._batch.checkpoint(r.slot)
         if not self._batch.finite(r.slot):
-          self._slot_prompt.pop(r.slot, None)
           self._batch.release(r.slot)
           self._fail(r, ApiError(500, f"{self.target.path}: the target's logits after prefill "
                                  "are not finite (NaN or inf)", type_="server_error"))
@@ -416,23 +419,10 @@ class Engine:
     for r in decoding:
       self._stream(r, int(n_out[r.slot]), bool(idle[r.slot]))
 
-  def _pick_slot(self, free: list[int], ids: np.ndarray) -> tuple[int, int]:
-    """(slot, prompt rows already in it): the free slot whose previous prompt shares the
-    longest prefix with ids (at most len(ids) - 1 rows: the last prompt token is always run,
-    for its logits); the lowest free slot and 0 without prefix reuse."""
-    best, n_best = free[0], 0
-    if not self.reuse_prefix:
-      return best, n_best
-    for slot in free:
-      prev = self._slot_prompt.get(slot)
-      if prev is None:
-        continue
-      m = min(prev.size, ids.size - 1)
-      diff = np.flatnonzero(prev[:m] != ids[:m])
-      n = int(diff[0]) if diff.size else m
-      if n > n_best:
-        best, n_best = slot, n
-    return best, n_best
+  def _keep(self, r: _Live):
+    """Put the sequence in r's slot into the prompt cache (when there is one)."""
+    if self.prompt_cache is not None:
+      self._batch.save(r.slot, r.ids, self.prompt_cache, r.checkpoints)
 
   def _fit(self, want: int):
     """Make the batch `want` slots (a bucket) when that changes its size, moving live rows."""
@@ -452,12 +442,10 @@ class Engine:
     if b is not None and self._live and dec != b.dec:
       return                                    # rows cannot change mode mid-sequence
     if b is None or not self._live:
-      self._slot_prompt.clear()                 # the new batch's caches start empty
       self._batch = batching.SlotBatch(self.target, self.draft, dec, want, self.eog)
       return
     if any(r.prefill is not None for r in self._live):
       return                                    # move rows between prefills, not during one
-    self._slot_prompt.clear()                   # rows move to other slots
     keep = sorted(self._live, key=lambda r: r.slot)
     self._batch = b.resized(want, [r.slot for r in keep])
     self.metrics["batch_resizes_total"] += 1
@@ -494,10 +482,10 @@ class Engine:
     if r in self._live:
       self._live.remove(r)
     row = self._batch.row(r.slot) if r.t_first is not None else None
-    if row is not None and self.reuse_prefix and len(row.tokens) > 1:
-      # The slot's caches hold the prompt and every generated token but the last (never fed):
-      # a next turn that repeats this answer after the prompt reuses those rows too.
-      self._slot_prompt[r.slot] = np.concatenate([r.ids, np.asarray(row.tokens[:-1], np.int32)])
+    if row is not None:
+      # The slot's caches hold the prompt and the committed tokens (every generated token but
+      # the last, never fed): a next turn that repeats this answer after the prompt reuses them.
+      self._keep(r)
     # Every token went through the scanner: scan.text is the whole completion (cut at a stop
     # string; control tokens such as <|im_end|> dropped); send what was held back.
     if len(r.scan.text) > r.sent:
@@ -545,6 +533,11 @@ class Engine:
             ("dflash_batch_resizes_total", m["batch_resizes_total"]),
             ("dflash_prompt_tokens_total", m["prompt_tokens_total"]),
             ("dflash_prompt_tokens_reused_total", m["prompt_tokens_reused_total"])]
+    pc = self.prompt_cache
+    if pc is not None:
+      rows += [("dflash_prompt_cache_bytes", pc.bytes), ("dflash_prompt_cache_entries", len(pc)),
+               ("dflash_prompt_cache_hits_total", pc.stats["hits"]),
+               ("dflash_prompt_cache_evictions_total", pc.stats["evictions"])]
     return "".join(f"{k} {v}\n" for k, v in rows)
 
 

@@ -51,9 +51,9 @@ _MAX_BATCH = flags.DEFINE_integer("max_batch", None, "Requests decoded together 
 _STEPS_PER_CALL = flags.DEFINE_integer("steps_per_call", 4, "Decode rounds per loop call: new "
                                        "requests join and text streams between calls.",
                                        lower_bound=1)
-_REUSE_PREFIX = flags.DEFINE_boolean("reuse_prefix", True, "Prefill a request into the free slot "
-                                    "whose previous prompt shares the longest prefix with it and "
-                                    "skip those rows (targets without recurrent layers only).")
+_PROMPT_CACHE = flags.DEFINE_integer("prompt_cache_bytes", 1 << 30, "Bytes the prompt (prefix) "
+                                     "cache may hold: finished requests' cache rows, reused by "
+                                     "requests that share their prefix (0: off).", lower_bound=0)
 _MODEL_NAME = flags.DEFINE_string("model_name", None, "Model id in the API (default: the GGUF "
                                   "file name).")
 
@@ -76,7 +76,7 @@ def build_engine() -> serve.Engine:
           for b in serve._buckets(64)}          # mode "auto": per batch size
   name = _MODEL_NAME.value or os.path.basename(target.path)
   engine = serve.Engine(target, draft, decs.__getitem__, defaults, name, _MAX_QUEUE.value,
-                        _MAX_BATCH.value, _STEPS_PER_CALL.value, reuse_prefix=_REUSE_PREFIX.value,
+                        _MAX_BATCH.value, _STEPS_PER_CALL.value, prompt_cache_bytes=_PROMPT_CACHE.value,
                         parse_special=_TF.parse_special.value)
   dj.api.check_config(target, draft, decs[engine.max_batch], engine.max_batch)
   engine.warm_up([1], [engine.default_variant()])

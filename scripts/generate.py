@@ -3,6 +3,7 @@
   python scripts/generate.py --prompt "Write a haiku about JAX."
   echo "def fib(n):" | python scripts/generate.py --nochat --max_new_tokens 64
   python scripts/generate.py --prompt_file prompts.jsonl --output_file out.jsonl
+  python scripts/generate.py --interactive          # multi-turn chat, earlier turns cached
 
 Prompt files are JSONL: one object per line with "prompt" (or "text"), optional "id",
 "system", "max_new_tokens". Output lines add "completion", "tokens" and the stats; a row that
@@ -40,6 +41,14 @@ _CHAT = flags.DEFINE_boolean("chat", True, "Wrap the prompt in the GGUF chat tem
 _SYSTEM = flags.DEFINE_string("system", None, "System message (chat only).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Tokens to generate at most.", lower_bound=1)
 _STREAM = flags.DEFINE_boolean("stream", True, "Print text as tokens are committed.")
+_INTERACTIVE = flags.DEFINE_boolean("interactive", False, "Multi-turn chat on the terminal (as "
+                                   "llama-cli): each turn goes through the chat template with "
+                                   "the conversation so far, whose cache rows the prompt cache "
+                                   "keeps (only the new turn is prefilled). /reset starts over, "
+                                   "/exit or end of input ends.")
+_PROMPT_CACHE = flags.DEFINE_integer("prompt_cache_bytes", 1 << 30, "With --interactive: bytes "
+                                     "the prompt cache may hold (0: off, every turn prefills "
+                                     "the whole conversation).", lower_bound=0)
 _WARMUP = flags.DEFINE_boolean("warmup", True, "Compile on a 1-token prompt first, so the stats "
                                "line measures decoding, not compilation.")
 
@@ -88,14 +97,14 @@ def _warm_up(target, draft, dec, samp, ids, n_rows=None):
   print(f"[dflash] compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
 
-def _run_one(target, draft, dec, samp, ids, max_new, stream):
+def _run_one(target, draft, dec, samp, ids, max_new, stream, prompt_cache=None):
   """Generate for prompt ids; streams to stdout when `stream`. Returns (result, completion)."""
   import dflash_jax as dj
   from dflash_jax import cli
 
   printer = cli.StreamPrinter(target.tokenizer, sys.stdout) if stream else None
   r = dj.generate(target, draft, ids, max_new_tokens=max_new, config=dec, sampling=samp,
-                  on_tokens=printer.on_tokens if printer else None)
+                  on_tokens=printer.on_tokens if printer else None, prompt_cache=prompt_cache)
   completion = target.tokenizer.decode(r.tokens)
   if printer:
     printer.finish(completion)
@@ -226,6 +235,55 @@ def _batch(target, draft, dec, samp, rows):
   return n_failed
 
 
+def _interactive(target, draft, dec, samp, stdin=None):
+  """The --interactive loop: read a user turn per line from stdin, answer it with the whole
+  conversation through the chat template (streamed), keep the answer in the conversation. The
+  prompt cache holds the conversation's cache rows, so each turn prefills only its new tokens
+  (the stats line says how many were cached). A turn that fails (too long for --max_ctx, bad
+  text) prints its error and the conversation goes on without it."""
+  import dataclasses
+  import dflash_jax as dj
+  from dflash_jax import api, cli
+  stdin = stdin or sys.stdin
+  tok = target.tokenizer
+  cache = dj.PromptCache.for_target(target, _PROMPT_CACHE.value) if _PROMPT_CACHE.value else None
+  system = [{"role": "system", "content": _SYSTEM.value}] if _SYSTEM.value else []
+  history = list(system)
+  tty = stdin.isatty()
+  print("[dflash] interactive chat: one turn per line; /reset starts over, /exit ends",
+        file=sys.stderr)
+  turn = 0
+  while True:
+    if tty:
+      print("> ", end="", file=sys.stderr, flush=True)
+    line = stdin.readline()
+    if not line or line.strip() == "/exit":
+      break
+    text = line.rstrip("\n")
+    if not text.strip():
+      continue
+    if text.strip() == "/reset":
+      history = list(system)
+      print("[dflash] conversation reset", file=sys.stderr)
+      continue
+    msgs = history + [{"role": "user", "content": text}]
+    try:
+      ids = api.check_prompt(target, tok.encode_chat(
+          msgs, add_generation_prompt=True, parse_special=_TF.parse_special.value), dec)
+    except ValueError as e:
+      print(f"error: {e} (/reset starts a new conversation)", file=sys.stderr)
+      continue
+    turn += 1
+    s = dataclasses.replace(samp, seed=(samp.seed + turn - 1) % 2**31)   # a fresh draw per turn
+    r, completion = _run_one(target, draft, dec, s, ids, _MAX_NEW.value, _STREAM.value, cache)
+    if not _STREAM.value:
+      print(completion)
+    answer = tok.decode(r.tokens, skip_special=True)
+    history = msgs + [{"role": "assistant", "content": answer}]
+    print(f"[dflash] turn {turn} | first token {r.prefill_s:.2f} s | {cli.stats_line(r)}",
+          file=sys.stderr)
+
+
 def _read_stdin() -> str:
   """The prompt from stdin as UTF-8 text. Raises ValueError saying so when it is not UTF-8."""
   data = sys.stdin.buffer.read()
@@ -242,14 +300,23 @@ def main(argv):
     raise app.UsageError("--output_file needs --prompt_file")
   if _PROMPT.value is not None and _PROMPT_FILE.value:
     raise app.UsageError("give --prompt or --prompt_file, not both")
+  if _INTERACTIVE.value and (_PROMPT.value is not None or _PROMPT_FILE.value):
+    raise app.UsageError("--interactive reads its turns from stdin: no --prompt / --prompt_file")
+  if _INTERACTIVE.value and not _CHAT.value:
+    raise app.UsageError("--interactive needs --chat (the chat template)")
   from dflash_jax import api, cli
   rows = _read_rows(_PROMPT_FILE.value) if _PROMPT_FILE.value else None
   if _OUTPUT_FILE.value:
     _check_output(_OUTPUT_FILE.value)
   text = None                      # a single prompt: --prompt, else stdin (read before loading)
-  if rows is None:
+  if rows is None and not _INTERACTIVE.value:
     text = _PROMPT.value if _PROMPT.value is not None else _read_stdin()
   target, draft, dec, samp = _load()
+  if _INTERACTIVE.value:
+    if _WARMUP.value:
+      _warm_up(target, draft, dec, samp, cli.build_prompt(target, "hi", chat=True))
+    _interactive(target, draft, dec, samp)
+    return
   if rows is not None:
     if _WARMUP.value:
       _warm_up(target, draft, dec, samp, cli.build_prompt(target, "hi", chat=_CHAT.value),

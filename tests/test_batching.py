@@ -252,7 +252,8 @@ def test_engine_prefix_reuse_smollm2(smol):
   dec = dj.api.resolve_config(draft, mode="chain", max_ctx=256, prefill_chunk=32)
   for reuse in (True, False):
     eng = serve.Engine(smol, draft, dec, None, "smol", max_queue=4, max_batch=1,
-                       steps_per_call=4, reuse_prefix=reuse)
+                       steps_per_call=4,
+                       prompt_cache_bytes=(1 << 30) if reuse else 0)
     for i, ids in enumerate(prompts):
       out = _submit(eng, ids, 12)[0].result(timeout=600)
       alone = dj.generate(smol, draft, ids, max_new_tokens=12, max_ctx=256,
