@@ -10,6 +10,7 @@ Public API (see README.md):
   generate_batch(target, draft, prompts, *, max_new_tokens, batch_size=None, **fields)
       -> list[GenerateResult]   (B slots in one compiled loop, continuous batching)
   PromptCache.for_target(target, max_bytes): prefix cache across `generate` calls (prompt_cache=)
+  api.precompile(target, draft, prompt_len, ...): compile generate's programs ahead of time
   DecodeConfig (mode, block size, context, DDTree options), Runtime (kernels, dtypes).
 """
 

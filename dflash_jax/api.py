@@ -182,10 +182,14 @@ class GenerateResult:
     n_steps: decode steps (target verify forwards after prefill).
     prompt_len: prompt tokens. stop_reason: "eog" | "max_new_tokens" | "max_ctx" | "stopped"
       (on_tokens asked to stop).
-    prefill_s, decode_s: wall seconds (compile excluded after the first call with these shapes).
+    prefill_s, decode_s: wall seconds, compile excluded (`generate` compiles its programs ahead
+      of time and counts that in compile_s; generate_batch: after the first call with these
+      shapes).
     sampling: the SamplingConfig used (temperature 0 = greedy).
     mode: the mode decoded with ("ar", "chain", "ddtree"; what "auto" resolved to).
     cached_tokens: prompt tokens taken from the prompt cache instead of prefilled (0 without one).
+    compile_s: seconds `generate` spent compiling (tracing, and the XLA compile or a persistent
+      compile-cache read; 0 when this process had compiled the programs already).
   """
 
   tokens: list[int]
@@ -198,6 +202,7 @@ class GenerateResult:
   sampling: SamplingConfig = SamplingConfig()
   mode: str = ""
   cached_tokens: int = 0
+  compile_s: float = 0.0
 
   @property
   def mean_accept_len(self) -> float:
@@ -389,7 +394,7 @@ def _split_overrides(sampling: Optional[SamplingConfig], overrides: dict):
 
 def _result(row: batching.Row, ids: np.ndarray, max_new: int, eog, stopped: bool,
             prefill_s: float, decode_s: float, sampling: SamplingConfig,
-            mode: str, cached_tokens: int = 0) -> GenerateResult:
+            mode: str, cached_tokens: int = 0, compile_s: float = 0.0) -> GenerateResult:
   """GenerateResult of a row read back, with its stop reason."""
   tokens = row.tokens
   stop = ("eog" if tokens and tokens[-1] in set(np.asarray(eog).tolist()) else
@@ -397,7 +402,7 @@ def _result(row: batching.Row, ids: np.ndarray, max_new: int, eog, stopped: bool
   return GenerateResult(tokens=tokens, accept_lens=row.accept_lens, n_steps=row.n_steps,
                         prompt_len=int(ids.size), stop_reason=stop, prefill_s=prefill_s,
                         decode_s=decode_s, sampling=sampling, mode=mode,
-                        cached_tokens=cached_tokens)
+                        cached_tokens=cached_tokens, compile_s=compile_s)
 
 
 def _check_finite(target: Target, b: batching.SlotBatch, slot: int):
@@ -450,31 +455,64 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
   b = batching.SlotBatch(target, draft, dec, 1, eog, proposer=proposer,
                          proposer_params=proposer_params)
   start = b.reuse(0, ids, prompt_cache) if prompt_cache is not None else 0
-  b.prefill(0, ids, max_new_tokens, sampling, start=start)
-  _check_finite(target, b, 0)
-  checkpoints = b.checkpoint(0) if prompt_cache is not None else {}
+  checkpoints = {} if prompt_cache is not None else None
+  compile_s = b.compile_prefill(ids.size - start, sampling)
+  for _ in b.prefill_chunks(0, ids, max_new_tokens, sampling, start, checkpoints):
+    pass
+  _check_finite(target, b, 0)                  # waits for the prefill: the first token exists
   t1 = time.perf_counter()
-  stopped = False
-  if on_tokens is None:
-    b.run(1 << 30)
-  else:
-    shown = 0
-    while True:
-      n_out, idle = b.progress()
-      if n_out[0] > shown:
-        new, shown = b.new_tokens(0, shown, int(n_out[0])), int(n_out[0])
-        if on_tokens(new) is True:
+  stopped, shown = False, 0
+
+  def show() -> bool:
+    """Hand new tokens to on_tokens; True when it asks to stop."""
+    nonlocal shown
+    n_out = int(b.progress()[0][0])
+    if n_out > shown:
+      new, shown = b.new_tokens(0, shown, n_out), n_out
+      return on_tokens(new) is True
+    return False
+
+  if on_tokens is not None:
+    stopped = show()                              # the first token, before the loop compiles
+  t_loop = time.perf_counter()
+  loop_compile_s = 0.0 if stopped or b.progress()[1][0] else b.compile_loop()
+  t2 = time.perf_counter()
+  if not stopped:
+    if on_tokens is None:
+      b.run(1 << 30)
+    else:
+      while not b.progress()[1][0]:
+        b.run(steps_per_call)
+        if show():
           stopped = True
           break
-      if idle[0]:
-        break
-      b.run(steps_per_call)
   jax.block_until_ready(b.state.out)
-  t2 = time.perf_counter()
+  t3 = time.perf_counter()
   if prompt_cache is not None:
     b.save(0, ids, prompt_cache, checkpoints)
-  return _result(b.row(0), ids, max_new_tokens, eog, stopped, t1 - t0, t2 - t1, sampling,
-                 dec.mode, cached_tokens=start)
+  return _result(b.row(0), ids, max_new_tokens, eog, stopped, t1 - t0 - compile_s,
+                 (t3 - t2) + (t_loop - t1), sampling, dec.mode, cached_tokens=start,
+                 compile_s=compile_s + loop_compile_s)
+
+
+def precompile(target: Target, draft: Optional[Draft], prompt_len: int, *,
+               config: Optional[DecodeConfig] = None, sampling: Optional[SamplingConfig] = None,
+               loop: bool = True, **overrides) -> float:
+  """Compile ahead of time (nothing runs) the programs `generate` runs for a prompt of
+  prompt_len tokens with this config and sampling: the prefill, and the decode loop when `loop`
+  (`generate` compiles the loop itself right after the first token, so a caller that wants the
+  first token soonest passes loop=False). Returns the seconds it took. Raises ValueError as
+  `generate` does for a bad config."""
+  _check_types(config, sampling)
+  sampling, overrides = _split_overrides(sampling, overrides)
+  dec = resolve_config(draft, config, target=target, **overrides)
+  if not 0 < prompt_len < dec.max_ctx:
+    raise ValueError(f"prompt_len={prompt_len} must be in [1, max_ctx={dec.max_ctx})")
+  b = batching.SlotBatch(target, draft, dec, 1, _eog(target, None))
+  t = b.compile_prefill(prompt_len, sampling)
+  if loop:
+    t += b.compile_loop(sampled=not sampling.greedy)
+  return t
 
 
 def _per_prompt(name: str, value, n: int, check) -> list:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Callable, Iterator, Optional, Sequence
 
 import jax
@@ -75,6 +76,12 @@ def _host_view(state, *, dec):
 
 
 @jax.jit
+def _recurrent_state(state, slot):
+  """Copies of row `slot`'s (SSM state, conv state)."""
+  return state.target.ssm[slot], state.target.conv[slot]
+
+
+@jax.jit
 def _row_view(state, slot):
   """Row `slot`'s (out, accept_lens, n_out, n_steps, pos), one program and one transfer."""
   return (state.out[slot], state.accept_lens[slot], state.n_out[slot], state.n_steps[slot],
@@ -105,6 +112,7 @@ class SlotBatch:
     self.state = decode_lib.init_state(self.plan, batch)
     self.sampled_rows: set[int] = set()      # slots last prefilled with temperature > 0
     self._restored: dict[int, int] = {}      # slot -> prefix length `reuse` restored
+    self._compiled: set = set()              # programs compiled ahead of time (compile_*)
 
   @property
   def state(self):
@@ -133,7 +141,8 @@ class SlotBatch:
       pass
 
   def prefill_chunks(self, slot: int, ids: np.ndarray, max_new: int,
-                     sampling: SamplingConfig, start: int = 0) -> Iterator[int]:
+                     sampling: SamplingConfig, start: int = 0,
+                     checkpoints: Optional[dict] = None) -> Iterator[int]:
     """`prefill` one chunk (dec.prefill_chunk tokens, fewer for a short prompt: `prefill_len`)
     per step of the iterator, yielding the tokens prefilled so far: a server interleaves the
     chunks with decode calls of the other rows (the row stays out of the loop until its last
@@ -143,7 +152,9 @@ class SlotBatch:
     were restored by `reuse`, or the slot's previous sequence had the same first `start` tokens).
     On a hybrid target only start = what `reuse` restored (the recurrent state must be the one
     after exactly `start` tokens). Raises ValueError for a start outside [0, len(ids)) or a
-    start > 0 on a hybrid target without that restore."""
+    start > 0 on a hybrid target without that restore.
+    checkpoints: on a hybrid target, filled with {tokens prefilled: (ssm, conv) copies} at the end
+    of every chunk (the prompt cache's checkpoints, `save`)."""
     if not 0 <= start < ids.size:
       raise ValueError(f"prefill start {start} outside [0, {ids.size})")
     if start and self.recurrent and self._restored.get(slot) != start:
@@ -163,6 +174,8 @@ class SlotBatch:
           jnp.asarray(np.pad(chunk, (0, c - n))), jnp.int32(s0), jnp.int32(n),
           jnp.bool_(s0 + n >= ids.size), self.eog, jnp.int32(sampling.seed), jnp.int32(max_new),
           sampling.params(), plan=self.plan, sampled=not sampling.greedy)
+      if checkpoints is not None and self.recurrent:
+        checkpoints[s0 + n] = _recurrent_state(self.state, jnp.int32(slot))
       yield s0 + n
 
   def release(self, slot: int):
@@ -186,9 +199,44 @@ class SlotBatch:
     new.state = _move_rows(self.state, jnp.asarray(idx), jnp.int32(len(slots)), plan=self.plan,
                            batch=batch)
     new.sampled_rows = {i for i, s in enumerate(slots) if s in self.sampled_rows}
-    new._restored = {}
+    new._restored, new._compiled = {}, set()
     self.state = None
     return new
+
+  def compile_prefill(self, n_prompt: int, sampling: SamplingConfig) -> float:
+    """Compile (ahead of time: lower + compile, nothing runs) the prefill program an
+    n_prompt-token prompt takes with this sampling, and the host-view program read after it;
+    a later `prefill_chunks` call then only runs them (JAX's caches hold the traced and compiled
+    programs; with the persistent compilation cache a warm process only traces). Returns the
+    seconds it took (0 when already compiled)."""
+    c = prefill_len(n_prompt, self.dec.prefill_chunk)
+    key = ("prefill", c, not sampling.greedy)
+    if key in self._compiled:
+      return 0.0
+    t0 = time.perf_counter()
+    z = jnp.int32(0)
+    decode_lib.prefill_chunk.lower(
+        self.target.params, self.dparams, self.state, z, jnp.zeros((c,), jnp.int32), z, z,
+        jnp.bool_(True), self.eog, z, z, sampling.params(), plan=self.plan,
+        sampled=not sampling.greedy).compile()
+    _host_view.lower(self.state, dec=self.dec).compile()
+    self._compiled.add(key)
+    return time.perf_counter() - t0
+
+  def compile_loop(self, sampled: Optional[bool] = None) -> float:
+    """Compile the decode loop `run` will call (ahead of time, as `compile_prefill`), in the
+    sampling variant (default: the one `run` picks now). Returns the seconds it took."""
+    sampled = bool(self.sampled_rows) if sampled is None else sampled
+    key = ("loop", sampled)
+    if key in self._compiled:
+      return 0.0
+    t0 = time.perf_counter()
+    decode_lib.decode_loop.lower(
+        self.target.params, self.dparams, self.state, jnp.int32(0), self.eog, plan=self.plan,
+        sampled=sampled, proposer=self.proposer).compile()
+    _row_view.lower(self.state, jnp.int32(0)).compile()
+    self._compiled.add(key)
+    return time.perf_counter() - t0
 
   def run(self, max_steps: int):
     """Decode rounds while any row is active, at most max_steps. Uses the sampling variant of
@@ -246,19 +294,11 @@ class SlotBatch:
     self._restored[slot] = hit.n
     return hit.n
 
-  def checkpoint(self, slot: int) -> dict:
-    """{tokens in the slot's caches: (ssm, conv) copies} for a hybrid target (call right after
-    a prompt's last prefill chunk: the prompt-end checkpoint), {} otherwise."""
-    if not self.recurrent:
-      return {}
-    _, ssm, conv = pc.extract_rows(self.state, jnp.int32(slot), rows=1)
-    return {int(jax.device_get(self.state.pos[slot])): (ssm, conv)}
-
   def save(self, slot: int, ids: np.ndarray, cache: "pc.PromptCache",
            checkpoints: Optional[dict] = None):
     """Put `slot`'s sequence (prompt `ids` and the tokens committed after it, or the prompt
     rows prefilled so far) into `cache`: copies of its cache rows and, for a hybrid target, its
-    recurrent state now plus `checkpoints` (from `checkpoint`)."""
+    recurrent state now plus `checkpoints` (from `prefill_chunks`)."""
     out, _, _, _, n = jax.device_get(_row_view(self.state, jnp.int32(slot)))
     n = int(n)
     if n <= 0:

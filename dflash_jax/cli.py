@@ -218,4 +218,5 @@ def stats_line(r: GenerateResult) -> str:
   return (f"prompt tokens {r.prompt_len}{cached} | prefill {r.prefill_tok_s:.1f} tok/s | "
           f"decode {r.decode_tok_s:.2f} tok/s ({len(r.tokens)} tokens) | "
           f"mean acceptance length {r.mean_accept_len:.2f} | steps {r.n_steps} | "
-          f"stop {r.stop_reason} | {r.sampling.describe()}")
+          f"stop {r.stop_reason} | {r.sampling.describe()}" +
+          (f" | compile {r.compile_s:.1f} s" if r.compile_s >= 0.05 else ""))

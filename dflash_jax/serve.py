@@ -35,6 +35,7 @@ import concurrent.futures
 import dataclasses
 import hmac
 import json
+import logging
 import threading
 import time
 import uuid
@@ -134,7 +135,7 @@ class _Live:
   t_submit: float = 0.0
   t_first: Optional[float] = None
   reused: int = 0
-  checkpoints: dict = dataclasses.field(default_factory=dict)   # prompt-end recurrent state
+  checkpoints: dict = dataclasses.field(default_factory=dict)   # recurrent state per chunk end
 
 
 def _emit(r: _Live, text: Optional[str]):
@@ -165,7 +166,7 @@ class Engine:
   restores the cached sequence sharing the longest usable prefix with its prompt into its slot
   and prefills only the rest (a chat's next turn skips the previous turn's prompt and answer; a
   shared system prompt is prefilled once). Hybrid targets restore the Gated DeltaNet state
-  checkpointed at the end of a cached prompt or sequence. Output is unchanged (lossless).
+  checkpointed at the end of a prefill chunk or of a cached sequence. Output is unchanged.
   parse_special: tokenize special-token text inside chat content and raw prompts as control
   tokens (llama-server); default False: it stays text (tokenizer.encode_chat).
   """
@@ -384,7 +385,8 @@ class Engine:
         r.slot = free.pop(0)
         if self.prompt_cache is not None:
           r.reused = self._batch.reuse(r.slot, r.ids, self.prompt_cache)
-        r.prefill = self._batch.prefill_chunks(r.slot, r.ids, r.max_new, r.samp, start=r.reused)
+        r.prefill = self._batch.prefill_chunks(r.slot, r.ids, r.max_new, r.samp, start=r.reused,
+                                               checkpoints=r.checkpoints)
         self.metrics["prompt_tokens_total"] += int(r.ids.size)
         self.metrics["prompt_tokens_reused_total"] += r.reused
         self._live.append(r)
@@ -403,8 +405,6 @@ class Engine:
       except StopIteration:
         r.prefill = None
         r.t_first = time.perf_counter()
-        if self.prompt_cache is not None:
-          r.checkpoints = self._batch.checkpoint(r.slot)
         if not self._batch.finite(r.slot):
           self._batch.release(r.slot)
           self._fail(r, ApiError(500, f"{self.target.path}: the target's logits after prefill "
@@ -420,9 +420,14 @@ class Engine:
       self._stream(r, int(n_out[r.slot]), bool(idle[r.slot]))
 
   def _keep(self, r: _Live):
-    """Put the sequence in r's slot into the prompt cache (when there is one)."""
-    if self.prompt_cache is not None:
+    """Put the sequence in r's slot into the prompt cache (when there is one). A failure there
+    costs the cache entry, never the request's answer (logged)."""
+    if self.prompt_cache is None:
+      return
+    try:
       self._batch.save(r.slot, r.ids, self.prompt_cache, r.checkpoints)
+    except Exception:                   # noqa: BLE001 - the answer is already computed
+      logging.exception("prompt cache: could not keep a finished sequence")
 
   def _fit(self, want: int):
     """Make the batch `want` slots (a bucket) when that changes its size, moving live rows."""

@@ -49,8 +49,10 @@ _INTERACTIVE = flags.DEFINE_boolean("interactive", False, "Multi-turn chat on th
 _PROMPT_CACHE = flags.DEFINE_integer("prompt_cache_bytes", 1 << 30, "With --interactive: bytes "
                                      "the prompt cache may hold (0: off, every turn prefills "
                                      "the whole conversation).", lower_bound=0)
-_WARMUP = flags.DEFINE_boolean("warmup", True, "Compile on a 1-token prompt first, so the stats "
-                               "line measures decoding, not compilation.")
+_WARMUP = flags.DEFINE_boolean("warmup", True, "Compile before decoding, with a 'compiling' line "
+                               "(a single prompt: its prefill program, the decode loop after the "
+                               "first token; a batch: a 1-token batch first), so the stats line "
+                               "measures decoding, not compilation.")
 
 
 def _load():
@@ -87,9 +89,8 @@ def _warm_up(target, draft, dec, samp, ids, n_rows=None):
   cache = jax.config.jax_compilation_cache_dir
   print(f"[dflash] compiling (compile cache: {cache or 'off'}) ...", file=sys.stderr, flush=True)
   t0 = time.perf_counter()
-  if n_rows is None:       # the prompt's own prefill length (one chunk of it at most)
-    dj.generate(target, draft, ids[:dec.prefill_chunk], max_new_tokens=2, config=dec, sampling=samp,
-                on_tokens=(lambda _: None) if _STREAM.value else None)
+  if n_rows is None:       # the prompt's prefill; generate compiles the loop after 1 token
+    dj.api.precompile(target, draft, len(ids), config=dec, sampling=samp, loop=False)
   else:
     b = min(n_rows, _BATCH.value or dj.api.default_batch_size())
     dj.generate_batch(target, draft, [ids[:1]] * b, max_new_tokens=2, config=dec,

@@ -42,6 +42,9 @@ _INIT_NORM = flags.DEFINE_float("init_norm_scale", 0.1, "Start the draft's final
 _STEPS = flags.DEFINE_integer("steps", 2000, "Optimizer steps in all (a rerun continues).")
 _BATCH = flags.DEFINE_integer("batch", 4, "Sequences per step (a multiple of the device count).")
 _ANCHORS = flags.DEFINE_integer("anchors", 16, "Blocks (anchors) per sequence per step.")
+_BUCKETS = flags.DEFINE_list("length_buckets", ["256", "512"], "Padded lengths a step may take "
+                             "below --seq_len (a batch of short sequences is not padded to "
+                             "--seq_len; one compiled step per length). Empty: always --seq_len.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 800, "Tokens per training sequence (padded; longer ones "
                                 "windowed).")
 _LR = flags.DEFINE_float("lr", 1e-3, "Peak learning rate.")
@@ -133,7 +136,9 @@ def main(argv):
   tc = train.TrainConfig(steps=_STEPS.value, batch=_BATCH.value, anchors=_ANCHORS.value,
                          seq_len=_SEQ_LEN.value, lr=_LR.value, warmup=_WARMUP.value,
                          weight_decay=_WD.value, clip=_CLIP.value, gamma=_GAMMA.value,
-                         kl_weight=_KL.value, seed=_SEED.value, compute_dtype=_DTYPE.value)
+                         kl_weight=_KL.value, seed=_SEED.value, compute_dtype=_DTYPE.value,
+                         length_buckets=tuple(int(x) for x in _BUCKETS.value
+                                              if int(x) < _SEQ_LEN.value))
   out_norm = (_INIT_NORM.value * np.asarray(target.params.out_norm, np.float32)
               if _INIT_NORM.value > 0 else None)
   if init is None:
@@ -152,7 +157,7 @@ def main(argv):
     print(f"[train] resumed at step {st.step}", file=sys.stderr)
   log["config"] = dataclasses.asdict(tc)
   held_out = _held_out(target)
-  tokens_per_step = tc.batch * tc.seq_len
+  log.setdefault("tokens_seen", st.step * tc.batch * tc.seq_len)   # real (unpadded) tokens
   extra = {"target_general_name": target.general_name, "target_file": os.path.basename(path),
            "trained_with": "scripts/train_draft.py (online target features)",
            "n_sequences": len(seqs), "n_response_tokens": int(n_resp)}
@@ -166,7 +171,7 @@ def main(argv):
 
   def evaluate():
     e = dict(_eval(target, cfg, st.params, held_out), step=st.step,
-             train_tokens=st.step * tokens_per_step)
+             train_tokens=log["tokens_seen"])
     log["evals"].append(e)
     tqdm.write(f"[train] step {st.step}: held-out acceptance {e}", file=sys.stderr)
 
@@ -176,6 +181,7 @@ def main(argv):
   ema = {}
 
   def on_metrics(step, m):
+    log["tokens_seen"] += int(m.pop("tokens"))
     ema.update({k: m[k] if k not in ema else 0.9 * ema[k] + 0.1 * m[k] for k in m})
     if step % 10 == 0:
       log["metrics"].append({"step": step, **m})

@@ -81,6 +81,30 @@ def test_generate_script_batch_jsonl(tmp_path, smol):
   assert rows[0]["tokens"] == ref.tokens and rows[0]["completion"] == smol.tokenizer.decode(ref.tokens)
 
 
+def test_generate_script_interactive(smol):
+  """--interactive: two turns on stdin, a /reset, a third turn; the second turn is prefilled from
+  the prompt cache (the first turn's prompt and answer) and answers exactly what the library gives
+  for the whole conversation cold; the turn after /reset starts a new conversation."""
+  turns = ["Name three colors.", "And three animals?", "/reset", "Name three colors."]
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "generate.py"), "--interactive",
+                      "--max_new_tokens", "12", "--max_ctx", "512", "--mode", "ar", "--nostream"],
+                     input="\n".join(turns) + "\n", capture_output=True, text=True, timeout=900,
+                     cwd=ROOT)
+  assert r.returncode == 0, r.stderr[-3000:]
+  stats = [l for l in r.stderr.splitlines() if l.startswith("[dflash] turn ")]
+  assert len(stats) == 3 and "conversation reset" in r.stderr
+  assert "cached)" not in stats[0] and "cached)" in stats[1]
+  answers = r.stdout.strip("\n").split("\n")
+  tok = smol.tokenizer
+  msgs = [{"role": "user", "content": turns[0]}]
+  first = dj.generate(smol, None, tok.encode_chat(msgs), max_new_tokens=12, mode="ar", max_ctx=512)
+  msgs += [{"role": "assistant", "content": tok.decode(first.tokens)},
+           {"role": "user", "content": turns[1]}]
+  second = dj.generate(smol, None, tok.encode_chat(msgs), max_new_tokens=12, mode="ar", max_ctx=512)
+  assert tok.decode(first.tokens) in r.stdout and tok.decode(second.tokens) in r.stdout
+  assert len(answers) >= 3
+
+
 def test_generate_script_clear_error_for_long_prompt():
   r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "generate.py"), "--nochat",
                       "--prompt", "word " * 300, "--max_ctx", "64", "--draft", "none"],

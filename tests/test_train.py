@@ -102,15 +102,17 @@ def tiny_data(qwen_f32, qwen_ref):
                                      seed=0, batch_size=4, max_ctx=64)
 
 
-def test_distillation_term_against_float64(qwen_f32, tiny_data):
+@pytest.mark.parametrize("n_anchors", [5, 24])
+def test_distillation_term_against_float64(qwen_f32, tiny_data, n_anchors):
   """batch_loss(kl_weight=w) - batch_loss(kl_weight=0) = w * the weighted mean of KL(p || q),
   with p the target's next-token distribution (its logits at anchor+k-1, from the independent
-  full forward `forward_logits`) and q the draft's, computed in float64 numpy."""
+  full forward `forward_logits`) and q the draft's, computed in float64 numpy. 24 anchors x 3
+  labels > 64 positions: the step computes every position's target logits once and gathers."""
   cfg = _tiny_cfg(qwen_f32, block_size=4)
   params = jax.tree.map(jnp.asarray, draft_io.init_params(jax.random.key(1), cfg, 256,
                                                           weight_fmt="f32"))
-  batch = train.make_batch(np.random.default_rng(2), tiny_data[:2], cfg, seq_len=64, n_anchors=5,
-                           mask_token_id=cfg.mask_token_id)
+  batch = train.make_batch(np.random.default_rng(2), tiny_data[:2], cfg, seq_len=64,
+                           n_anchors=n_anchors, mask_token_id=cfg.mask_token_id)
   tparams, lm = train.frozen_target_tensors(qwen_f32)
   w = jnp.asarray(train.loss_weights(4, 3.0))
   l0, m0 = train.batch_loss(params, cfg, batch, tparams, qwen_f32.config, lm, w, 0.0)
@@ -124,7 +126,7 @@ def test_distillation_term_against_float64(qwen_f32, tiny_data):
     h = draft_lib.train_hidden(params, cfg, jnp.asarray(pad), jnp.asarray(batch.block_ids[i]),
                                jnp.asarray(batch.anchors[i]), qwen_f32.params.embed, Runtime())
     d_logits = np.asarray(h[:, 1:], np.float64) @ np.asarray(lm, np.float64).T   # [A, L-1, V]
-    for a in range(5):
+    for a in range(n_anchors):
       for k in range(1, 4):
         if not batch.label_valid[i, a, k - 1]:
           continue
@@ -238,6 +240,35 @@ def test_data_parallel_on_two_host_devices(qwen_f32_path):
   r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                      timeout=600)
   assert r.returncode == 0 and "DP_OK" in r.stdout, r.stderr[-3000:]
+
+
+def test_length_buckets(qwen_f32, tiny_data):
+  """Length buckets: each sequence sits in the smallest bucket that holds it; a step's batch is
+  padded to its bucket; the loss does not depend on the padding (same anchors, seq_len 56 vs
+  64: equal to 1e-6), so bucketing changes cost, not the objective."""
+  cfg = _tiny_cfg(qwen_f32, block_size=4)
+  lens = [len(s.tokens) for s in tiny_data]
+  assert max(lens) <= 56
+  tc = train.TrainConfig(steps=4, batch=2, anchors=4, seq_len=64, length_buckets=(32, 56))
+  groups = train.length_groups(tc, tiny_data)
+  assert {size for size, _ in groups} <= {32, 56} and sum(g.size for _, g in groups) == 3
+  for size, members in groups:
+    assert all(lens[i] <= size for i in members)
+  shapes = {train.step_batch(tc, cfg, tiny_data, i, groups).tokens.shape[1] for i in range(8)}
+  assert shapes <= {32, 56}
+  with pytest.raises(ValueError, match="length_buckets"):
+    train.TrainConfig(seq_len=64, length_buckets=(80,))
+  params = jax.tree.map(jnp.asarray, draft_io.init_params(jax.random.key(1), cfg, 256,
+                                                          weight_fmt="f32"))
+  tparams, lm = train.frozen_target_tensors(qwen_f32)
+  w = jnp.asarray(train.loss_weights(4, 3.0))
+  losses = []
+  for seq_len in (56, 64):
+    batch = train.make_batch(np.random.default_rng(3), tiny_data[:2], cfg, seq_len=seq_len,
+                             n_anchors=5, mask_token_id=cfg.mask_token_id)
+    losses.append(float(train.batch_loss(params, cfg, batch, tparams, qwen_f32.config, lm, w,
+                                         0.5)[0]))
+  assert losses[0] == pytest.approx(losses[1], rel=1e-6)
 
 
 def test_resume_equals_uninterrupted(tmp_path, qwen_f32, tiny_data):

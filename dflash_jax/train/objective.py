@@ -135,7 +135,10 @@ def batch_loss(params, cfg: DraftConfig, batch: Batch, tparams, tcfg: TargetConf
     if not kl_weight:
       return d, jnp.zeros(d.shape[:2], jnp.float32)
     rows = jnp.clip(anchors[:, None] + jnp.arange(L - 1), 0, tokens.shape[0] - 1)   # [A, L-1]
-    t = target_lib.logits(tparams, tcfg, hidden[rows.reshape(-1)], rt).reshape(d.shape)
+    if rows.size >= tokens.shape[0]:     # blocks overlap: every position's logits once, gathered
+      t = target_lib.logits(tparams, tcfg, hidden, rt)[rows.reshape(-1)].reshape(d.shape)
+    else:
+      t = target_lib.logits(tparams, tcfg, hidden[rows.reshape(-1)], rt).reshape(d.shape)
     return d, distill_kl(t, d)
 
   logits, kl = jax.vmap(one)(batch.tokens, batch.lengths, batch.block_ids, batch.anchors)

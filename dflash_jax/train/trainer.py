@@ -28,7 +28,11 @@ class TrainConfig:
   seq_len: tokens per sequence (padded / windowed); lr: peak learning rate (AdamW), reached after
   `warmup` linear steps, then cosine decay to lr * final_lr_fraction; weight_decay; clip: global
   gradient-norm clip; gamma: loss decay over block offsets; kl_weight: weight of the
-  distillation term; seed: batch sampling (and init); compute_dtype: "float32" | "bfloat16".
+  distillation term; seed: batch sampling (and init); compute_dtype: "float32" | "bfloat16";
+  length_buckets: padded lengths (tokens, ascending, each <= seq_len) a batch may take instead of
+  seq_len: a step draws one bucket (with probability proportional to its sequences) and its batch
+  from the sequences that fit it, so short sequences are not padded to seq_len (one compiled
+  step per bucket; every sequence keeps the same chance of being drawn). Empty: always seq_len.
   """
 
   steps: int = 1000
@@ -44,11 +48,17 @@ class TrainConfig:
   kl_weight: float = 0.5
   seed: int = 0
   compute_dtype: str = "float32"
+  length_buckets: tuple = ()
 
   def __post_init__(self):
     for name in ("steps", "batch", "anchors", "seq_len"):
       if getattr(self, name) < 1:
         raise ValueError(f"TrainConfig.{name}={getattr(self, name)} must be >= 1")
+    b = tuple(int(x) for x in self.length_buckets)
+    if b and (list(b) != sorted(set(b)) or b[0] < 2 or b[-1] > self.seq_len):
+      raise ValueError(f"TrainConfig.length_buckets={b}: ascending, distinct, in [2, seq_len="
+                       f"{self.seq_len}]")
+    object.__setattr__(self, "length_buckets", b)
     if self.lr <= 0 or self.kl_weight < 0 or self.gamma <= 0:
       raise ValueError("TrainConfig: lr and gamma must be > 0, kl_weight >= 0")
 
@@ -101,12 +111,32 @@ def init_state(params, optimizer) -> TrainState:
   return TrainState(params, optimizer.init(params), 0)
 
 
-def step_batch(tc: TrainConfig, cfg: DraftConfig, seqs: Sequence, step: int) -> objective.Batch:
+def length_groups(tc: TrainConfig, seqs: Sequence) -> list[tuple[int, np.ndarray]]:
+  """[(padded length, indices of the sequences it holds)] per non-empty length bucket (a
+  sequence goes to the smallest bucket that holds it; longer ones to seq_len, windowed);
+  [(seq_len, all)] without buckets."""
+  if not tc.length_buckets:
+    return [(tc.seq_len, np.arange(len(seqs)))]
+  sizes = list(tc.length_buckets) + ([tc.seq_len] if tc.length_buckets[-1] < tc.seq_len else [])
+  lens = np.array([len(s.tokens) for s in seqs])
+  which = np.searchsorted(np.asarray(sizes), lens)           # smallest size >= len
+  which = np.minimum(which, len(sizes) - 1)
+  return [(sizes[b], np.flatnonzero(which == b)) for b in range(len(sizes))
+          if np.any(which == b)]
+
+
+def step_batch(tc: TrainConfig, cfg: DraftConfig, seqs: Sequence, step: int,
+               groups=None) -> objective.Batch:
   """The batch of optimizer step `step`: a function of (seed, step) only, so a resumed run sees
-  the batches an uninterrupted one would."""
+  the batches an uninterrupted one would. groups: `length_groups(tc, seqs)` (computed here when
+  not given)."""
   rng = np.random.default_rng([tc.seed, step])
-  pick = rng.choice(len(seqs), size=tc.batch, replace=len(seqs) < tc.batch)
-  return objective.make_batch(rng, [seqs[i] for i in pick], cfg, seq_len=tc.seq_len,
+  groups = groups if groups is not None else length_groups(tc, seqs)
+  counts = np.array([g[1].size for g in groups], np.float64)
+  g = int(rng.choice(len(groups), p=counts / counts.sum())) if len(groups) > 1 else 0
+  size, members = groups[g]
+  pick = members[rng.choice(members.size, size=tc.batch, replace=members.size < tc.batch)]
+  return objective.make_batch(rng, [seqs[i] for i in pick], cfg, seq_len=size,
                               n_anchors=tc.anchors, mask_token_id=cfg.mask_token_id)
 
 
@@ -125,7 +155,8 @@ def train(target, cfg: DraftConfig, seqs: Sequence, tc: TrainConfig, state: Trai
           on_step: Optional[Callable[[TrainState], None]] = None) -> TrainState:
   """Run optimizer steps state.step .. min(until, tc.steps) - 1 on `seqs` (shards.TokenSeq or
   anything with .tokens / .prompt_len) with target features computed online from `target`.
-  on_metrics(step, {loss, ce, kl, acc, acc1, grad_norm} floats) after every step; on_step(state)
+  on_metrics(step, {loss, ce, kl, acc, acc1, grad_norm} floats, tokens: the batch's real
+  tokens) after every step; on_step(state)
   after every step (checkpointing, evaluation). step_fn: `make_step(target, cfg, tc, mesh)`,
   made once by a caller that calls train repeatedly (else one is made, and compiled, here).
   Returns the state (also updated in place). Raises ValueError for an empty sequence list."""
@@ -134,13 +165,15 @@ def train(target, cfg: DraftConfig, seqs: Sequence, tc: TrainConfig, state: Trai
   tparams, lm_head_w = objective.frozen_target_tensors(target)
   step_fn = step_fn or make_step(target, cfg, tc, mesh)
   end = tc.steps if until is None else min(until, tc.steps)
+  groups = length_groups(tc, seqs)
   while state.step < end:
-    batch = step_batch(tc, cfg, seqs, state.step)
+    batch = step_batch(tc, cfg, seqs, state.step, groups)
     state.params, state.opt_state, m = step_fn(state.params, state.opt_state, batch, tparams,
                                                lm_head_w)
     state.step += 1
     if on_metrics is not None:
-      on_metrics(state.step - 1, {k: float(v) for k, v in m.items()})
+      on_metrics(state.step - 1, dict({k: float(v) for k, v in m.items()},
+                                      tokens=int(np.sum(batch.lengths))))
     if on_step is not None:
       on_step(state)
   return state
