@@ -115,3 +115,22 @@ def update_table(path: str, key: str, entry: dict[int, dict[str, float]]):
   with open(tmp, "w") as fh:
     json.dump(data, fh, indent=1, sort_keys=True)
   os.replace(tmp, path)
+
+
+def explain(target_path: str, draft_path: Optional[str], batch: int, has_draft: bool) -> str:
+  """Why mode "auto" picks what it picks for `batch` rows here, in one line: the measured row
+  it read (tok/s per mode) or the fallback that applied."""
+  mode, budget = choose(load_entry(table_key(target_path, draft_path)), batch, has_draft)
+  name = f"ddtree@{budget}" if budget else mode
+  if not has_draft:
+    return f"{name}: no draft"
+  entry = load_entry(table_key(target_path, draft_path))
+  if not entry:
+    return (f"{name}: no measured table for this platform and draft (fallback; "
+            "`bench.py --auto_table user` measures one)")
+  sizes = sorted(entry)
+  b = max([s for s in sizes if s <= batch] or [sizes[0]])
+  row = entry[b]
+  ranked = ", ".join(f"{k} {v:.1f}" for k, v in sorted(row.items(), key=lambda kv: -kv[1]))
+  return f"{name}: fastest measured at B={b} on this platform (tok/s: {ranked})"
+

@@ -73,6 +73,12 @@ def _load():
       draft = dj.load_draft(draft_dir, target)
     bar.update()
   dec = decode_flags.config(_DF)
+  if dec.mode == "auto":
+    from dflash_jax import auto_mode
+    print("[dflash] mode auto -> " + auto_mode.explain(
+        target.path, draft.path if draft is not None else None,
+        1 if not _PROMPT_FILE.value else (_BATCH.value or dj.api.default_batch_size()),
+        draft is not None), file=sys.stderr)
   if draft is None:
     if dec.mode not in ("ar", "auto"):
       raise app.UsageError(f"--mode={dec.mode} needs a draft (--draft)")
