@@ -290,7 +290,8 @@ class SlotBatch:
     ssm, conv = hit.state if hit.state is not None else (
         jnp.zeros(self.state.target.ssm.shape[1:], self.state.target.ssm.dtype),
         jnp.zeros(self.state.target.conv.shape[1:], self.state.target.conv.dtype))
-    self.state = pc.restore_rows(self.state, jnp.int32(slot), hit.entry.kv, ssm, conv)
+    self.state = pc.restore_rows(self.state, jnp.int32(slot), jnp.int32(hit.n), hit.entry.kv,
+                                 ssm, conv)
     self._restored[slot] = hit.n
     return hit.n
 

@@ -56,10 +56,12 @@ def extract_rows(state, slot: jax.Array, *, rows: int):
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def restore_rows(state, slot: jax.Array, kv, ssm: jax.Array, conv: jax.Array):
+def restore_rows(state, slot: jax.Array, n: jax.Array, kv, ssm: jax.Array, conv: jax.Array):
   """Write an entry's rows (see `extract_rows`) into slot `slot` of the donated batched state
   at rows 0.., and its recurrent state; the other slots and the slot's later rows are untouched
-  (in place: dynamic-update-slices)."""
+  (in place: dynamic-update-slices). The slot's position becomes n (the restored prefix): the
+  decode loop writes a free slot's rows at its position (discarded work), which must land past
+  the restored rows while the slot waits for its prefill."""
   z = jnp.int32(0)
 
   def put(c, r):
@@ -71,7 +73,10 @@ def restore_rows(state, slot: jax.Array, kv, ssm: jax.Array, conv: jax.Array):
       conv=jax.lax.dynamic_update_index_in_dim(t.conv, conv.astype(t.conv.dtype), slot, 0))
   if d is not None:
     d = dataclasses.replace(d, k=put(d.k, kv[2]), v=put(d.v, kv[3]))
-  return dataclasses.replace(state, target=t, draft=d)
+  return dataclasses.replace(state, target=t, draft=d,
+                             pos=jax.lax.dynamic_update_index_in_dim(state.pos, n, slot, 0),
+                             done=jax.lax.dynamic_update_index_in_dim(
+                                 state.done, jnp.bool_(True), slot, 0))
 
 
 def layout(state) -> tuple:

@@ -143,3 +143,29 @@ def test_engine_hybrid_next_turn(qwen_f32, qwen_draft, qwen_ref):
   eng.prompt_cache.max_bytes = one + one // 4       # room for one entry of this size
   run(np.asarray(t[1, :40], np.int32), 8)            # an unrelated prompt evicts it
   assert eng.prompt_cache.stats["evictions"] >= 1 and eng.prompt_cache.bytes <= one + one // 4
+
+
+def test_engine_restores_beside_decoding_rows(qwen_f32, qwen_draft, qwen_ref):
+  """Requests that restore a cached prefix into free slots while another row decodes (their
+  prefills wait their turn, one chunk per loop iteration): the decode loop's discarded writes
+  for those waiting slots must not land on the restored rows. Each answer equals the cold one.
+  (Before restore set the slot's position, the waiting slots' rows 0..L-1 were overwritten.)"""
+  from dflash_jax import serve
+  t = qwen_ref["tokens"]
+  kw = dict(mode="chain", max_ctx=128, prefill_chunk=32)
+  dec = dj.api.resolve_config(qwen_draft, **kw)
+  eng = serve.Engine(qwen_f32, qwen_draft, dec, None, "tiny", max_queue=8, max_batch=4,
+                     steps_per_call=2)
+  samp = dj.SamplingConfig()
+  sub = lambda ids, n: eng.submit(ids, n, [], samp, lambda _t: None, lambda: False)
+  p0 = np.asarray(t[0, :30], np.int32)
+  first = sub(p0, 4).result(timeout=600)
+  seq = np.concatenate([p0, np.asarray(first.tokens, np.int32)])
+  jobs = [(np.asarray(t[1, :5], np.int32), 30)] + [
+      (np.concatenate([seq, np.asarray(t[1, i:i + 3], np.int32)]), 8) for i in (0, 3, 6)]
+  futs = [sub(ids, n) for ids, n in jobs]
+  for (ids, n), f in zip(jobs, futs):
+    out = f.result(timeout=600)
+    cold = dj.generate(qwen_f32, qwen_draft, ids, max_new_tokens=n, **kw)
+    assert out.tokens == cold.tokens, ids.size
+  assert eng.metrics["prompt_tokens_reused_total"] >= 3 * p0.size
