@@ -88,7 +88,8 @@ def _resolve_weights(weights: str, f, rt: Runtime) -> str:
 
 def load_target(gguf_path: str, *, weights: str = "auto", compute_dtype: str = "float32",
                 kv_dtype: str = "float32", tokenizer: bool = True, kernels: str = "auto",
-                fuse_projections: bool = True) -> Target:
+                fuse_projections: bool = True,
+                progress: Optional[Callable[[int, int], None]] = None) -> Target:
   """Load a GGUF target (`qwen35`, `llama`, `qwen3`).
 
   weights: "quantized" keeps GGUF blocks packed on device and dequantizes inside the jitted
@@ -100,12 +101,20 @@ def load_target(gguf_path: str, *, weights: str = "auto", compute_dtype: str = "
   tokenizer: build the tokenizer from the GGUF vocabulary (errors if unsupported).
   fuse_projections: stack the packed rows of same-format projections of one input (q/k/v, ffn
     gate/up, Gated DeltaNet qkv/z/beta/alpha) at load so each group is one matmul.
+  progress: called as progress(bytes read, total tensor bytes) as tensors are read (a bar).
   Raises FileNotFoundError, ValueError (unknown architecture or quant type, truncated file,
   tensor shape mismatch, bad option) or NotImplementedError (unsupported tokenizer kind),
   naming the file or option.
   """
   rt = Runtime.for_backend(kernels, compute_dtype=compute_dtype, kv_dtype=kv_dtype)
   f = read_gguf(gguf_path)
+  if progress is not None:
+    done, total = [0], f.n_tensor_bytes
+
+    def on_read(n: int):
+      done[0] += n
+      progress(done[0], total)
+    f.on_read = on_read
   weights = _resolve_weights(weights, f, rt)
   if "token_embd.weight" not in f.tensors:
     if f.meta.get("general.architecture") not in SUPPORTED_ARCHS:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from typing import Any
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -54,12 +54,16 @@ class GGUFFile:
   meta: dict[str, Any]
   tensors: dict[str, GGUFTensor]
   used: set[str] = dataclasses.field(default_factory=set)
+  on_read: Optional[Callable[[int], None]] = None   # called with each tensor's bytes, once
 
   def tensor(self, name: str) -> GGUFTensor:
-    """The tensor `name`, marked used. Raises ValueError naming the file if it is missing."""
+    """The tensor `name`, marked used (and `on_read(its bytes)` the first time). Raises
+    ValueError naming the file if it is missing."""
     t = self.tensors.get(name)
     if t is None:
       raise ValueError(f"{self.path}: missing tensor {name!r}")
+    if name not in self.used and self.on_read is not None:
+      self.on_read(t.n_bytes)
     self.used.add(name)
     return t
 

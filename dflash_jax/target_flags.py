@@ -92,8 +92,9 @@ def setup_compile_cache(f: TargetFlags):
     compile_cache.disable()
 
 
-def load(f: TargetFlags):
-  """The `api.Target` the flags name (the compile cache set up first, `setup_compile_cache`).
+def load(f: TargetFlags, progress=None):
+  """The `api.Target` the flags name (the compile cache set up first, `setup_compile_cache`);
+  progress: as `api.load_target`'s (bytes read, total).
   Raises what `api.load_target` raises (bad file, unknown architecture or quant type),
   FileNotFoundError when no target is given or installed, ValueError for a bad
   --compile_cache_dir."""
@@ -107,4 +108,4 @@ def load(f: TargetFlags):
   return api.load_target(target_path(f), weights=f.weights.value,
                          compute_dtype=f.compute_dtype.value, kv_dtype=f.kv_dtype.value,
                          kernels=f.kernels.value,
-                         fuse_projections=f.fuse_projections.value)
+                         fuse_projections=f.fuse_projections.value, progress=progress)

@@ -61,17 +61,21 @@ def _load():
   from dflash_jax import cli
   from tqdm import tqdm
 
-  with tqdm(total=2, desc="loading", unit="model", file=sys.stderr) as bar:
+  with tqdm(desc="loading", unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
+                       "[{elapsed}, {rate_fmt}{postfix}]") as bar:
     path = target_flags.target_path(_TF)
     bar.set_postfix_str(os.path.basename(path))
-    target = target_flags.load(_TF)
-    bar.update()
+
+    def progress(done: int, total: int):
+      bar.total = total
+      bar.update(done - bar.n)
+    target = target_flags.load(_TF, progress=progress)
     draft_dir = _DRAFT.value if _DRAFT.value is not None else cli.find_draft_dir(target)
     draft = None
     if draft_dir and draft_dir != "none":
       bar.set_postfix_str(os.path.basename(draft_dir.rstrip("/")))
       draft = dj.load_draft(draft_dir, target)
-    bar.update()
   dec = decode_flags.config(_DF)
   if dec.mode == "auto":
     from dflash_jax import auto_mode

@@ -234,3 +234,13 @@ def test_attention_live_matches_full_cache_attention(s_cap, t, start, chunk, tre
   out = layers.attention_live(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), 1, mask,
                               jnp.int32(start + t), chunk)    # the cache is head-major
   assert out.shape == ref.shape and float(jnp.max(jnp.abs(out - ref))) < 1e-5
+
+
+def test_load_progress_in_bytes(qwen_f32_path):
+  """load_target(progress=) reports bytes read as tensors are read: increasing, ending at the
+  file's tensor bytes (every tensor of this file is used)."""
+  seen = []
+  dj.load_target(qwen_f32_path, progress=lambda done, total: seen.append((done, total)))
+  done = [d for d, _ in seen]
+  assert len(seen) > 10 and done == sorted(done) and len({t for _, t in seen}) == 1
+  assert done[-1] == seen[-1][1] > 0
