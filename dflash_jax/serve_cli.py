@@ -53,7 +53,8 @@ _STEPS_PER_CALL = flags.DEFINE_integer("steps_per_call", 4, "Decode rounds per l
                                        lower_bound=1)
 _PROMPT_CACHE = flags.DEFINE_integer("prompt_cache_bytes", 1 << 30, "Bytes the prompt (prefix) "
                                      "cache may hold: finished requests' cache rows, reused by "
-                                     "requests that share their prefix (0: off).", lower_bound=0)
+                                     "requests that share their prefix (0: off). Device memory, "
+                                     "on top of the decode state.", lower_bound=0)
 _MODEL_NAME = flags.DEFINE_string("model_name", None, "Model id in the API (default: the GGUF "
                                   "file name).")
 
