@@ -99,3 +99,14 @@ def smol_prompts():
 
 def pytest_configure(config):
   jax.config.update("jax_platforms", "cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_compiled_programs():
+  """After each test module, drop JAX's in-memory caches of traced and compiled programs (a module's
+  programs are rarely reused by the next; the suite otherwise keeps hundreds of XLA:CPU executables
+  of SmolLM2-sized loops alive and its memory grows through the run)."""
+  yield
+  import gc
+  jax.clear_caches()
+  gc.collect()
