@@ -517,6 +517,7 @@ def precompile(target: Target, draft: Optional[Draft], prompt_len: int, *,
   dec = resolve_config(draft, config, target=target, **overrides)
   if not 0 < prompt_len < dec.max_ctx:
     raise ValueError(f"prompt_len={prompt_len} must be in [1, max_ctx={dec.max_ctx})")
+  check_config(target, draft, dec)             # before the decode state is allocated
   b = batching.SlotBatch(target, draft, dec, 1, _eog(target, None))
   t = b.compile_prefill(prompt_len, sampling)
   if loop:
