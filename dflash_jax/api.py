@@ -181,6 +181,49 @@ def forward_logits(target: Target, token_ids: Sequence[int], *,
   return np.asarray(logits)[:n]
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "rt", "k", "n_out"))
+def _score(params, tokens, n_valid, first, cache, *, cfg, rt, k, n_out):
+  pre = target_lib.prefill(params, cfg, tokens, jnp.int32(0), n_valid, cache, rt)
+  h = jax.lax.dynamic_slice_in_dim(pre.hidden, first - 1, n_out)
+  lp = jax.nn.log_softmax(target_lib.logits(params, cfg, h, rt).astype(jnp.float32), axis=-1)
+  nxt = jax.lax.dynamic_slice_in_dim(tokens, first, n_out)
+  chosen = jnp.take_along_axis(lp, nxt[:, None], axis=1)[:, 0]
+  top_lp, top_ids = jax.lax.top_k(lp, max(k, 1))
+  return chosen, top_ids, top_lp
+
+
+def _pow2(n: int, lo: int = 64) -> int:
+  return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+def token_logprobs(target: Target, token_ids: Sequence[int], first: int, top_k: int = 0):
+  """Log-probabilities the target gives tokens token_ids[first:], each after all the tokens
+  before it: the raw model distribution, log_softmax(logits) at temperature 1 with no top-k /
+  top-p cut (what OpenAI's `logprobs` report), from one full forward of the sequence (prefill
+  math; the same for whatever mode decoded the tokens).
+
+  token_ids: [T] ints; first: in [1, T). top_k: also return the top_k most likely tokens of
+  each position (0..20). Returns (logprobs [T-first] float32, top_ids [T-first, top_k] int32,
+  top_logprobs [T-first, top_k] float32) as numpy. Padded to power-of-two shapes (>= 64) so
+  nearby lengths share a compiled program. Raises ValueError for bad ids or arguments.
+  """
+  ids = check_ids(target, token_ids, "token_ids")
+  n = ids.size
+  if not 1 <= first < n:
+    raise ValueError(f"first={first} must be in [1, {n})")
+  if not 0 <= top_k <= 20:
+    raise ValueError(f"top_k={top_k} must be in [0, 20]")
+  n_out = _pow2(n - first)
+  padded = _pow2(first - 1 + n_out + 1)
+  cache = target_lib.init_cache(target.config, padded, target.runtime)
+  chosen, top_ids, top_lp = _score(target.params, jnp.asarray(np.pad(ids, (0, padded - n))),
+                                   jnp.int32(n), jnp.int32(first), cache, cfg=target.config,
+                                   rt=target.runtime, k=top_k, n_out=n_out)
+  m = n - first
+  return (np.asarray(chosen)[:m], np.asarray(top_ids)[:m, :top_k],
+          np.asarray(top_lp)[:m, :top_k])
+
+
 @dataclasses.dataclass
 class GenerateResult:
   """Output of `generate`.

@@ -56,6 +56,17 @@ class Row:
   pos: int = 0
 
 
+def tokens_before(ids, start: int) -> np.ndarray:
+  """[W] int32: ids[start-W:start] right-aligned, zeros where the position is negative (the
+  window of recent tokens a prefill chunk at `start` takes, W = sampling.PENALTY_WINDOW)."""
+  from dflash_jax.sampling import PENALTY_WINDOW as w
+  out = np.zeros(w, np.int32)
+  got = np.asarray(ids[max(0, start - w):start], np.int32)
+  if got.size:
+    out[w - got.size:] = got
+  return out
+
+
 @functools.partial(jax.jit, static_argnames=("plan", "batch"))
 def _move_rows(state, idx, n, *, plan, batch):
   """Rows idx[:n] of `state` as rows 0..n-1 of a fresh state of `batch` rows. idx: [batch]
@@ -160,6 +171,10 @@ class SlotBatch:
     if start and self.recurrent and self._restored.get(slot) != start:
       raise ValueError(f"prefill start {start} on a hybrid target needs the recurrent state "
                        "after exactly that many tokens: restore it with SlotBatch.reuse first")
+    bad = [t for t, _ in sampling.logit_bias if t >= self.target.config.n_vocab]
+    if bad:
+      raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary "
+                       f"[0, {self.target.config.n_vocab})")
     self._restored.pop(slot, None)
     c = prefill_len(ids.size - start, self.dec.prefill_chunk)
     if sampling.greedy:
@@ -173,7 +188,8 @@ class SlotBatch:
           self.target.params, self.dparams, self.state, jnp.int32(slot),
           jnp.asarray(np.pad(chunk, (0, c - n))), jnp.int32(s0), jnp.int32(n),
           jnp.bool_(s0 + n >= ids.size), self.eog, jnp.int32(sampling.seed), jnp.int32(max_new),
-          sampling.params(), plan=self.plan, sampled=not sampling.greedy)
+          sampling.params(), jnp.asarray(tokens_before(ids, s0)), plan=self.plan,
+          sampled=not sampling.greedy)
       if checkpoints is not None and self.recurrent:
         checkpoints[s0 + n] = _recurrent_state(self.state, jnp.int32(slot))
       yield s0 + n
@@ -217,7 +233,8 @@ class SlotBatch:
     z = jnp.int32(0)
     decode_lib.prefill_chunk.lower(
         self.target.params, self.dparams, self.state, z, jnp.zeros((c,), jnp.int32), z, z,
-        jnp.bool_(True), self.eog, z, z, sampling.params(), plan=self.plan,
+        jnp.bool_(True), self.eog, z, z, sampling.params(), jnp.asarray(tokens_before([], 0)),
+        plan=self.plan,
         sampled=not sampling.greedy).compile()
     _host_view.lower(self.state, dec=self.dec).compile()
     self._compiled.add(key)

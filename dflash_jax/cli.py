@@ -157,6 +157,7 @@ class StopScanner:
     self.tok, self.stops = tokenizer, [s for s in stops if s]
     self.ids: list[int] = []
     self.text, self.cut, self.n_tokens = "", None, 0
+    self.hit: str | None = None          # the stop string found
 
   def add(self, new_ids: list[int]) -> bool:
     """Add tokens; True once a stop string appeared (self.text is then cut before it and
@@ -171,9 +172,10 @@ class StopScanner:
       self.ids.append(t)
       self.n_tokens += 1
       self.text = self.tok.decode(self.ids)
-      hits = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
+      hits = [(i, s) for i, s in ((self.text.find(s), s) for s in self.stops) if i >= 0]
       if hits:
-        self.text, self.cut = self.text[:min(hits)], min(hits)
+        self.cut, self.hit = min(hits)
+        self.text = self.text[:self.cut]
         return True
     return False
 

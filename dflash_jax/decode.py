@@ -86,6 +86,8 @@ class DecodeState:
       variant of the loop).
     finite: [] bool the logits the first token came from (end of prefill) were all finite
       (False: corrupt weights or metadata; `api.generate` raises).
+    recent: [W] int32 the tokens at positions pos-W..pos-1 (W = sampling.PENALTY_WINDOW; the
+      penalties' window; entries at negative positions are ignored).
   """
 
   out: jax.Array
@@ -101,6 +103,7 @@ class DecodeState:
   key: jax.Array
   samp: sampling_lib.SamplingParams
   finite: jax.Array
+  recent: jax.Array
 
 
 def init_row(plan: Plan) -> DecodeState:
@@ -114,7 +117,7 @@ def init_row(plan: Plan) -> DecodeState:
       target=target_lib.init_cache(tcfg, s, plan.rt),
       draft=draft_lib.init_cache(dcfg, s) if plan.uses_draft else None,
       key=jax.random.key(0), samp=sampling_lib.SamplingConfig().params(),
-      finite=jnp.bool_(True))
+      finite=jnp.bool_(True), recent=jnp.zeros((sampling_lib.PENALTY_WINDOW,), jnp.int32))
 
 
 def init_state(plan: Plan, batch: int = 1) -> DecodeState:
@@ -142,8 +145,14 @@ def _uses_rejection(dec: DecodeConfig, sampled: bool) -> bool:
   return sampled and dec.mode == "chain" and dec.chain_rule == "rejection"
 
 
+def _recent_pos(end: jax.Array) -> jax.Array:
+  """[W] int32 positions of a recent-token window whose last entry sits at `end`."""
+  w = sampling_lib.PENALTY_WINDOW
+  return end - (w - 1) + jnp.arange(w, dtype=jnp.int32)
+
+
 def _prefill_row(tparams, dparams, row: DecodeState, k_all, v_all, slot, tokens, start, n_valid,
-                 eog_ids, final, *, plan: Plan, sampled: bool):
+                 eog_ids, final, before, *, plan: Plan, sampled: bool):
   """One prefill chunk of one row (see `prefill_chunk`). row: the row's state without its K/V
   and draft caches (target.k / .v and draft None); k_all / v_all: the batch's target caches,
   read in place at row `slot`. Returns (new row, target K rows [n_attn, T, Hkv, Dh], V rows,
@@ -158,10 +167,19 @@ def _prefill_row(tparams, dparams, row: DecodeState, k_all, v_all, slot, tokens,
   last = jax.lax.dynamic_slice_in_dim(pre.hidden, n_valid - 1, 1, axis=0)
   key = jax.random.fold_in(row.key, sampling_lib.PREFILL_STREAM)
   logits = target_lib.logits(tparams, plan.tcfg, last, plan.rt)
-  first = _next_token(logits, key, row.samp, sampled)[0]
+  w = sampling_lib.PENALTY_WINDOW
+  recent = jax.lax.dynamic_slice_in_dim(jnp.concatenate([before, tokens]), n_valid, w)
+  end = start + n_valid - 1                     # the last prompt token's position
+  adjusted = jax.lax.cond(
+      sampling_lib.rules_on(row.samp),
+      lambda x: sampling_lib.apply_rules(x, row.samp, recent, _recent_pos(end),
+                                         jnp.zeros((1,), jnp.int32), jnp.full((1,), -1, jnp.int32),
+                                         jnp.ones((1, 1), bool), end[None]),
+      lambda x: x.astype(jnp.float32), logits)
+  first = _next_token(adjusted, key, row.samp, sampled)[0]
   new = dataclasses.replace(
       row, target=dataclasses.replace(row.target, ssm=pre.cache.ssm, conv=pre.cache.conv),
-      pos=start + n_valid, bonus=first, finite=jnp.all(jnp.isfinite(logits)),
+      pos=start + n_valid, bonus=first, finite=jnp.all(jnp.isfinite(logits)), recent=recent,
       out=row.out.at[0].set(first), n_out=jnp.int32(1),
       done=jnp.any(first == eog_ids) | (row.max_new <= 1) | ~final,
       n_steps=jnp.int32(0))
@@ -171,8 +189,8 @@ def _prefill_row(tparams, dparams, row: DecodeState, k_all, v_all, slot, tokens,
 @functools.partial(jax.jit, static_argnames=("plan", "sampled"), donate_argnames=("state",))
 def prefill_chunk(tparams, dparams, state: DecodeState, slot: jax.Array, tokens: jax.Array,
                   start: jax.Array, n_valid: jax.Array, final: jax.Array, eog_ids: jax.Array,
-                  seed: jax.Array, max_new: jax.Array, samp: sampling_lib.SamplingParams, *,
-                  plan: Plan, sampled: bool = False) -> DecodeState:
+                  seed: jax.Array, max_new: jax.Array, samp: sampling_lib.SamplingParams,
+                  before: jax.Array, *, plan: Plan, sampled: bool = False) -> DecodeState:
   """Prefill one chunk of a prompt into row `slot` of the batch (the other rows are untouched).
 
   tokens: [C] int32 (C = dec.prefill_chunk, padded) at positions start.., of which n_valid are
@@ -180,7 +198,9 @@ def prefill_chunk(tparams, dparams, state: DecodeState, slot: jax.Array, tokens:
   reuses one compiled function); final: [] bool, True for the prompt's last chunk (the row stays
   done, i.e. out of the decode loop, until then: a running batch may decode between chunks).
   The row's PRNG key (from `seed`), length budget `max_new` and sampling params `samp`
-  (SamplingParams of scalars; temperature 0 = greedy) are set on every chunk. Updates the row's
+  (SamplingParams; temperature 0 = greedy) are set on every chunk; before: [W] int32 the
+  prompt's tokens at positions start-W..start-1 (W = sampling.PENALTY_WINDOW; entries at
+  negative positions are ignored): the penalties' window. Updates the row's
   target cache, feeds the chunk's target features to its draft context cache, and sets the
   first generated token (argmax, or a draw in the `sampled` variant, after the last real row)
   as its bonus: final only after the last chunk, when the row becomes active (done stays False
@@ -198,7 +218,7 @@ def prefill_chunk(tparams, dparams, state: DecodeState, slot: jax.Array, tokens:
   tc = dataclasses.replace(tc, ssm=jnp.where(fresh, 0.0, tc.ssm), conv=jnp.where(fresh, 0.0, tc.conv))
   row = dataclasses.replace(row, key=jax.random.key(seed), max_new=max_new, samp=samp, target=tc)
   row, k, v, dk, dv = _prefill_row(tparams, dparams, row, tk, tv, slot, tokens, start, n_valid,
-                                   eog_ids, final, plan=plan, sampled=sampled)
+                                   eog_ids, final, before, plan=plan, sampled=sampled)
   # The forward reads the caches inside attention loops; the writes must be ordered after every
   # read, else XLA copies whole caches to keep the reads correct (as in _commit_rows).
   (row, k, v, dk, dv), (tk, tv, dc) = jax.lax.optimization_barrier(((row, k, v, dk, dv),
@@ -343,16 +363,23 @@ def _advance(s: DecodeState, emit, n_acc, eog_ids) -> DecodeState:
   n_commit = n_acc + 1
   n_emit, hit = _n_emit(s, emit, n_acc, eog_ids)
   n_out = s.n_out + n_emit
+  # the committed tokens: the old bonus (position pos), then the accepted drafts
+  recent = jax.lax.dynamic_slice_in_dim(
+      jnp.concatenate([s.recent, s.bonus[None], emit[:-1]]), n_commit, s.recent.shape[0])
   return dataclasses.replace(
       s, out=jax.lax.dynamic_update_slice_in_dim(s.out, emit, s.n_out, axis=0), n_out=n_out,
+      recent=recent,
       pos=s.pos + n_commit, bonus=emit[n_acc], done=s.done | hit | (n_out >= s.max_new),
       n_steps=s.n_steps + 1, accept_lens=s.accept_lens.at[s.n_steps].set(n_commit))
 
 
-def _step(tparams, dparams, s: DecodeState, eog_ids, live_bound, *, plan: Plan, sampled: bool,
-          proposer) -> _RowStep:
+def _step(tparams, dparams, s: DecodeState, eog_ids, live_bound, rules, *, plan: Plan,
+          sampled: bool, proposer) -> _RowStep:
   """One round of one row: propose -> build tree -> verify -> accept (follow) -> commit (as
-  updates for the batched loop to write) -> the draft's context rows of the committed tokens."""
+  updates for the batched loop to write) -> the draft's context rows of the committed tokens.
+  rules: [] bool, the same for every row (not vmapped, so a real branch): some row has
+  logit_bias or penalties on (`sampling.apply_rules`; a row without them is left unchanged by
+  them)."""
   dec = plan.dec
   k_draft, k_accept = jax.random.split(jax.random.fold_in(s.key, s.n_steps))
   dlogits = None
@@ -361,6 +388,14 @@ def _step(tparams, dparams, s: DecodeState, eog_ids, live_bound, *, plan: Plan, 
   tree, q_logp = build_verify_tree(dlogits, s.bonus, dec, s.samp, k_draft, sampled)
 
   def choose(logits):
+    # logit_bias and penalties, each node under its own path's window (sampling.apply_rules)
+    node_pos = s.pos + tree.depths
+    logits = jax.lax.cond(
+        rules,
+        lambda x: sampling_lib.apply_rules(x, s.samp, s.recent, _recent_pos(s.pos - 1),
+                                           tree.tokens, node_pos, tree.ancestor_matrix(),
+                                           node_pos),
+        lambda x: x.astype(jnp.float32), logits)
     path, n_acc, emit = accept(tree, logits, q_logp, dec, s.samp, k_accept, sampled)
     # Commit nothing past the row's last output token (its first EOG token, its max_new
     # budget): the output is the same, and the caches of a finished row then hold exactly its
@@ -426,7 +461,7 @@ def decode_loop(tparams, dparams, state: DecodeState, max_steps: jax.Array, eog_
   SamplingParams and key from the state (rows with temperature 0 stay greedy).
   """
   step = jax.vmap(functools.partial(_step, plan=plan, sampled=sampled, proposer=proposer),
-                  in_axes=(None, None, 0, None, None))
+                  in_axes=(None, None, 0, None, None, None))
 
   def keep_going(c):
     s, i = c
@@ -439,7 +474,8 @@ def decode_loop(tparams, dparams, state: DecodeState, max_steps: jax.Array, eog_
     # Inactive rows (finished, free, or between prefill chunks) do not raise it: their step is
     # computed over a shorter context and discarded.
     bound = jnp.max(jnp.where(act, s.pos, 0))
-    return _commit_rows(act, step(tparams, dparams, s, eog_ids, bound), s), i + 1
+    rules = jnp.any(act & sampling_lib.rules_on(s.samp))
+    return _commit_rows(act, step(tparams, dparams, s, eog_ids, bound, rules), s), i + 1
 
   return jax.lax.while_loop(keep_going, one_round, (state, jnp.int32(0)))[0]
 

@@ -34,6 +34,10 @@ class DecodeFlags:
   top_p: flags.FlagHolder
   min_p: flags.FlagHolder
   seed: flags.FlagHolder
+  repeat_penalty: flags.FlagHolder
+  presence_penalty: flags.FlagHolder
+  frequency_penalty: flags.FlagHolder
+  penalty_last_n: flags.FlagHolder
 
 
 def define(flag_values: flags.FlagValues = flags.FLAGS, *,
@@ -72,6 +76,15 @@ def define(flag_values: flags.FlagValues = flags.FLAGS, *,
       min_p=flags.DEFINE_float("min_p", None, "Sampling min-p (0 = off). Default: the GGUF's, "
                                "else 0.", **fv),
       seed=flags.DEFINE_integer("seed", 0, "Sampling seed.", **fv),
+      repeat_penalty=flags.DEFINE_float("repeat_penalty", 1.0, "Penalize repeated tokens: logit "
+                                        "/ p if > 0, else * p (1 = off; llama.cpp's).", **fv),
+      presence_penalty=flags.DEFINE_float("presence_penalty", 0.0, "Subtracted from the logit of "
+                                          "a token seen in the window (0 = off).", **fv),
+      frequency_penalty=flags.DEFINE_float("frequency_penalty", 0.0, "Times a token's count in "
+                                           "the window, subtracted from its logit (0 = off).",
+                                           **fv),
+      penalty_last_n=flags.DEFINE_integer("penalty_last_n", 64, "The penalties' window: the "
+                                          "last n tokens, prompt included (0..256).", **fv),
   )
 
 
@@ -97,6 +110,8 @@ def sampling(f: DecodeFlags, defaults: SamplingConfig | None = None) -> Sampling
   base = defaults or SamplingConfig()
   values = {name: getattr(f, name).value for name in ("temperature", "top_k", "top_p", "min_p")}
   values = {k: (getattr(base, k) if v is None else v) for k, v in values.items()}
+  values.update({name: getattr(f, name).value for name in (
+      "repeat_penalty", "presence_penalty", "frequency_penalty", "penalty_last_n")})
   try:
     return SamplingConfig(seed=f.seed.value, **values)
   except ValueError as e:

@@ -12,6 +12,16 @@ The processed distribution follows llama.cpp's default sampler chain for these f
     does not come here: the decode loop takes the argmax.)
 Truncation thus happens on the untempered logits, as in llama.cpp.
 
+Before them, as first links of llama.cpp's chain (logit_bias, then penalties), and for greedy
+rows too (`apply_rules`):
+  * logit_bias: a value added to the logit of each listed token (OpenAI's -100..100; -100 bans).
+  * penalties (llama_sampler_penalties_apply) over the last `penalty_last_n` tokens of the
+    sequence, prompt included (each tree node: the sequence up to and including that node): a
+    token seen c > 0 times gets logit * repeat_penalty (logit <= 0) or / repeat_penalty
+    (logit > 0), then - c * frequency_penalty - presence_penalty.
+Every verified node gets the rules of its own path, so greedy / sampled speculative output is
+exactly autoregressive output under the same rules.
+
 Speculative rules (all exact: the distribution of generated sequences equals autoregressive
 sampling from the processed target distribution):
   * "match" (sample-and-match; the z-lab DFlash and DDTree reference loops): at each node of
@@ -32,12 +42,15 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dflash_jax.config import check_int, check_number
 
 # A key for the first generated token (drawn at the end of prefill); decode step n uses
 # fold_in(base key, n).
 PREFILL_STREAM = 2**31 - 1
+MAX_LOGIT_BIAS = 300          # tokens a logit_bias may list (static size of the row's table)
+PENALTY_WINDOW = 256          # largest penalty_last_n (the recent-token window a row carries)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +61,11 @@ class SamplingConfig:
     temperature: 0 = greedy (bit-identical to the greedy decoder); > 0 samples.
     top_k: keep the k most likely tokens (0 = off). top_p: nucleus mass in (0, 1] (1 = off).
     min_p: relative probability floor in [0, 1) (0 = off). seed: base of the PRNG key.
+    logit_bias: ((token id, bias), ...) added to those logits (at most MAX_LOGIT_BIAS distinct
+      ids, bias in [-100, 100]; ids are checked against the vocabulary by the decoder's caller).
+    repeat_penalty (> 0, 1 = off), presence_penalty, frequency_penalty ([-2, 2], 0 = off) over
+      the last penalty_last_n tokens ([0, PENALTY_WINDOW]; 64 as llama.cpp's default).
+    All apply to greedy rows too (greedy = the argmax of the adjusted logits).
 
   Raises ValueError naming the field for a value out of range.
   """
@@ -57,6 +75,11 @@ class SamplingConfig:
   top_p: float = 1.0
   min_p: float = 0.0
   seed: int = 0
+  logit_bias: tuple = ()
+  repeat_penalty: float = 1.0
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  penalty_last_n: int = 64
 
   def __post_init__(self):
     check_number(self, "temperature", 0.0, 1e4)
@@ -64,6 +87,31 @@ class SamplingConfig:
     check_number(self, "min_p", 0.0, 1.0)
     check_int(self, "top_k", 0, 2**31 - 1)
     check_int(self, "seed", 0, 2**31 - 1)
+    check_number(self, "repeat_penalty", 0.0, 100.0, lo_open=True)
+    check_number(self, "presence_penalty", -2.0, 2.0)
+    check_number(self, "frequency_penalty", -2.0, 2.0)
+    check_int(self, "penalty_last_n", 0, PENALTY_WINDOW)
+    bias = self.logit_bias
+    if isinstance(bias, dict):
+      bias = tuple(bias.items())
+    try:
+      bias = tuple((int(t), float(b)) for t, b in bias)
+    except (TypeError, ValueError):
+      raise ValueError("SamplingConfig.logit_bias: expected (token id, bias) pairs") from None
+    ids = [t for t, _ in bias]
+    if len(set(ids)) != len(ids) or len(ids) > MAX_LOGIT_BIAS or any(t < 0 for t in ids):
+      raise ValueError(f"SamplingConfig.logit_bias: at most {MAX_LOGIT_BIAS} distinct "
+                       "non-negative token ids")
+    if any(not -100.0 <= b <= 100.0 for _, b in bias):
+      raise ValueError("SamplingConfig.logit_bias: biases must be in [-100, 100]")
+    object.__setattr__(self, "logit_bias", tuple(sorted(bias)))
+
+  @property
+  def has_rules(self) -> bool:
+    """True when logit_bias or a penalty is on."""
+    return bool(self.logit_bias) or (self.penalty_last_n > 0 and (
+        self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or
+        self.frequency_penalty != 0.0))
 
   @property
   def greedy(self) -> bool:
@@ -71,26 +119,82 @@ class SamplingConfig:
 
   def params(self) -> "SamplingParams":
     """The traced form a row of the decode loop carries (temperature 0 = a greedy row)."""
+    ids = np.zeros(MAX_LOGIT_BIAS, np.int32)
+    vals = np.zeros(MAX_LOGIT_BIAS, np.float32)
+    for i, (t, b) in enumerate(self.logit_bias):
+      ids[i], vals[i] = t, b
     return SamplingParams(temperature=jnp.float32(self.temperature), top_k=jnp.int32(self.top_k),
-                          top_p=jnp.float32(self.top_p), min_p=jnp.float32(self.min_p))
+                          top_p=jnp.float32(self.top_p), min_p=jnp.float32(self.min_p),
+                          bias_ids=jnp.asarray(ids), bias_vals=jnp.asarray(vals),
+                          repeat=jnp.float32(self.repeat_penalty),
+                          presence=jnp.float32(self.presence_penalty),
+                          frequency=jnp.float32(self.frequency_penalty),
+                          last_n=jnp.int32(self.penalty_last_n))
 
   def describe(self) -> str:
+    rules = ""
+    if self.logit_bias:
+      rules += f", logit_bias on {len(self.logit_bias)} tokens"
+    if self.has_rules and self.penalty_last_n:
+      rules += (f", penalties repeat {self.repeat_penalty:g} presence {self.presence_penalty:g} "
+                f"frequency {self.frequency_penalty:g} last_n {self.penalty_last_n}")
     if self.greedy:
-      return "greedy"
+      return "greedy" + rules
     return (f"temperature {self.temperature:g}, top_k {self.top_k}, top_p {self.top_p:g}, "
-            f"min_p {self.min_p:g}, seed {self.seed}")
+            f"min_p {self.min_p:g}, seed {self.seed}" + rules)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-  """Sampling settings as traced scalars (changing them does not recompile): temperature [] f32
-  (> 0), top_k [] int32 (0 = off), top_p [] f32 (1 = off), min_p [] f32 (0 = off)."""
+  """Sampling settings as traced values (changing them does not recompile): temperature [] f32
+  (> 0), top_k [] int32 (0 = off), top_p [] f32 (1 = off), min_p [] f32 (0 = off); the rules:
+  bias_ids [MAX_LOGIT_BIAS] int32 / bias_vals [MAX_LOGIT_BIAS] f32 (unused entries: bias 0),
+  repeat, presence, frequency [] f32, last_n [] int32."""
 
   temperature: jax.Array
   top_k: jax.Array
   top_p: jax.Array
   min_p: jax.Array
+  bias_ids: jax.Array
+  bias_vals: jax.Array
+  repeat: jax.Array
+  presence: jax.Array
+  frequency: jax.Array
+  last_n: jax.Array
+
+
+def rules_on(sp: SamplingParams) -> jax.Array:
+  """[] bool (or [B] for a batch of rows' params): a logit_bias entry or a penalty is on."""
+  return jnp.any(sp.bias_vals != 0, axis=-1) | ((sp.last_n > 0) & (
+      (sp.repeat != 1.0) | (sp.presence != 0.0) | (sp.frequency != 0.0)))
+
+
+def apply_rules(logits: jax.Array, sp: SamplingParams, recent: jax.Array, recent_pos: jax.Array,
+                tokens: jax.Array, token_pos: jax.Array, anc: jax.Array, end: jax.Array) -> jax.Array:
+  """logit_bias, then llama.cpp's penalties, per node (see the module docstring).
+
+  logits: [N, V] float; recent: [W] int32 tokens of the committed sequence at positions
+  recent_pos [W] int32 (negative: no token); tokens: [N] int32 the nodes' own tokens at
+  token_pos [N] int32 (negative: none); anc: [N, N] bool anc[i, j] = node j is node i or its
+  ancestor; end: [N] int32 the position of the last token node i's logits follow (its window
+  is positions (end - last_n, end]). Returns [N, V] float32. Work is sparse: only the tokens
+  of the window and the nodes are touched (every candidate computes its token's penalized
+  value from all its occurrences, so duplicate candidates write the same value).
+  """
+  x = logits.astype(jnp.float32).at[:, sp.bias_ids].add(sp.bias_vals[None, :])
+  n = x.shape[0]
+  cand = jnp.concatenate([recent, tokens])                                  # [C]
+  cpos = jnp.concatenate([recent_pos, token_pos])
+  member = jnp.concatenate([jnp.ones((n, recent.shape[0]), bool), anc], axis=1)   # [N, C]
+  occ = member & (cpos[None, :] >= 0) & (cpos[None, :] <= end[:, None]) & \
+      (cpos[None, :] > end[:, None] - sp.last_n)
+  same = (cand[:, None] == cand[None, :]).astype(jnp.float32)              # [C, C]
+  count = jnp.dot(occ.astype(jnp.float32), same, precision=jax.lax.Precision.HIGHEST)   # [N, C]
+  v = jnp.take_along_axis(x, jnp.broadcast_to(cand[None, :], count.shape), axis=1)
+  pen = jnp.where(v <= 0, v * sp.repeat, v / sp.repeat) - count * sp.frequency - sp.presence
+  v = jnp.where(count > 0, pen, v)
+  return x.at[jnp.arange(n)[:, None], cand[None, :]].set(v)
 
 
 def _order_key(x: jax.Array) -> jax.Array:

@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional
 
 import fastapi
 import jax
@@ -47,60 +47,12 @@ import numpy as np
 import pydantic
 
 from dflash_jax import cli
-
-
-class ApiError(Exception):
-  """An OpenAI-style error: HTTP status, message, type, param, code."""
-
-  def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
-               param: Optional[str] = None, code: Optional[str] = None):
-    super().__init__(message)
-    self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-  def body(self) -> dict:
-    return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                      "code": self.code}}
-
-
-class StreamOptions(pydantic.BaseModel):
-  model_config = pydantic.ConfigDict(extra="allow")
-  include_usage: Optional[bool] = None
-
-
-class _Request(pydantic.BaseModel):
-  model_config = pydantic.ConfigDict(extra="allow")   # unknown fields are ignored, as OpenAI does
-  model: Optional[str] = None
-  max_tokens: Optional[int] = pydantic.Field(None, ge=1)
-  max_completion_tokens: Optional[int] = pydantic.Field(None, ge=1)
-  stop: Optional[Union[str, list[str]]] = None
-  stream: bool = False
-  temperature: Optional[float] = None
-  top_p: Optional[float] = None
-  top_k: Optional[int] = None
-  min_p: Optional[float] = None
-  seed: Optional[int] = None
-  n: int = 1
-  stream_options: Optional[StreamOptions] = None
-
-
-class ChatRequest(_Request):
-  messages: list[dict[str, Any]]
-
-
-class CompletionRequest(_Request):
-  prompt: Union[str, list[int]]
-
-
-# Request fields this server does not implement -> the values that ask for nothing (accepted).
-UNSUPPORTED = {
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-    "function_call": (None, "none"), "parallel_tool_calls": (None, True, False),
-    "response_format": (None, {"type": "text"}), "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "echo": (None, False),
-    "best_of": (None, 1), "suffix": (None, ""), "audio": (None,), "modalities": (None, ["text"]),
-    "prediction": (None,), "reasoning_effort": (None,),
-}
+from dflash_jax.serve_protocol import (ANTHROPIC_STOP, ANTHROPIC_UNSUPPORTED, UNSUPPORTED,  # noqa: F401
+                                       AnthropicRequest, ApiError, ChatRequest, CompletionRequest,
+                                       CountTokensRequest, StreamOptions, anthropic_message,
+                                       anthropic_messages, chat_logprobs, chat_messages,
+                                       completion_logprobs, content_text, logprobs_wanted,
+                                       refuse_unsupported, sse, validation_error)
 
 
 @dataclasses.dataclass
@@ -113,6 +65,8 @@ class Outcome:
   finish_reason: str
   stats: dict
   tokens: list = dataclasses.field(default_factory=list)    # generated ids (to a stop string)
+  stop_hit: Optional[str] = None                            # the stop string that ended it
+  eog: bool = False                                         # ended by an end-of-generation token
 
 
 @dataclasses.dataclass(eq=False)
@@ -134,6 +88,7 @@ class _Live:
   sent: int = 0
   t_submit: float = 0.0
   t_first: Optional[float] = None
+  t_admit: Optional[float] = None
   reused: int = 0
   checkpoints: dict = dataclasses.field(default_factory=dict)   # recurrent state per chunk end
 
@@ -191,7 +146,10 @@ class Engine:
     self.metrics = {"requests_total": 0, "requests_failed": 0, "tokens_generated_total": 0,
                     "decode_seconds_total": 0.0, "steps_total": 0, "cancelled_total": 0,
                     "batch_rows_peak": 0, "batch_resizes_total": 0,
-                    "prompt_tokens_total": 0, "prompt_tokens_reused_total": 0}
+                    "prompt_tokens_total": 0, "prompt_tokens_reused_total": 0,
+                    "draft_tokens_total": 0, "draft_accepted_total": 0}
+    from dflash_jax.serve_metrics import ServerMetrics
+    self.prom = ServerMetrics(self.metrics_state)
     self._cv = threading.Condition()
     self._pending: collections.deque[_Live] = collections.deque()
     self._live: list[_Live] = []          # requests holding a slot
@@ -214,95 +172,146 @@ class Engine:
   def check_size(self, req):
     """Refuse a prompt (or conversation) longer in characters than the context could hold
     (ApiError 400 context_length_exceeded), before any tokenizing."""
-    if isinstance(req, ChatRequest):
-      n = sum(len(m.get("content")) for m in req.messages
-              if isinstance(m, dict) and isinstance(m.get("content"), str))
-      param = "messages"
+    def chars(v) -> int:                      # every string inside a message / prompt
+      if isinstance(v, str):
+        return len(v)
+      if isinstance(v, dict):
+        return sum(chars(x) for x in v.values())
+      if isinstance(v, list):
+        return sum(chars(x) for x in v)
+      return 0
+    if isinstance(req, CompletionRequest):
+      prompts = req.prompt if isinstance(req.prompt, list) else [req.prompt]
+      n, param = max((chars(p) for p in prompts), default=0), "prompt"
     else:
-      n = len(req.prompt) if isinstance(req.prompt, str) else 0
-      param = "prompt"
+      n = chars(req.messages) + chars(getattr(req, "system", None))
+      param = "messages"
     if n > self.max_prompt_chars():
       raise ApiError(400, f"the prompt has {n} characters, more than this server's context of "
                      f"{self.dec.max_ctx} tokens can hold", param=param,
                      code="context_length_exceeded")
 
-  def prompt_ids(self, req) -> list[int]:
-    """Token ids of a request's prompt (chat template for messages; special-token text inside
-    message content stays text unless the engine's parse_special). Raises ApiError (400) naming
-    the field for a bad message, a lone surrogate or a template failure."""
+  def messages_ids(self, messages: list[dict], param: str = "messages") -> list[int]:
+    """Token ids of normalized chat messages (`serve_protocol.chat_messages`) through the chat
+    template (special-token text in content stays text unless parse_special). Raises ApiError
+    400 for a lone surrogate or a template failure."""
     from dflash_jax.tokenizer import check_text
-    tok = self.target.tokenizer
-    if isinstance(req, ChatRequest):
-      if not req.messages:
-        raise ApiError(400, "messages must be a non-empty list", param="messages")
-      for i, m in enumerate(req.messages):
-        if m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
-          raise ApiError(400, f"messages[{i}] needs a role (system, user, assistant) and string "
-                         "content", param=f"messages[{i}]")
-        try:
-          check_text(m["content"])
-        except ValueError as e:
-          raise ApiError(400, f"messages[{i}].content: {e}", param=f"messages[{i}].content") from None
+    for i, m in enumerate(messages):
       try:
-        return tok.encode_chat(req.messages, add_generation_prompt=True,
-                               parse_special=self.parse_special)
-      except (ValueError, NotImplementedError) as e:
-        raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
-    if isinstance(req.prompt, list):
-      if not req.prompt or any(not 0 <= t < self.target.config.n_vocab for t in req.prompt):
-        raise ApiError(400, "prompt token ids must be non-empty and inside the vocabulary",
-                       param="prompt")
-      return list(req.prompt)
+        check_text(m["content"])
+      except ValueError as e:
+        raise ApiError(400, f"{param}[{i}].content: {e}", param=f"{param}[{i}].content") from None
     try:
-      return tok.encode(check_text(req.prompt), parse_special=self.parse_special)
-    except ValueError as e:
-      raise ApiError(400, f"prompt: {e}", param="prompt") from None
+      return self.target.tokenizer.encode_chat(messages, add_generation_prompt=True,
+                                               parse_special=self.parse_special)
+    except (ValueError, NotImplementedError) as e:
+      raise ApiError(400, f"cannot apply the chat template: {e}", param=param) from None
+
+  def prompt_ids(self, req) -> list[int]:
+    """Token ids of a request's (first) prompt: chat messages through the template, or a
+    completion prompt (see completion_prompts). Raises ApiError (400) naming the field."""
+    if isinstance(req, ChatRequest):
+      return self.messages_ids(chat_messages(req.messages, self.target.tokenizer.chat_template))
+    return self.completion_prompts(req)[0]
+
+  def completion_prompts(self, req) -> list[list[int]]:
+    """Token ids of each prompt of a completion request: a string, a list of token ids, or a
+    list of either (one choice per prompt). Raises ApiError 400 naming prompt[i]."""
+    from dflash_jax.tokenizer import check_text
+    p = req.prompt
+    many = isinstance(p, list) and bool(p) and not isinstance(p[0], int)
+    prompts, out = (p if many else [p]), []
+    for i, q in enumerate(prompts):
+      where = f"prompt[{i}]" if many else "prompt"
+      if isinstance(q, list):
+        if not q or any(not 0 <= t < self.target.config.n_vocab for t in q):
+          raise ApiError(400, f"{where}: token ids must be non-empty and inside the vocabulary",
+                         param=where)
+        out.append(list(q))
+        continue
+      try:
+        out.append(self.target.tokenizer.encode(check_text(q), parse_special=self.parse_special))
+      except ValueError as e:
+        raise ApiError(400, f"{where}: {e}", param=where) from None
+    return out
 
   def sampling(self, req):
-    """The request's SamplingConfig: its fields over the server defaults. Raises ApiError naming
-    the bad field."""
+    """The request's SamplingConfig: its fields over the server defaults; a request without
+    `seed` gets a fresh random one (reported back in `dflash.seed`, so a result can be
+    reproduced; "regenerate" gives a new answer). Raises ApiError naming the bad field."""
+    import secrets
     from dflash_jax.sampling import SamplingConfig
     base = self.sampling_defaults or SamplingConfig()
-    given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed")
-             if getattr(req, k) is not None}
+    given = {k: getattr(req, k, None) for k in ("temperature", "top_p", "top_k", "min_p", "seed",
+                                                  "presence_penalty", "frequency_penalty")}
+    given["repeat_penalty"] = getattr(req, "repetition_penalty", None)
+    if given["repeat_penalty"] is None:
+      given["repeat_penalty"] = getattr(req, "repeat_penalty", None)
+    given["penalty_last_n"] = getattr(req, "repeat_last_n", None)
+    bias = getattr(req, "logit_bias", None)
+    if bias:
+      n_vocab = self.target.config.n_vocab
+      try:
+        pairs = tuple((int(t), float(v)) for t, v in bias.items())
+      except ValueError:
+        raise ApiError(400, "logit_bias keys must be token ids (integers as strings)",
+                       param="logit_bias") from None
+      if any(not 0 <= t < n_vocab for t, _ in pairs):
+        raise ApiError(400, f"logit_bias: token ids must be in [0, {n_vocab})", param="logit_bias")
+      given["logit_bias"] = pairs
+    names = {"repeat_penalty": ("repetition_penalty" if getattr(req, "repetition_penalty", None)
+                                is not None else "repeat_penalty"),
+             "penalty_last_n": "repeat_last_n"}
+    given = {k: v for k, v in given.items() if v is not None}
+    given.setdefault("seed", secrets.randbelow(2**31 - 1024))
     for k, v in given.items():         # one at a time, so the error names the bad one
       try:
         dataclasses.replace(base, **{k: v})
       except ValueError as e:
-        raise ApiError(400, str(e).replace("SamplingConfig.", ""), param=k) from None
+        param = names.get(k, k)
+        raise ApiError(400, str(e).replace("SamplingConfig.", "").replace(k, param),
+                       param=param) from None
     try:
       return dataclasses.replace(base, **given)
     except ValueError as e:
       raise ApiError(400, str(e).replace("SamplingConfig.", ""), param=next(iter(given), None)) from None
 
-  def check(self, req, ids: list[int]) -> tuple[int, list[str]]:
-    """(max new tokens, stop strings) of a request. Raises ApiError (400), also for a field this
-    server does not implement (`UNSUPPORTED`) given with a value other than its no-op default:
-    nothing a client asks for is silently dropped."""
+  MAX_CHOICES = 16
+
+  def check(self, req, ids: list[int], *, n_prompts: int = 1) -> tuple[int, list[str]]:
+    """(max new tokens, stop strings) of a request (ids: its longest prompt). Raises ApiError
+    (400), also for a field this server does not implement (`UNSUPPORTED`) given with a value
+    other than its no-op default: nothing a client asks for is silently dropped; 503 when its
+    n x prompts choices would overflow the queue."""
     from dflash_jax.tokenizer import check_text
-    extra = req.model_extra or {}
-    for name, noop in UNSUPPORTED.items():
-      if name in extra and extra[name] not in noop:
-        raise ApiError(400, f"{name} is not supported by this server (dflash-jax)", param=name,
-                       code="unsupported_parameter")
-    if req.n < 1:
-      raise ApiError(400, f"n={req.n}: the number of choices must be at least 1", param="n")
-    if req.n != 1:
-      raise ApiError(400, "n > 1 is not supported (one choice per request)", param="n")
+    anthropic = isinstance(req, AnthropicRequest)
+    refuse_unsupported(req.model_extra, ANTHROPIC_UNSUPPORTED if anthropic else UNSUPPORTED)
+    n = 1 if anthropic else req.n
+    if not 1 <= n <= self.MAX_CHOICES:
+      raise ApiError(400, f"n={n}: the number of choices must be in [1, {self.MAX_CHOICES}]",
+                     param="n")
+    if self.waiting + n * n_prompts > self.max_queue:
+      raise ApiError(503, f"the server is busy: {n * n_prompts} choices do not fit the queue "
+                     f"({self.waiting} of {self.max_queue} waiting); retry later",
+                     type_="server_error", code="queue_full")
     if len(ids) + 1 > self.dec.max_ctx:
       raise ApiError(400, f"the prompt has {len(ids)} tokens; this server's context is "
                      f"{self.dec.max_ctx} tokens (prompt + at least one generated token)",
-                     param="messages" if isinstance(req, ChatRequest) else "prompt",
+                     param="prompt" if isinstance(req, CompletionRequest) else "messages",
                      code="context_length_exceeded")
-    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stops) > 4:
-      raise ApiError(400, "at most 4 stop strings", param="stop")
+    stop = req.stop_sequences if anthropic else req.stop
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    limit = 16 if anthropic else 4
+    param = "stop_sequences" if anthropic else "stop"
+    if len(stops) > limit:
+      raise ApiError(400, f"at most {limit} stop strings", param=param)
     for s in stops:
       try:
         check_text(s)
       except ValueError as e:
-        raise ApiError(400, f"stop: {e}", param="stop") from None
-    limit = req.max_completion_tokens or req.max_tokens or self.dec.max_ctx - len(ids)
+        raise ApiError(400, f"{param}: {e}", param=param) from None
+    limit = (req.max_tokens if anthropic else req.max_completion_tokens or req.max_tokens) \
+        or self.dec.max_ctx - len(ids)
     return min(limit, self.dec.max_ctx), stops
 
   def submit(self, ids, max_new, stops, samp, on_text, cancelled) -> concurrent.futures.Future:
@@ -383,6 +392,7 @@ class Engine:
       while free and self._pending:
         r = self._pending.popleft()
         r.slot = free.pop(0)
+        r.t_admit = time.perf_counter()
         if self.prompt_cache is not None:
           r.reused = self._batch.reuse(r.slot, r.ids, self.prompt_cache)
         r.prefill = self._batch.prefill_chunks(r.slot, r.ids, r.max_new, r.samp, start=r.reused,
@@ -507,43 +517,75 @@ class Engine:
     m["decode_seconds_total"] += decode_s
     m["steps_total"] += row.n_steps if row else 0
     m["cancelled_total"] += int(cancelled)
+    dec = self._batch.dec if self._batch else self.dec
     accept = row.accept_lens if row else []
-    stats = {"mode": self._batch.dec.mode if self._batch else self.dec.mode,
-             "mean_acceptance_length": float(np.mean(accept)) if accept else 0.0,
-             "decode_tokens_per_second": (n_tok - 1) / decode_s if decode_s > 0 and n_tok > 1 else 0.0,
+    per_step = (dec.budget if dec.uses_tree else dec.block_size - 1) if dec.speculative else 0
+    drafted, accepted = per_step * len(accept), int(sum(accept)) - len(accept)
+    m["draft_tokens_total"] += drafted
+    m["draft_accepted_total"] += accepted
+    ttft = (r.t_first - r.t_submit) if r.t_first else None
+    prompt_s = (r.t_first - r.t_admit) if r.t_first and r.t_admit else 0.0
+    self.prom.observe(now - r.t_submit, ttft)
+    n_pre = int(r.ids.size) - r.reused
+    timings = {"prompt_n": n_pre, "cache_n": r.reused, "prompt_ms": 1e3 * prompt_s,
+               "prompt_per_second": n_pre / prompt_s if prompt_s > 0 else 0.0,
+               "predicted_n": n_tok, "predicted_ms": 1e3 * decode_s,
+               "predicted_per_second": (n_tok - 1) / decode_s if decode_s > 0 and n_tok > 1 else 0.0,
+               "ttft_ms": 1e3 * ttft if ttft is not None else None,
+               "queue_ms": 1e3 * ((r.t_admit or now) - r.t_submit),
+               "draft_n": drafted, "draft_n_accepted": accepted,
+               "mean_acceptance_length": float(np.mean(accept)) if accept else 0.0}
+    stats = {"mode": dec.mode,
+             "mean_acceptance_length": timings["mean_acceptance_length"],
+             "decode_tokens_per_second": timings["predicted_per_second"],
              "steps": row.n_steps if row else 0,
-             "time_to_first_token_s": (r.t_first - r.t_submit) if r.t_first else None,
+             "time_to_first_token_s": ttft,
              "prompt_tokens_reused": r.reused,
-             "sampling": r.samp.describe()}
+             "sampling": r.samp.describe(), "seed": r.samp.seed, "timings": timings}
     with self._cv:
       self.waiting -= 1
     _emit(r, None)
-    r.future.set_result(Outcome(r.scan.text, n_tok, finish, stats, r.scan.ids[:n_tok]))
+    r.future.set_result(Outcome(r.scan.text, n_tok, finish, stats, r.scan.ids[:n_tok],
+                                stop_hit=r.scan.hit, eog=eog))
 
-  def metrics_text(self) -> str:
-    m = self.metrics
-    al = (m["tokens_generated_total"] / m["steps_total"]) if m["steps_total"] else 0.0
-    tps = (m["tokens_generated_total"] / m["decode_seconds_total"]) if m["decode_seconds_total"] else 0.0
-    rows = [("dflash_requests_total", m["requests_total"]),
-            ("dflash_requests_failed_total", m["requests_failed"]),
-            ("dflash_requests_cancelled_total", m["cancelled_total"]),
-            ("dflash_tokens_generated_total", m["tokens_generated_total"]),
-            ("dflash_decode_steps_total", m["steps_total"]),
-            ("dflash_mean_acceptance_length", round(al, 4)),
-            ("dflash_decode_tokens_per_second", round(tps, 3)),
-            ("dflash_queue_waiting", self.waiting),
-            ("dflash_batch_rows", len(self._live)),
-            ("dflash_batch_slots", self._batch.size if self._batch is not None else 0),
-            ("dflash_batch_rows_peak", m["batch_rows_peak"]),
-            ("dflash_batch_resizes_total", m["batch_resizes_total"]),
-            ("dflash_prompt_tokens_total", m["prompt_tokens_total"]),
-            ("dflash_prompt_tokens_reused_total", m["prompt_tokens_reused_total"])]
+  def logprobs(self, prompt: list[int], tokens: list[int], top_k: int,
+               with_prompt: bool = False) -> list:
+    """[(text, bytes, logprob, [(text, bytes, logprob)] * top_k)] for each generated token (and
+    with_prompt, each prompt token: the first with logprob None), from the target's raw
+    distribution (api.token_logprobs: one forward of prompt + tokens, the same whatever mode
+    decoded them). Runs beside the engine's loop (JAX calls are thread-safe)."""
+    from dflash_jax import api
+    tok = self.target.tokenizer
+    ids = list(prompt) + list(tokens)
+    first = 1 if with_prompt else len(prompt)
+    item = lambda t, lp: (tok.decode([t], skip_special=False), tok.token_bytes(t), lp)  # noqa: E731
+    out = [(*item(ids[0], None), [])] if with_prompt else []
+    if len(ids) <= first:
+      return out
+    lps, top_ids, top_lps = api.token_logprobs(self.target, ids, first, top_k)
+    for j, t in enumerate(ids[first:]):
+      out.append((*item(t, float(lps[j])),
+                  [item(int(a), float(b)) for a, b in zip(top_ids[j], top_lps[j])]))
+    return out
+
+  def metrics_state(self) -> dict:
+    """Counters (Engine.metrics) and gauges now, for /metrics (serve_metrics)."""
+    m = dict(self.metrics)
+    m["mean_acceptance_length"] = (m["tokens_generated_total"] / m["steps_total"]
+                                   if m["steps_total"] else 0.0)
+    m["decode_tokens_per_second"] = (m["tokens_generated_total"] / m["decode_seconds_total"]
+                                     if m["decode_seconds_total"] else 0.0)
+    m.update(queue_waiting=self.waiting, batch_rows=len(self._live),
+             batch_slots=self._batch.size if self._batch is not None else 0)
     pc = self.prompt_cache
     if pc is not None:
-      rows += [("dflash_prompt_cache_bytes", pc.bytes), ("dflash_prompt_cache_entries", len(pc)),
-               ("dflash_prompt_cache_hits_total", pc.stats["hits"]),
-               ("dflash_prompt_cache_evictions_total", pc.stats["evictions"])]
-    return "".join(f"{k} {v}\n" for k, v in rows)
+      m.update(prompt_cache_bytes=pc.bytes, prompt_cache_entries=len(pc),
+               prompt_cache_hits=pc.stats["hits"], prompt_cache_evictions=pc.stats["evictions"])
+    return m
+
+  def metrics_text(self) -> str:
+    """/metrics: Prometheus text format with # HELP / # TYPE (serve_metrics.ServerMetrics)."""
+    return self.prom.text()
 
 
 def _buckets(max_batch: int) -> list[int]:
@@ -551,39 +593,56 @@ def _buckets(max_batch: int) -> list[int]:
   return [b for b in batching.BATCH_BUCKETS if b <= max_batch]
 
 
-def _chunk(kind: str, rid: str, created: int, model: str, text: Optional[str], finish, role=False):
+def _chunk(kind: str, rid: str, created: int, model: str, index: int, text: Optional[str], finish,
+           role=False):
   if kind == "chat":
     delta = {"role": "assistant"} if role else ({"content": text} if text is not None else {})
-    choice = {"index": 0, "delta": delta, "finish_reason": finish}
+    choice = {"index": index, "delta": delta, "finish_reason": finish}
     obj = "chat.completion.chunk"
   else:
-    choice = {"index": 0, "text": text or "", "finish_reason": finish}
+    choice = {"index": index, "text": text or "", "finish_reason": finish}
     obj = "text_completion"
   return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
 
 
-def _final(kind: str, rid: str, created: int, model: str, out: Outcome, n_prompt: int) -> dict:
-  if kind == "chat":
-    choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-              "finish_reason": out.finish_reason}
-    obj = "chat.completion"
-  else:
-    choice = {"index": 0, "text": out.text, "finish_reason": out.finish_reason}
-    obj = "text_completion"
-  return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
-          "usage": {"prompt_tokens": n_prompt, "completion_tokens": out.completion_tokens,
-                    "total_tokens": n_prompt + out.completion_tokens,
-                    "prompt_tokens_details": {
-                        "cached_tokens": int(out.stats.get("prompt_tokens_reused", 0))}},
-          "dflash": out.stats}
+def _usage(n_prompt: int, outs: list[Outcome]) -> dict:
+  n_out = sum(o.completion_tokens for o in outs)
+  return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
+          "prompt_tokens_details": {"cached_tokens": int(sum(
+              o.stats.get("prompt_tokens_reused", 0) for o in outs))}}
+
+
+def _final(kind: str, rid: str, created: int, model: str, outs: list[Outcome], n_prompt: int,
+           echo: Optional[list[str]] = None, lps: Optional[list] = None) -> dict:
+  """The response object of a finished (chat) completion: one choice per Outcome, usage summed;
+  `dflash` and `timings` (llama-server's shape) of the first choice, and per choice when
+  there are several."""
+  choices = []
+  for i, out in enumerate(outs):
+    if kind == "chat":
+      choice = {"index": i, "message": {"role": "assistant", "content": out.text},
+                "finish_reason": out.finish_reason,
+                "logprobs": chat_logprobs(lps[i]) if lps else None}
+    else:
+      text = (echo[i] if echo else "") + out.text
+      choice = {"index": i, "text": text, "finish_reason": out.finish_reason,
+                "logprobs": completion_logprobs(lps[i]) if lps else None}
+    if len(outs) > 1:
+      choice["dflash"] = out.stats
+    choices.append(choice)
+  return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+          "created": created, "model": model, "choices": choices,
+          "usage": _usage(n_prompt, outs), "dflash": outs[0].stats,
+          "timings": outs[0].stats.get("timings")}
 
 
 @dataclasses.dataclass
 class _Job:
-  """One request running on the engine: its future (as an asyncio future), the queue of streamed
-  text pieces (None ends it), the cancel flag and the disconnect watcher."""
+  """Choices running on the engine for one request: their futures (as asyncio futures), the
+  queue of streamed (choice index, text piece) pairs (text None: that choice ended), the cancel
+  flag and the disconnect watcher."""
 
-  task: asyncio.Future
+  tasks: list
   pieces: asyncio.Queue
   cancel: threading.Event
   watcher: asyncio.Future
@@ -593,13 +652,18 @@ class _Job:
     self.watcher.cancel()
 
 
-def _launch(engine: Engine, ids, max_new, stops, samp, request: fastapi.Request) -> _Job:
-  """Submit the request to the engine's batch and watch the client: a disconnect sets the
-  cancel flag, which frees its slot between decode calls."""
+def _launch(engine: Engine, runs: list, max_new, stops, request: fastapi.Request) -> _Job:
+  """Submit each (ids, sampling) of `runs` to the engine's batch (they decode together) and
+  watch the client: a disconnect sets the cancel flag, which frees their slots between decode
+  calls."""
   loop = asyncio.get_running_loop()
   cancel, pieces = threading.Event(), asyncio.Queue()
-  fut = engine.submit(ids, max_new, stops, samp,
-                      lambda t: loop.call_soon_threadsafe(pieces.put_nowait, t), cancel.is_set)
+  tasks = []
+  for i, (ids, samp) in enumerate(runs):
+    fut = engine.submit(ids, max_new, stops, samp,
+                        lambda t, i=i: loop.call_soon_threadsafe(pieces.put_nowait, (i, t)),
+                        cancel.is_set)
+    tasks.append(asyncio.wrap_future(fut))
 
   async def watch_disconnect():
     while not cancel.is_set():
@@ -607,33 +671,67 @@ def _launch(engine: Engine, ids, max_new, stops, samp, request: fastapi.Request)
         cancel.set()
       await asyncio.sleep(0.05)
 
-  return _Job(asyncio.wrap_future(fut), pieces, cancel, asyncio.ensure_future(watch_disconnect()))
+  return _Job(tasks, pieces, cancel, asyncio.ensure_future(watch_disconnect()))
 
 
-async def _events(engine: Engine, job: _Job, kind: str, rid: str, created: int, req, n_prompt: int):
-  """The server-sent events of a streamed request, ending with `data: [DONE]` (an error after
-  the headers went out is sent as an error event before it)."""
+async def _pieces(job: _Job):
+  """(choice index, text) as the choices stream them, until every choice ended."""
+  left = len(job.tasks)
+  while left:
+    i, text = await job.pieces.get()
+    if text is None:
+      left -= 1
+    else:
+      yield i, text
+
+
+async def _results(job: _Job) -> list[Outcome]:
+  """Every choice's Outcome (the first failure raised, after all ended)."""
+  outs = await asyncio.gather(*job.tasks, return_exceptions=True)
+  for o in outs:
+    if isinstance(o, BaseException):
+      raise o
+  return outs
+
+
+async def _events(engine: Engine, job: _Job, kind: str, rid: str, created: int, req, n_prompt: int,
+                  echo: Optional[list[str]], scorer=None):
+  """The server-sent events of a streamed request, ending with `data: [DONE]`: (chat) a role
+  chunk per choice, (completions with echo) the prompt, text chunks as they come, a last chunk
+  per choice with its finish_reason and `dflash` stats, then (stream_options.include_usage) a
+  usage chunk with no choices. An error after the headers went out is sent as an error event."""
   name = engine.model_name
+  send = lambda obj: f"data: {json.dumps(obj)}\n\n"   # noqa: E731
   try:
-    if kind == "chat":
-      yield f"data: {json.dumps(_chunk(kind, rid, created, name, None, None, role=True))}\n\n"
-    while (text := await job.pieces.get()) is not None:
-      yield f"data: {json.dumps(_chunk(kind, rid, created, name, text, None))}\n\n"
+    for i in range(len(job.tasks)):
+      if kind == "chat":
+        yield send(_chunk(kind, rid, created, name, i, None, None, role=True))
+      elif echo:
+        yield send(_chunk(kind, rid, created, name, i, echo[i], None))
+    async for i, text in _pieces(job):
+      yield send(_chunk(kind, rid, created, name, i, text, None))
     try:
-      out = await job.task
+      outs = await _results(job)
+      lps = await scorer(outs) if scorer is not None else None
     except ApiError as e:   # headers are sent: report the error as an event
-      yield f"data: {json.dumps(e.body())}\n\n"
+      yield send(e.body())
       yield "data: [DONE]\n\n"
       return
     except Exception as e:  # noqa: BLE001 (any failure still ends the stream properly)
-      yield f"data: {json.dumps(_server_error(e).body())}\n\n"
+      yield send(_server_error(e).body())
       yield "data: [DONE]\n\n"
       return
-    last = _chunk(kind, rid, created, name, None, out.finish_reason)
-    last["dflash"] = out.stats
+    for i, out in enumerate(outs):
+      last = _chunk(kind, rid, created, name, i, None, out.finish_reason)
+      last["dflash"] = out.stats
+      if lps:         # scored once the choice is complete: every token's entry in its last chunk
+        last["choices"][0]["logprobs"] = (chat_logprobs if kind == "chat" else
+                                          completion_logprobs)(lps[i])
+      yield send(last)
     if req.stream_options is not None and req.stream_options.include_usage:
-      last["usage"] = _final(kind, rid, created, name, out, n_prompt)["usage"]
-    yield f"data: {json.dumps(last)}\n\n"
+      yield send({"id": rid, "object": "chat.completion.chunk" if kind == "chat" else
+                  "text_completion", "created": created, "model": name, "choices": [],
+                  "usage": _usage(n_prompt, outs)})
     yield "data: [DONE]\n\n"
   finally:
     job.close()
@@ -643,50 +741,126 @@ def _server_error(e: Exception) -> ApiError:
   return ApiError(500, f"internal error: {type(e).__name__}: {e}"[:500], type_="server_error")
 
 
-async def _complete(engine: Engine, kind: str, req, request: fastapi.Request):
-  """Validate, queue and answer one (chat) completion request. The cheap checks run first (queue
-  bound, sizes in characters); tokenizing and the chat template run in a worker thread, so a
-  large prompt never holds up the event loop (other clients, /health)."""
-  from fastapi.responses import StreamingResponse
+def _check_queue(engine: Engine):
   if engine.waiting >= engine.max_queue:
     raise ApiError(503, "the server is busy (queue full); retry later", type_="server_error",
                    code="queue_full")
+
+
+async def _complete(engine: Engine, kind: str, req, request: fastapi.Request):
+  """Validate, queue and answer one (chat) completion request: n choices per prompt (several
+  prompts on /v1/completions), decoded together in the batch; choice j of a prompt samples with
+  seed + j. The cheap checks run first (queue bound, sizes in characters); tokenizing and the
+  chat template run in a worker thread, so a large prompt never holds up the event loop."""
+  from fastapi.responses import StreamingResponse
+  _check_queue(engine)
   engine.check_size(req)
-  ids = await asyncio.to_thread(engine.prompt_ids, req)
-  max_new, stops = engine.check(req, ids)
+  if kind == "chat":
+    prompts = [await asyncio.to_thread(engine.prompt_ids, req)]
+  else:
+    prompts = await asyncio.to_thread(engine.completion_prompts, req)
+  max_new, stops = engine.check(req, max(prompts, key=len), n_prompts=len(prompts))
   samp = engine.sampling(req)
+  top_k = logprobs_wanted(req)
   if await request.is_disconnected():       # gone while its prompt was tokenized
     raise ApiError(499, "the client disconnected", code="client_disconnected")
+  runs = [(ids, dataclasses.replace(samp, seed=(samp.seed + j) % 2**31))
+          for ids in prompts for j in range(req.n)]
+  echo = None
+  if kind != "chat" and req.echo:            # the prompt's text before each choice's text
+    p = req.prompt
+    srcs = p if isinstance(p, list) and p and not isinstance(p[0], int) else [p]
+    texts = [q if isinstance(q, str) else engine.target.tokenizer.decode(ids, skip_special=False)
+             for q, ids in zip(srcs, prompts)]
+    echo = [t for t in texts for _ in range(req.n)]
   rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
   created = int(time.time())
-  job = _launch(engine, ids, max_new, stops, samp, request)
+  n_prompt = sum(len(p) for p in prompts)
+  scorer = None
+  if top_k is not None:
+    async def scorer(outs):       # log-probabilities of each choice's tokens (one forward each)
+      return [await asyncio.to_thread(engine.logprobs, runs[i][0], o.tokens, top_k, bool(echo))
+              for i, o in enumerate(outs)]
+  job = _launch(engine, runs, max_new, stops, request)
   if req.stream:
-    return StreamingResponse(_events(engine, job, kind, rid, created, req, len(ids)),
+    return StreamingResponse(_events(engine, job, kind, rid, created, req, n_prompt, echo, scorer),
                              media_type="text/event-stream")
   try:
-    out = await job.task
+    outs = await _results(job)
+    lps = await scorer(outs) if scorer is not None else None
   finally:
     job.close()
-  return _final(kind, rid, created, engine.model_name, out, len(ids))
+  return _final(kind, rid, created, engine.model_name, outs, n_prompt, echo, lps)
 
 
-def _validation_error(e) -> ApiError:
-  errs = e.errors()
-  if errs and errs[0].get("type") == "json_invalid":     # loc is (body, character offset)
-    ctx = errs[0].get("ctx") or {}
-    return ApiError(400, f"the request body is not valid JSON ({ctx.get('error', 'parse error')} "
-                    f"at character {errs[0].get('loc', (None, '?'))[-1]})", param=None)
-  loc = ".".join(str(x) for x in errs[0].get("loc", ())[1:]) if errs else None
-  msg = "; ".join(f"{'.'.join(str(x) for x in d.get('loc', ())[1:]) or 'body'}: {d.get('msg')}"
-                  for d in errs) or "invalid request"
-  return ApiError(400, msg, param=loc or None)
+def _stop_reason(out: Outcome) -> tuple[str, Optional[str]]:
+  """Anthropic (stop_reason, stop_sequence) of an Outcome."""
+  if out.stop_hit is not None:
+    return "stop_sequence", out.stop_hit
+  return ("end_turn" if out.eog else "max_tokens"), None
 
 
-def _json_error(e: ApiError, headers: Optional[dict] = None):
+async def _anthropic_events(engine: Engine, job: _Job, rid: str, n_prompt: int):
+  """Anthropic's event stream: message_start, content_block_start, ping, content_block_delta
+  (text_delta) ..., content_block_stop, message_delta (stop_reason, usage), message_stop; an
+  error after the headers went out is an `error` event."""
+  try:
+    start = anthropic_message(rid, engine.model_name, "", None, None, n_prompt, 0, {})
+    start["content"] = []
+    yield sse("message_start", {"type": "message_start", "message": start})
+    yield sse("content_block_start", {"type": "content_block_start", "index": 0,
+                                      "content_block": {"type": "text", "text": ""}})
+    yield sse("ping", {"type": "ping"})
+    async for _, text in _pieces(job):
+      yield sse("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                        "delta": {"type": "text_delta", "text": text}})
+    try:
+      out = (await _results(job))[0]
+    except Exception as e:  # noqa: BLE001 (any failure still ends the stream properly)
+      err = e if isinstance(e, ApiError) else _server_error(e)
+      yield sse("error", err.anthropic_body())
+      return
+    reason, seq = _stop_reason(out)
+    yield sse("content_block_stop", {"type": "content_block_stop", "index": 0})
+    yield sse("message_delta", {"type": "message_delta",
+                                "delta": {"stop_reason": reason, "stop_sequence": seq},
+                                "usage": {"output_tokens": out.completion_tokens},
+                                "dflash": out.stats})
+    yield sse("message_stop", {"type": "message_stop"})
+  finally:
+    job.close()
+
+
+async def _anthropic(engine: Engine, req: AnthropicRequest, request: fastapi.Request):
+  """Answer an Anthropic Messages request over the same engine (one choice)."""
+  from fastapi.responses import StreamingResponse
+  _check_queue(engine)
+  engine.check_size(req)
+  refuse_unsupported(req.model_extra, ANTHROPIC_UNSUPPORTED)
+  msgs = anthropic_messages(req.system, req.messages)
+  ids = await asyncio.to_thread(engine.messages_ids, msgs)
+  max_new, stops = engine.check(req, ids)
+  samp = engine.sampling(req)
+  rid = f"msg_{uuid.uuid4().hex[:24]}"
+  job = _launch(engine, [(ids, samp)], max_new, stops, request)
+  if req.stream:
+    return StreamingResponse(_anthropic_events(engine, job, rid, len(ids)),
+                             media_type="text/event-stream")
+  try:
+    out = (await _results(job))[0]
+  finally:
+    job.close()
+  reason, seq = _stop_reason(out)
+  return anthropic_message(rid, engine.model_name, out.text, reason, seq, len(ids),
+                           out.completion_tokens, out.stats)
+
+
+def _json_error(e: ApiError, headers: Optional[dict] = None, anthropic: bool = False):
   from fastapi.responses import JSONResponse
   if e.status in (429, 503):
     headers = {"Retry-After": "1", **(headers or {})}
-  return JSONResponse(e.body(), status_code=e.status, headers=headers)
+  return JSONResponse(e.anthropic_body() if anthropic else e.body(), status_code=e.status,
+                      headers=headers)
 
 
 def read_api_key_file(path: str, stdin=None) -> str:
@@ -760,21 +934,23 @@ class Guard:
       return await self.app(scope, receive, send)
     headers = dict(scope.get("headers") or [])
     host = headers.get(b"host", b"").decode("latin-1")
+    anthropic = _is_anthropic(scope.get("path", ""))
     if self.hosts is not None and _host_name(host) not in self.hosts:
       return await _json_error(ApiError(400, f"Host header {host[:100]!r} is not allowed (allowed: "
                                         f"{', '.join(sorted(self.hosts))}; --allowed_hosts)",
-                                        code="invalid_host"))(scope, receive, send)
+                                        code="invalid_host"), anthropic=anthropic)(scope, receive, send)
     if self.key is not None and scope["path"] != "/health" and not hmac.compare_digest(
         headers.get(b"authorization", b""), self.key):
       return await _json_error(ApiError(401, "invalid or missing API key", type_="authentication_error",
-                                        code="invalid_api_key"))(scope, receive, send)
+                                        code="invalid_api_key"), anthropic=anthropic)(scope, receive, send)
     limit = self.max_body_bytes()
     try:
       declared = int(headers.get(b"content-length", b"0"))
     except ValueError:
       declared = 0
     if declared > limit:
-      return await _json_error(_too_large(limit), {"Connection": "close"})(scope, receive, send)
+      return await _json_error(_too_large(limit), {"Connection": "close"},
+                               anthropic=anthropic)(scope, receive, send)
     seen = 0
 
     async def limited_receive():
@@ -837,8 +1013,46 @@ def header_timeout_protocol(seconds: float):
   return HeaderTimeoutProtocol
 
 
+def _is_anthropic(path: str) -> bool:
+  return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+class TokenizeRequest(pydantic.BaseModel):
+  content: str
+  add_special: bool = False
+  parse_special: bool = True
+  with_pieces: bool = False
+
+
+class DetokenizeRequest(pydantic.BaseModel):
+  tokens: list[int]
+
+
+class ApplyTemplateRequest(pydantic.BaseModel):
+  model_config = pydantic.ConfigDict(extra="allow")
+  messages: list[dict[str, Any]]
+
+
+def _props(e: Engine) -> dict:
+  """GET /props: llama-server's field names where they exist, plus the speculative settings."""
+  s = e.sampling_defaults
+  dec = e.dec
+  return {"default_generation_settings": {
+              "n_ctx": dec.max_ctx,
+              "params": {"temperature": s.temperature if s else 0.0, "top_k": s.top_k if s else 0,
+                         "top_p": s.top_p if s else 1.0, "min_p": s.min_p if s else 0.0,
+                         "seed": "random per request unless given"}},
+          "total_slots": e.max_batch, "model_path": e.target.path, "model_alias": e.model_name,
+          "chat_template": e.target.tokenizer.chat_template or "",
+          "modalities": {"vision": False, "audio": False}, "build_info": "dflash-jax",
+          "speculative": {"mode": dec.mode, "draft": e.draft.path if e.draft is not None else None,
+                          "block_size": dec.block_size, "budget": dec.budget if dec.uses_tree
+                          else None},
+          "prompt_cache_bytes": e.prompt_cache.max_bytes if e.prompt_cache is not None else 0}
+
+
 def create_app(engine, api_key: Optional[str] = None, *, allowed_hosts=None,
-               max_body_bytes: Optional[int] = None) -> Guard:
+               max_body_bytes: Optional[int] = None, cors_origins: Optional[list[str]] = None):
   """The ASGI application around `engine`: an Engine, or a function returning the Engine or
   None while it is still loading (then /health answers 503 {"status": "loading"} and the other
   routes a 503 error).
@@ -846,11 +1060,20 @@ def create_app(engine, api_key: Optional[str] = None, *, allowed_hosts=None,
   api_key: required as a Bearer token on every route but /health (docs and /metrics included).
   allowed_hosts: Host header names accepted (None: any; see default_allowed_hosts).
   max_body_bytes: request body limit (default Engine.max_body_bytes(), 1 MiB while loading).
-  Every error, routing ones included, has OpenAI's shape {"error": {message, type, param, code}};
-  503s carry Retry-After.
+  cors_origins: origins a browser page may call the API from (CORS, starlette's CORSMiddleware:
+  preflights answered, Access-Control-Allow-Origin on responses); None / empty: CORS off (a
+  page on another origin cannot read responses), ["*"]: any origin.
+  Every error, routing ones included, has OpenAI's shape {"error": {message, type, param, code}}
+  (Anthropic's {"type": "error", "error": {type, message}} under /v1/messages); 503s carry
+  Retry-After.
+
+  Routes: POST /v1/chat/completions, /v1/completions, /v1/messages (Anthropic),
+  /v1/messages/count_tokens, /tokenize, /detokenize, /apply-template; GET /v1/models,
+  /v1/models/{id}, /props, /health, /metrics.
   """
   from fastapi.exceptions import RequestValidationError
-  from fastapi.responses import JSONResponse, PlainTextResponse
+  from fastapi.responses import JSONResponse, Response
+
   from starlette.exceptions import HTTPException
 
   get = engine if callable(engine) else (lambda: engine)
@@ -862,14 +1085,17 @@ def create_app(engine, api_key: Optional[str] = None, *, allowed_hosts=None,
                      type_="server_error", code="model_loading")
     return e
 
+  def error(request, e: ApiError, headers=None):
+    return _json_error(e, headers, anthropic=_is_anthropic(request.url.path))
+
   api = fastapi.FastAPI(title="dflash-jax")
-  api.exception_handler(ApiError)(lambda _, e: _json_error(e))
-  api.exception_handler(RequestValidationError)(lambda _, e: _json_error(_validation_error(e)))
-  api.exception_handler(HTTPException)(lambda _, e: _json_error(ApiError(
+  api.exception_handler(ApiError)(error)
+  api.exception_handler(RequestValidationError)(lambda r, e: error(r, validation_error(e)))
+  api.exception_handler(HTTPException)(lambda r, e: error(r, ApiError(
       e.status_code, str(e.detail), code={404: "not_found", 405: "method_not_allowed",
                                           413: "request_too_large"}.get(e.status_code)),
       getattr(e, "headers", None)))
-  api.exception_handler(Exception)(lambda _, e: _json_error(_server_error(e)))
+  api.exception_handler(Exception)(lambda r, e: error(r, _server_error(e)))
 
   @api.get("/health")
   def health():
@@ -879,9 +1105,24 @@ def create_app(engine, api_key: Optional[str] = None, *, allowed_hosts=None,
     return {"status": "ok", "model": e.model_name, "waiting": e.waiting,
             "warm_buckets": e.warm_buckets(), "max_batch": e.max_batch}
 
-  api.get("/metrics")(lambda: PlainTextResponse(ready().metrics_text()))
-  api.get("/v1/models")(lambda: {"object": "list", "data": [
-      {"id": ready().model_name, "object": "model", "created": 0, "owned_by": "dflash-jax"}]})
+  from dflash_jax.serve_metrics import CONTENT_TYPE
+  api.get("/metrics")(lambda: Response(ready().metrics_text(), media_type=CONTENT_TYPE))
+
+  def model_object(e: Engine) -> dict:
+    return {"id": e.model_name, "object": "model", "created": 0, "owned_by": "dflash-jax",
+            "meta": {"n_ctx": e.dec.max_ctx, "n_vocab": e.target.config.n_vocab}}
+
+  api.get("/v1/models")(lambda: {"object": "list", "data": [model_object(ready())]})
+
+  @api.get("/v1/models/{model_id:path}")
+  def model(model_id: str):
+    e = ready()
+    if model_id != e.model_name:
+      raise ApiError(404, f"the model {model_id!r} does not exist (this server has "
+                     f"{e.model_name!r})", param="model", code="model_not_found")
+    return model_object(e)
+
+  api.get("/props")(lambda: _props(ready()))
 
   @api.post("/v1/chat/completions")
   async def chat(req: ChatRequest, request: fastapi.Request):
@@ -891,13 +1132,67 @@ def create_app(engine, api_key: Optional[str] = None, *, allowed_hosts=None,
   async def completions(req: CompletionRequest, request: fastapi.Request):
     return await _complete(ready(), "completion", req, request)
 
+  @api.post("/v1/messages")
+  async def messages(req: AnthropicRequest, request: fastapi.Request):
+    return await _anthropic(ready(), req, request)
+
+  @api.post("/v1/messages/count_tokens")
+  async def count_tokens(req: CountTokensRequest):
+    e = ready()
+    e.check_size(req)
+    msgs = anthropic_messages(req.system, req.messages)
+    return {"input_tokens": len(await asyncio.to_thread(e.messages_ids, msgs))}
+
+  @api.post("/tokenize")
+  async def tokenize(req: TokenizeRequest):
+    e = ready()
+    from dflash_jax.tokenizer import check_text
+    if len(req.content) > e.max_prompt_chars():
+      raise ApiError(400, f"content has {len(req.content)} characters, more than "
+                     f"{e.max_prompt_chars()}", param="content")
+    try:
+      ids = await asyncio.to_thread(e.target.tokenizer.encode, check_text(req.content),
+                                    add_bos=None if req.add_special else False,
+                                    parse_special=req.parse_special)
+    except ValueError as err:
+      raise ApiError(400, f"content: {err}", param="content") from None
+    if not req.with_pieces:
+      return {"tokens": ids}
+    dec = e.target.tokenizer.decode
+    return {"tokens": [{"id": t, "piece": dec([t], skip_special=False)} for t in ids]}
+
+  @api.post("/detokenize")
+  async def detokenize(req: DetokenizeRequest):
+    e = ready()
+    bad = [t for t in req.tokens if not 0 <= t < e.target.config.n_vocab]
+    if bad:
+      raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, "
+                     f"{e.target.config.n_vocab})", param="tokens")
+    return {"content": e.target.tokenizer.decode(req.tokens, skip_special=False)}
+
+  @api.post("/apply-template")
+  async def apply_template(req: ApplyTemplateRequest):
+    e = ready()
+    msgs = chat_messages(req.messages, e.target.tokenizer.chat_template)
+    try:
+      text = await asyncio.to_thread(e.target.tokenizer.apply_chat_template, msgs,
+                                     add_generation_prompt=True)
+    except (ValueError, NotImplementedError) as err:
+      raise ApiError(400, f"cannot apply the chat template: {err}", param="messages") from None
+    return {"prompt": text}
+
   def body_limit() -> int:
     if max_body_bytes is not None:
       return max_body_bytes
     e = get()
     return e.max_body_bytes() if e is not None else 1 << 20
 
-  return Guard(api, api_key=api_key, allowed_hosts=allowed_hosts, max_body_bytes=body_limit)
+  app_ = Guard(api, api_key=api_key, allowed_hosts=allowed_hosts, max_body_bytes=body_limit)
+  if cors_origins:
+    from starlette.middleware.cors import CORSMiddleware
+    app_ = CORSMiddleware(app_, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                          allow_headers=["*"], max_age=600)
+  return app_
 
 
 if __name__ == "__main__":

@@ -55,6 +55,10 @@ _PROMPT_CACHE = flags.DEFINE_integer("prompt_cache_bytes", 1 << 30, "Bytes the p
                                      "cache may hold: finished requests' cache rows, reused by "
                                      "requests that share their prefix (0: off). Device memory, "
                                      "on top of the decode state.", lower_bound=0)
+_CORS = flags.DEFINE_list("cors_origins", None, "Origins a browser page may call the API from "
+                          "(CORS: preflights answered, Access-Control-Allow-Origin sent), e.g. "
+                          "http://localhost:3000; '*': any. Default: off (no cross-origin "
+                          "reads). The API key still applies.")
 _MODEL_NAME = flags.DEFINE_string("model_name", None, "Model id in the API (default: the GGUF "
                                   "file name).")
 
@@ -153,7 +157,7 @@ def main(argv):
   threading.Thread(target=load, name="dflash-load", daemon=True).start()
   _raise_fd_limit()
   app_ = serve.create_app(lambda: holder.get("engine"), key, allowed_hosts=hosts,
-                          max_body_bytes=_MAX_BODY.value)
+                          max_body_bytes=_MAX_BODY.value, cors_origins=_CORS.value)
   uvicorn.run(app_, host=_HOST.value, port=_PORT.value, log_level="warning",
               http=serve.header_timeout_protocol(_HEADER_TIMEOUT.value),
               limit_concurrency=_MAX_CONNECTIONS.value, timeout_keep_alive=_KEEP_ALIVE.value,

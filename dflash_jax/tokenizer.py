@@ -10,6 +10,7 @@ tokens (llama.cpp `parse_special=true`); in chat message content they are text b
 from __future__ import annotations
 
 import datetime
+import functools
 import re
 from typing import Any, Mapping, Sequence
 
@@ -122,6 +123,7 @@ class GGUFTokenizer:
     self.max_token_chars = max(len(t) for t in tokens)
     self.tokens = tokens
     self.control_ids = frozenset(i for i, ty in enumerate(types) if ty == _CONTROL)
+    self._special_ids = frozenset(special)
     self.bos_id = _token_id(meta, "tokenizer.ggml.bos_token_id", len(tokens), path)
     self.eos_id = _token_id(meta, "tokenizer.ggml.eos_token_id", len(tokens), path)
     self.add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
@@ -204,6 +206,19 @@ class GGUFTokenizer:
         ids += self.encode(piece, add_bos=False, parse_special=special)
     return ids
 
+  def token_bytes(self, token_id: int) -> bytes:
+    """The bytes token `token_id` stands for (byte-level BPE: its characters mapped back through
+    GPT-2's byte-to-unicode table; a control / user-defined token: its text as UTF-8). A
+    token may hold part of a multi-byte character, so its bytes need not be valid UTF-8."""
+    text = self.tokens[token_id]
+    if token_id in self._special_ids:
+      return text.encode("utf-8")
+    table = _byte_decoder()
+    try:
+      return bytes(table[c] for c in text)
+    except KeyError:                  # not a byte-level piece: its text
+      return text.encode("utf-8")
+
   def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
     """Token ids -> text; CONTROL tokens (e.g. <|im_end|>) are dropped when skip_special."""
     if skip_special:
@@ -227,6 +242,20 @@ class GGUFTokenizer:
           bos_token=tok(self.bos_id), eos_token=tok(self.eos_id), **kwargs)
     except ValueError as e:
       raise ValueError(f"{self.path}: {e}") from None
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+  """GPT-2's byte-to-unicode table inverted (character -> byte): printable bytes map to
+  themselves, the others to 256 + k."""
+  keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+          *range(ord("\xae"), ord("\xff") + 1)]
+  chars, extra = dict(zip(keep, keep)), 0
+  for b in range(256):
+    if b not in chars:
+      chars[b] = 256 + extra
+      extra += 1
+  return {chr(c): b for b, c in chars.items()}
 
 
 def check_text(text) -> str:

@@ -14,13 +14,15 @@ p = 0.44 and 0.15).
 """
 
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax import decode, sampling
+from dflash_jax import batching, decode, sampling
 from dflash_jax.sampling import SamplingConfig
 
 TOP_K = 3
@@ -140,7 +142,8 @@ def _sample_many(target, draft, prompt, dec, cfg: SamplingConfig, n, proposer=No
     st = decode.init_state(plan, 1)
     st = decode.prefill_chunk(target.params, dparams, st, jnp.int32(0), jnp.asarray(toks),
                               jnp.int32(0), jnp.int32(len(prompt)), jnp.bool_(True), eog, seed,
-                              jnp.int32(N_TOKENS), sp, plan=plan, sampled=True)
+                              jnp.int32(N_TOKENS), sp, jnp.asarray(batching.tokens_before([], 0)),
+                              plan=plan, sampled=True)
     st = decode.decode_loop(target.params, dparams, st, jnp.int32(1 << 20), eog, plan=plan,
                             sampled=True, proposer=proposer)
     return st.out[0, :N_TOKENS]
@@ -271,3 +274,98 @@ def test_gguf_recommended_sampling_and_flag_defaults():
   fv(["prog", "--min_p=3"])
   with pytest.raises(ValueError, match="--min_p=3.0"):
     decode_flags.sampling(holders, rec)
+
+
+# --- logit_bias and penalties (sampling.apply_rules) ------------------------------------------
+
+
+def ref_rules(logits, bias, repeat, presence, frequency, history):
+  """float64 numpy reference of llama.cpp's logit_bias then penalties
+  (llama_sampler_penalties_apply) for one position: `history` the tokens in the window."""
+  x = np.asarray(logits, np.float64).copy()
+  for t, b in bias:
+    x[t] += b
+  counts = {}
+  for t in history:
+    counts[t] = counts.get(t, 0) + 1
+  for t, c in counts.items():
+    x[t] = x[t] * repeat if x[t] <= 0 else x[t] / repeat
+    x[t] -= c * frequency + presence
+  return x
+
+
+def test_apply_rules_match_numpy_reference():
+  """Random trees (each node's window: the committed tokens in (end - last_n, end] and its own
+  path) against `ref_rules` per node; max error relative to max(1, |logit|) <= 1e-6."""
+  from dflash_jax import tree as tree_lib
+  rng = np.random.default_rng(0)
+  v, w = 40, sampling.PENALTY_WINDOW
+  for trial in range(6):
+    n = 7
+    parents = np.array([-1, 0, 0, 1, 1, 2, 4])
+    depths = np.array([0, 1, 1, 2, 2, 2, 3])
+    tokens = rng.integers(0, 8, n).astype(np.int32)       # a small range: repeats are common
+    pos = 30 if trial % 2 else 300                          # short and long committed histories
+    recent_pos = np.arange(pos - w, pos)
+    recent = np.where(recent_pos >= 0, rng.integers(0, 8, w), 0).astype(np.int32)
+    last_n = [1, 5, 16, 64, 256, 0][trial]
+    bias = ((3, -100.0), (5, 2.5)) if trial < 4 else ()
+    cfg = SamplingConfig(logit_bias=bias, repeat_penalty=1.3, presence_penalty=0.7,
+                         frequency_penalty=0.2 * trial, penalty_last_n=last_n)
+    logits = rng.normal(size=(n, v)).astype(np.float32) * 3
+    anc = np.asarray(tree_lib.ancestor_matrix(jnp.asarray(parents, jnp.int32), 3))
+    node_pos = pos + depths
+    got = np.asarray(sampling.apply_rules(
+        jnp.asarray(logits), cfg.params(), jnp.asarray(recent), jnp.asarray(recent_pos, jnp.int32),
+        jnp.asarray(tokens), jnp.asarray(node_pos, jnp.int32), jnp.asarray(anc),
+        jnp.asarray(node_pos, jnp.int32)))
+    for i in range(n):
+      end = node_pos[i]
+      seq = [(int(t), int(p)) for t, p in zip(recent, recent_pos) if p >= 0] + \
+            [(int(tokens[j]), int(node_pos[j])) for j in range(n) if anc[i, j]]
+      hist = [t for t, p in seq if end - last_n < p <= end]
+      want = ref_rules(logits[i], bias, 1.3, 0.7, 0.2 * trial, hist)
+      assert np.max(np.abs(got[i] - want) / np.maximum(1.0, np.abs(want))) <= 1e-6, (trial, i)
+
+
+def test_rules_are_lossless_and_match_reference(qwen_f32, qwen_draft, draft_ref):
+  """Greedy decoding under logit_bias and penalties: AR equals the float64 reference loop
+  (forward_logits of each prefix, ref_rules over its last penalty_last_n tokens, argmax), and
+  chain / DDTree (each node verified under its own path's penalties) equal AR token for token.
+  The rules are live: the output differs from plain greedy decoding's."""
+  p = [int(x) for x in draft_ref["prompt_ids"]]
+  plain = dj.generate(qwen_f32, qwen_draft, p, max_new_tokens=16, mode="ar", max_ctx=256).tokens
+  cfg = SamplingConfig(logit_bias=((plain[0], -100.0), (plain[3], 1.5)), repeat_penalty=1.5,
+                       presence_penalty=0.8, frequency_penalty=0.6, penalty_last_n=12)
+  ar = dj.generate(qwen_f32, qwen_draft, p, max_new_tokens=16, mode="ar", max_ctx=256,
+                   sampling=cfg, eog_ids=()).tokens
+  assert ar != plain and ar[0] != plain[0]
+  seq = list(p)
+  for t in ar:
+    lg = np.asarray(dj.forward_logits(qwen_f32, seq))[-1]
+    x = ref_rules(lg, cfg.logit_bias, 1.5, 0.8, 0.6, seq[-12:])
+    assert int(np.argmax(x)) == t
+    seq.append(t)
+  for mode in ("chain", "ddtree"):
+    r = dj.generate(qwen_f32, qwen_draft, p, max_new_tokens=16, mode=mode, max_ctx=256,
+                    budget=8, sampling=cfg, eog_ids=())
+    assert r.tokens == ar, mode
+  # Drafts that are always right (an oracle of the AR output under the rules): whole blocks are
+  # accepted, so a node deep in a block must count its own path's tokens (fails when a node
+  # sees only the committed tokens and itself).
+  from test_draft_and_decode import _oracle_run
+  strong = dataclasses.replace(cfg, presence_penalty=2.0, frequency_penalty=2.0,
+                               repeat_penalty=2.0)
+  truth = dj.generate(qwen_f32, None, p, max_new_tokens=40, mode="ar", max_ctx=256,
+                      sampling=strong, eog_ids=()).tokens
+  for mode in ("chain", "ddtree"):
+    r = _oracle_run(qwen_f32, p, np.asarray(truth), [99], 256, block_size=8, mode=mode,
+                    second=mode == "ddtree", budget=8, sampling=strong)
+    assert r.tokens == truth and max(r.accept_lens) == 8, mode
+  with pytest.raises(ValueError, match="logit_bias"):
+    dj.generate(qwen_f32, qwen_draft, p, max_new_tokens=2, max_ctx=256,
+                logit_bias=((qwen_f32.config.n_vocab, 1.0),))
+  for bad in (dict(presence_penalty=3.0), dict(repeat_penalty=0.0), dict(penalty_last_n=300),
+              dict(logit_bias=((1, 101.0),)), dict(logit_bias=((1, 1.0), (1, 2.0)))):
+    with pytest.raises(ValueError, match="SamplingConfig"):
+      SamplingConfig(**bad)

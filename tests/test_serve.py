@@ -10,6 +10,7 @@ import threading
 import time
 import urllib.parse
 
+import numpy as np
 import openai
 import pytest
 
@@ -116,8 +117,8 @@ def test_chat_equals_generate_streamed_and_not(server, smol):
   text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
   assert text == want
   assert chunks[0].choices[0].delta.role == "assistant"
-  assert chunks[-1].choices[0].finish_reason in ("stop", "length")
-  assert chunks[-1].usage.completion_tokens == len(ref.tokens)
+  assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+  assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.tokens)
 
 
 def test_completions_models_and_max_tokens(server, smol):
@@ -155,7 +156,7 @@ def test_stop_strings_cut_exactly(server, smol):
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
-    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 17}, "n"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ({"messages": [{"role": "user", "content": "word " * 400}]}, "messages"),
     ({"messages": "hello"}, "messages")])
@@ -388,10 +389,18 @@ def test_cancel_before_prefill_ends(server):
     (b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}', "tools"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}',
      "response_format"),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true}', "logprobs"),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}',
+    (b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 21}',
+     "top_logprobs"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}', "top_logprobs"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 2.5}',
      "presence_penalty"),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"1": 5}}', "logit_bias"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": -1}',
+     "repetition_penalty"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "repeat_last_n": 999}', "repeat_last_n"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"1": 500}}', "logit_bias"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"a": 5}}', "logit_bias"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999999": 5}}',
+     "logit_bias"),
 ])
 def test_bad_fields_are_400_naming_them(server, raw, param):
   status, r = _http(server[0], "POST", "/v1/chat/completions", raw=raw)
@@ -417,7 +426,7 @@ def test_every_error_has_openai_shape(server):
     status, r = _http(base, method, path, raw=raw)
     assert status == want and set(r["error"]) == {"message", "type", "param", "code"}, (path, r)
   status, r = _http(base, "POST", "/v1/completions", raw=b'{"prompt": "x", "n": 0}')
-  assert r["error"]["param"] == "n" and "at least 1" in r["error"]["message"]
+  assert r["error"]["param"] == "n" and "must be in [1, " in r["error"]["message"]
   status, r = _http(base, "POST", "/v1/completions", raw=b'{"prompt": ')
   assert r["error"]["param"] is None and "not valid JSON" in r["error"]["message"]
   engine.max_queue, old = 0, engine.max_queue
@@ -528,3 +537,256 @@ def test_api_key_file(tmp_path):
     serve.read_api_key_file(str(tmp_path / "e"))
   with pytest.raises(ValueError, match="--api_key_file .*cannot read"):
     serve.read_api_key_file(str(tmp_path / "missing"))
+
+
+# --- the surface real clients expect (issue 27): message shapes, choices, seeds, endpoints,
+# CORS, Prometheus metrics, timings, the Anthropic Messages API ------------------------------
+
+
+def test_content_parts_developer_and_tool_history(server, smol):
+  base, engine = server[0], server[1]
+  ids = lambda msgs: engine.prompt_ids(serve.ChatRequest(messages=msgs))   # noqa: E731
+  plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is\n2 + 2?"}]
+  parts = [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+           {"role": "user", "content": [{"type": "text", "text": "What is"},
+                                        {"type": "text", "text": "2 + 2?"}]}]
+  assert ids(parts) == ids(plain) == smol.tokenizer.encode_chat(plain)
+  status, r = _http(base, "POST", "/v1/chat/completions", {"messages": parts, "max_tokens": 2})
+  assert status == 200 and r["usage"]["prompt_tokens"] == len(ids(plain))
+  img = [{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                      {"type": "image_url", "image_url": {"url": "x"}}]}]
+  status, r = _http(base, "POST", "/v1/chat/completions", {"messages": img})
+  assert status == 400 and r["error"]["param"] == "messages[0].content[1]", r
+  call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}
+  history = [{"role": "user", "content": "add 2"},
+             {"role": "assistant", "content": None, "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "c1", "content": "4"}]
+  status, r = _http(base, "POST", "/apply-template", {"messages": history})
+  assert status == 200
+  # SmolLM2's template has no tool_calls: the call is kept as <tool_call> JSON in the content
+  assert '<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>' in r["prompt"]
+  assert "<|im_start|>tool\n4<|im_end|>" in r["prompt"]
+  status, r = _http(base, "POST", "/v1/chat/completions", {"messages": history, "max_tokens": 2})
+  assert status == 200 and r["usage"]["completion_tokens"] >= 1
+  status, r = _http(base, "POST", "/v1/chat/completions",
+                    {"messages": [{"role": "function", "content": "x"}]})
+  assert status == 400 and r["error"]["param"] == "messages[0]"
+
+
+def test_completions_prompt_list_n_and_echo(server, smol):
+  base, _, draft, dec = server
+  prompts = ["1, 2, 3,", "def add(a, b):"]
+  want = [smol.tokenizer.decode(dj.generate(smol, draft, smol.tokenizer.encode(p), max_new_tokens=5,
+                                            config=dec, eog_ids=()).tokens) for p in prompts]
+  c = _client(base)
+  r = c.completions.create(model="smol", prompt=prompts, max_tokens=5, temperature=0)
+  assert [ch.index for ch in r.choices] == [0, 1] and [ch.text for ch in r.choices] == want
+  assert r.usage.completion_tokens == 10
+  assert r.usage.prompt_tokens == sum(len(smol.tokenizer.encode(p)) for p in prompts)
+  r = c.completions.create(model="smol", prompt=prompts[0], max_tokens=5, temperature=0, n=2,
+                           echo=True)
+  assert [ch.text for ch in r.choices] == [prompts[0] + want[0]] * 2
+  ids = smol.tokenizer.encode(prompts[1])
+  r = c.completions.create(model="smol", prompt=[ids], max_tokens=5, temperature=0, echo=True)
+  assert r.choices[0].text == smol.tokenizer.decode(ids, skip_special=False) + want[1]
+  got = {0: "", 1: ""}
+  for ch in c.completions.create(model="smol", prompt=prompts, max_tokens=5, temperature=0,
+                                 stream=True):
+    for choice in ch.choices:
+      got[choice.index] += choice.text
+  assert [got[0], got[1]] == want
+  chat = c.chat.completions.create(model="smol", messages=[{"role": "user", "content": PROMPTS[1]}],
+                                   max_tokens=6, temperature=0, n=3)
+  assert len({ch.message.content for ch in chat.choices}) == 1 and len(chat.choices) == 3
+
+
+def test_requests_without_seed_get_a_fresh_reported_seed(server):
+  base = server[0]
+  body = {"messages": [{"role": "user", "content": "Tell me a word."}], "max_tokens": 8,
+          "temperature": 1.0}
+  r1, r2 = (_http(base, "POST", "/v1/chat/completions", body)[1] for _ in range(2))
+  s1, s2 = r1["dflash"]["seed"], r2["dflash"]["seed"]
+  assert s1 != s2                        # "regenerate" samples anew
+  again = _http(base, "POST", "/v1/chat/completions", dict(body, seed=s1))[1]
+  assert again["choices"][0]["message"]["content"] == r1["choices"][0]["message"]["content"]
+  assert again["dflash"]["seed"] == s1
+
+
+def test_llama_server_endpoints(server, smol):
+  base, engine = server[0], server[1]
+  tok = smol.tokenizer
+  assert _http(base, "GET", "/v1/models/smol")[1]["id"] == "smol"
+  status, r = _http(base, "GET", "/v1/models/other")
+  assert status == 404 and r["error"]["code"] == "model_not_found"
+  text = "Hello, world! <|im_end|>"
+  r = _http(base, "POST", "/tokenize", {"content": text})[1]
+  assert r["tokens"] == tok.encode(text, add_bos=False)
+  pieces = _http(base, "POST", "/tokenize", {"content": text, "with_pieces": True})[1]["tokens"]
+  assert [p["id"] for p in pieces] == r["tokens"] and "".join(p["piece"] for p in pieces) == text
+  assert _http(base, "POST", "/tokenize", {"content": text, "parse_special": False})[1]["tokens"] \
+      == tok.encode(text, add_bos=False, parse_special=False)
+  assert _http(base, "POST", "/detokenize", {"tokens": r["tokens"]})[1]["content"] == text
+  status, r = _http(base, "POST", "/detokenize", {"tokens": [10 ** 9]})
+  assert status == 400 and r["error"]["param"] == "tokens"
+  msgs = [{"role": "user", "content": "hi"}]
+  assert _http(base, "POST", "/apply-template", {"messages": msgs})[1]["prompt"] == \
+      tok.apply_chat_template(msgs)
+  props = _http(base, "GET", "/props")[1]
+  assert props["default_generation_settings"]["n_ctx"] == MAX_CTX
+  assert props["total_slots"] == engine.max_batch and props["chat_template"] == tok.chat_template
+  assert props["speculative"]["mode"] == "chain" and props["speculative"]["draft"]
+
+
+def test_cors_is_off_by_default_and_configurable(server):
+  pre = {"origin": "http://ui.example", "access-control-request-method": "POST",
+         "access-control-request-headers": "authorization, content-type"}
+  status, r, h = _http(server[0], "OPTIONS", "/v1/chat/completions", headers=pre, full=True)
+  assert status == 405 and "access-control-allow-origin" not in h and r["error"]["type"]
+  base, srv, th = _start(server[1], api_key="k", cors_origins=["http://ui.example"])
+  try:
+    status, _, h = _http(base, "OPTIONS", "/v1/chat/completions", headers=pre, full=True)
+    assert status == 200 and h["access-control-allow-origin"] == "http://ui.example"
+    assert "authorization" in h["access-control-allow-headers"].lower()
+    status, _, h = _http(base, "OPTIONS", "/v1/chat/completions",
+                         headers=dict(pre, origin="http://evil.example"), full=True)
+    assert status == 400 and "access-control-allow-origin" not in h
+    status, _, h = _http(base, "GET", "/v1/models", full=True,
+                         headers={"origin": "http://ui.example", "authorization": "Bearer k"})
+    assert status == 200 and h["access-control-allow-origin"] == "http://ui.example"
+    assert _http(base, "GET", "/v1/models", headers={"origin": "http://ui.example"})[0] == 401
+  finally:
+    srv.should_exit = True
+    th.join(timeout=10)
+
+
+def test_metrics_are_prometheus_and_timings_add_up(server):
+  from prometheus_client.parser import text_string_to_metric_families
+  base, engine = server[0], server[1]
+  r = _http(base, "POST", "/v1/completions", {"prompt": "1, 2, 3,", "max_tokens": 9,
+                                               "temperature": 0})[1]
+  t = r["timings"]
+  assert t["predicted_n"] == r["usage"]["completion_tokens"] == 9
+  assert t["prompt_n"] + t["cache_n"] == r["usage"]["prompt_tokens"]
+  assert 0 <= t["draft_n_accepted"] <= t["draft_n"] and t["ttft_ms"] > 0
+  steps = r["dflash"]["steps"]                 # every step commits its accepted drafts + 1
+  assert t["draft_n_accepted"] + steps == 9 - 1 and t["draft_n"] == steps * (engine.dec.block_size - 1)
+  status, text, h = _http(base, "GET", "/metrics", full=True)
+  assert status == 200 and h["content-type"].startswith("text/plain")
+  fams = {f.name: f for f in text_string_to_metric_families(text)}
+  assert fams["dflash_requests"].type == "counter" and fams["dflash_requests"].samples[0].value >= 1
+  assert fams["dflash_queue_waiting"].type == "gauge"
+  for name in ("dflash_request_seconds", "dflash_time_to_first_token_seconds"):
+    assert fams[name].type == "histogram"
+    count = [s.value for s in fams[name].samples if s.name.endswith("_count")]
+    assert count and count[0] >= 1
+  drafted = fams["dflash_draft_tokens"].samples[0].value
+  assert 0 < fams["dflash_draft_tokens_accepted"].samples[0].value <= drafted
+  assert "# TYPE dflash_tokens_generated_total counter" in text or \
+      "# TYPE dflash_tokens_generated counter" in text
+
+
+def test_anthropic_messages_api(server, smol):
+  import anthropic
+  base, _, draft, dec = server
+  msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": PROMPTS[0]}]
+  ids = smol.tokenizer.encode_chat(msgs)
+  ref = dj.generate(smol, draft, ids, max_new_tokens=12, config=dec)
+  want = smol.tokenizer.decode(ref.tokens)
+  c = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=300)
+  kw = dict(model="smol", max_tokens=12, system="You are terse.",      # the server: greedy
+            messages=[{"role": "user", "content": [{"type": "text", "text": PROMPTS[0]}]}])
+  m = c.messages.create(**kw)
+  assert m.content[0].text == want and m.usage.input_tokens == len(ids)
+  assert m.stop_reason == ("end_turn" if ref.stop_reason == "eog" else "max_tokens")
+  assert m.usage.output_tokens == len(ref.tokens)
+  with c.messages.stream(**kw) as s:
+    text = "".join(s.text_stream)
+    final = s.get_final_message()
+  assert text == want and final.stop_reason == m.stop_reason
+  assert final.usage.output_tokens == len(ref.tokens)
+  stop = want[3:6]
+  m = c.messages.create(**dict(kw, stop_sequences=[stop]))
+  assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
+  assert m.content[0].text == want[:want.find(stop)]
+  assert c.messages.count_tokens(model="smol", system="You are terse.",
+                                 messages=kw["messages"]).input_tokens == len(ids)
+  with pytest.raises(anthropic.BadRequestError) as e:
+    c.messages.create(**dict(kw, messages=[{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]))
+  assert e.value.body["error"]["type"] == "invalid_request_error"
+  assert "messages[0].content[0]" in e.value.body["error"]["message"]
+  status, r = _http(base, "POST", "/v1/messages", {"messages": [{"role": "user", "content": "x"}]})
+  assert status == 400 and r["type"] == "error" and "max_tokens" in r["error"]["message"]
+
+
+def test_logprobs_equal_log_softmax_of_the_target_logits(server, smol):
+  """Chat `logprobs` / `top_logprobs` and completions `logprobs` (+ echo) against float64
+  log_softmax of `forward_logits` over prompt + completion (max abs error <= 2e-3 nats)."""
+  base, _, draft, dec = server
+  tok = smol.tokenizer
+
+  def reference(ids):
+    x = dj.api.forward_logits(smol, ids).astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+  msgs = [{"role": "user", "content": PROMPTS[2]}]
+  r = _client(base).chat.completions.create(model="smol", messages=msgs, max_tokens=8,
+                                            temperature=0, logprobs=True, top_logprobs=3)
+  prompt = tok.encode_chat(msgs)
+  gen = dj.generate(smol, draft, prompt, max_new_tokens=8, config=dec).tokens
+  content = r.choices[0].logprobs.content
+  assert len(content) == len(gen) == r.usage.completion_tokens
+  ids = prompt + gen
+  ref = reference(ids)
+  for j, c in enumerate(content):
+    want, t = ref[len(prompt) + j - 1], gen[j]
+    assert abs(c.logprob - want[t]) <= 2e-3 and bytes(c.bytes) == tok.token_bytes(t)
+    assert c.token == tok.decode([t], skip_special=False)
+    assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token     # greedy: argmax
+    top = np.argsort(-want)[:3]
+    assert max(abs(x.logprob - want[i]) for x, i in zip(c.top_logprobs, top)) <= 2e-3
+  status, rr = _http(base, "POST", "/v1/completions", {"prompt": "1, 2, 3,", "max_tokens": 4,
+                                                        "temperature": 0, "logprobs": 2,
+                                                        "echo": True})
+  lp = rr["choices"][0]["logprobs"]
+  p_ids = tok.encode("1, 2, 3,")
+  ids = p_ids + dj.generate(smol, draft, p_ids, max_new_tokens=4, config=dec).tokens
+  ref = reference(ids)
+  assert status == 200 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+  assert len(lp["tokens"]) == len(ids) and lp["text_offset"][0] == 0
+  assert max(abs(lp["token_logprobs"][j] - ref[j - 1][ids[j]]) for j in range(1, len(ids))) <= 2e-3
+  assert "".join(lp["tokens"]) == rr["choices"][0]["text"]
+  # streamed: the entries arrive with each choice's last chunk
+  chunks = list(_client(base).chat.completions.create(
+      model="smol", messages=msgs, max_tokens=8, temperature=0, logprobs=True, stream=True))
+  streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs
+              for c in ch.choices[0].logprobs.content]
+  assert [c.logprob for c in streamed] == [c.logprob for c in content]
+  # token bytes are exact, also for pieces of a multi-byte character
+  text = "naïve café – 東京 🙂"
+  assert b"".join(tok.token_bytes(t) for t in tok.encode(text, add_bos=False)) == text.encode()
+
+
+def test_logit_bias_and_penalties_equal_generate(server, smol):
+  """logit_bias -100 bans a token; presence / frequency / repetition penalties: the server's
+  greedy (chain) output equals `generate` under the same SamplingConfig (itself checked against
+  a float64 reference loop and AR in test_sampling.py)."""
+  base, _, draft, dec = server
+  ids, plain = _reference(smol, draft, dec, PROMPTS[1], 10)
+  c = _client(base)
+  msgs = [{"role": "user", "content": PROMPTS[1]}]
+  ban = plain.tokens[0]
+  r = c.chat.completions.create(model="smol", messages=msgs, max_tokens=10, temperature=0,
+                                logit_bias={str(ban): -100})
+  want = dj.generate(smol, draft, ids, max_new_tokens=10, config=dec,
+                     sampling=dj.SamplingConfig(logit_bias=((ban, -100.0),)))
+  assert want.tokens[0] != ban and r.choices[0].message.content == smol.tokenizer.decode(want.tokens)
+  r = c.chat.completions.create(model="smol", messages=msgs, max_tokens=10, temperature=0,
+                                presence_penalty=0.7, frequency_penalty=0.5,
+                                extra_body={"repetition_penalty": 1.3, "repeat_last_n": 32})
+  cfg = dj.SamplingConfig(presence_penalty=0.7, frequency_penalty=0.5, repeat_penalty=1.3,
+                          penalty_last_n=32)
+  want = dj.generate(smol, draft, ids, max_new_tokens=10, config=dec, sampling=cfg)
+  assert r.choices[0].message.content == smol.tokenizer.decode(want.tokens)
+  assert "penalties" in r.model_extra["dflash"]["sampling"]
