@@ -1,5 +1,5 @@
 """Per-op XLA:CPU profile of the batched decode loop: python profile_batch.py MODE B (5 rounds after warm-up)."""
-import time, sys, glob, gzip, json, collections, shutil, re
+import sys, glob, gzip, json, collections, shutil, re
 import jax, jax.numpy as jnp, numpy as np
 import dflash_jax as dj
 from dflash_jax import cli, batching

@@ -1,7 +1,7 @@
 """ms per round of the batched decode loop: python step_ms.py MODE B1,B2,... (16 rounds after warm-up, 40-token prompts)."""
 import time, sys, numpy as np, jax, jax.numpy as jnp
 import dflash_jax as dj
-from dflash_jax import cli, batching, decode
+from dflash_jax import cli, batching
 t = dj.load_target(cli.default_target_path())
 d = dj.load_draft(cli.find_draft_dir(t), t)
 mode = sys.argv[1]

@@ -1,6 +1,6 @@
 """Where the server engine's time goes under N closed-loop clients (in process, no HTTP): python engine_profile.py N [steps_per_call]."""
 import time, threading, collections, sys
-import numpy as np, jax
+import jax
 import dflash_jax as dj
 from dflash_jax import cli, serve, batching
 t = dj.load_target(cli.default_target_path())
