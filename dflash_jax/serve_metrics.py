@@ -33,6 +33,14 @@ COUNTERS = [
 ]
 
 
+def parse(text: str) -> dict[str, float]:
+  """{sample name: value} of a /metrics exposition (samples without labels; counters keep their
+  `_total` name), read with prometheus_client's parser."""
+  from prometheus_client.parser import text_string_to_metric_families
+  return {smp.name: smp.value for fam in text_string_to_metric_families(text)
+          for smp in fam.samples if not smp.labels}
+
+
 class ServerMetrics:
   """Prometheus instruments of one Engine: `observe(latency_s, ttft_s)` per finished request;
   `text()` the exposition (counters and gauges from `engine_state()`: a dict with the

@@ -96,7 +96,8 @@ def metrics(port: int) -> dict:
   conn.request("GET", "/metrics")
   text = conn.getresponse().read().decode()
   conn.close()
-  return {k: float(v) for k, v in (l.split() for l in text.splitlines() if l.strip())}
+  from dflash_jax import serve_metrics
+  return serve_metrics.parse(text)
 
 
 def main(argv):

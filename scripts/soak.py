@@ -232,8 +232,8 @@ def main(argv):
       proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
       proc.kill()
-  metrics = dict(line.split(" ", 1) for line in metrics.decode().splitlines()
-                 if line and not line.startswith("#"))
+  from dflash_jax import serve_metrics
+  metrics = serve_metrics.parse(metrics.decode())
   hs = sorted(soak.health_s)
   checks = {
       "no_failed_requests": not soak.failures,

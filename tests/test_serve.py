@@ -681,6 +681,8 @@ def test_metrics_are_prometheus_and_timings_add_up(server):
     assert count and count[0] >= 1
   drafted = fams["dflash_draft_tokens"].samples[0].value
   assert 0 < fams["dflash_draft_tokens_accepted"].samples[0].value <= drafted
+  from dflash_jax import serve_metrics                   # what soak.py / bench_serve.py read
+  assert serve_metrics.parse(text)["dflash_requests_total"] == fams["dflash_requests"].samples[0].value
   assert "# TYPE dflash_tokens_generated_total counter" in text or \
       "# TYPE dflash_tokens_generated counter" in text
 
