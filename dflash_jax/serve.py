@@ -47,12 +47,11 @@ import numpy as np
 import pydantic
 
 from dflash_jax import cli
-from dflash_jax.serve_protocol import (ANTHROPIC_STOP, ANTHROPIC_UNSUPPORTED, UNSUPPORTED,  # noqa: F401
-                                       AnthropicRequest, ApiError, ChatRequest, CompletionRequest,
-                                       CountTokensRequest, StreamOptions, anthropic_message,
-                                       anthropic_messages, chat_logprobs, chat_messages,
-                                       completion_logprobs, content_text, logprobs_wanted,
-                                       refuse_unsupported, sse, validation_error)
+from dflash_jax.serve_protocol import (ANTHROPIC_UNSUPPORTED, UNSUPPORTED, AnthropicRequest,
+                                       ApiError, ChatRequest, CompletionRequest,
+                                       CountTokensRequest, anthropic_message, anthropic_messages,
+                                       chat_logprobs, chat_messages, completion_logprobs,
+                                       logprobs_wanted, refuse_unsupported, sse, validation_error)
 
 
 @dataclasses.dataclass

@@ -277,9 +277,6 @@ def anthropic_messages(system, messages) -> list[dict]:
   return out
 
 
-ANTHROPIC_STOP = {"eog": "end_turn", "length": "max_tokens", "stop": "stop_sequence"}
-
-
 def anthropic_message(rid: str, model: str, text: str, stop_reason: str,
                       stop_sequence: Optional[str], n_prompt: int, n_out: int, stats: dict) -> dict:
   """A non-streamed Anthropic `message` object."""
