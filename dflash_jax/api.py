@@ -16,6 +16,7 @@ from dflash_jax import auto_mode, batching
 from dflash_jax import decode as decode_lib
 from dflash_jax import draft as draft_lib
 from dflash_jax import draft_io
+from dflash_jax import grammar as grammar_lib
 from dflash_jax import target as target_lib
 from dflash_jax import target_params
 from dflash_jax.config import AUTO, SUPPORTED_ARCHS, DecodeConfig, DraftConfig, TargetConfig
@@ -66,6 +67,25 @@ class Draft:
 
 
 WEIGHTS = ("auto", "quantized", "f32", "bf16")
+
+_COMPILERS: dict[int, tuple[Target, grammar_lib.GrammarCompiler]] = {}
+
+
+def grammar_compiler(target: Target) -> grammar_lib.GrammarCompiler:
+  """The target's grammar.GrammarCompiler (built once per target: its tokenizer's vocabulary,
+  its end-of-generation ids): `grammar_compiler(t).compile(grammar.json_schema_regex(schema))`
+  gives the `grammar` argument of `generate`. Raises ValueError when the target was loaded
+  without a tokenizer."""
+  hit = _COMPILERS.get(id(target))
+  if hit is not None and hit[0] is target:
+    return hit[1]
+  if target.tokenizer is None:
+    raise ValueError(f"{target.path}: constrained decoding needs the tokenizer (load_target "
+                     f"with tokenizer=True)")
+  comp = grammar_lib.GrammarCompiler(target.tokenizer, target.tokenizer.eog_ids,
+                                     target.config.n_vocab)
+  _COMPILERS[id(target)] = (target, comp)
+  return comp
 
 
 def _resolve_weights(weights: str, f, rt: Runtime) -> str:
@@ -469,7 +489,8 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
              on_tokens: Optional[Callable[[list[int]], None]] = None, steps_per_call: int = 4,
              proposer: Optional[Callable] = None, proposer_params=None,
              sampling: Optional[SamplingConfig] = None,
-             prompt_cache: Optional[PromptCache] = None, **overrides) -> GenerateResult:
+             prompt_cache: Optional[PromptCache] = None,
+             grammar: Optional[grammar_lib.Grammar] = None, **overrides) -> GenerateResult:
   """Generation: speculative (mode "chain": DFlash chain; "ddtree": DDTree) or autoregressive
   ("ar"), as `config` (a DecodeConfig) says (default mode "auto": the mode measured fastest on
   this platform for one row, auto_mode.py; GenerateResult.mode says which), greedy or sampled as `sampling` (a SamplingConfig;
@@ -487,8 +508,11 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
   prompt_cache: a `PromptCache` (prompt_cache.py): the longest cached prefix of the prompt is
     restored instead of prefilled (GenerateResult.cached_tokens), and this sequence is added to
     it afterwards, so a chat's next turn prefills only its new tokens. Output is unchanged.
-  Greedy chain and DDTree output equal autoregressive output token for token; sampled output
-  has the distribution of autoregressive sampling (sampling.py).
+  grammar: constrain the output to a grammar.Grammar (from `grammar_compiler(target)`, e.g. a
+    JSON schema's): every token is drawn from the target's distribution masked to the tokens
+    the automaton allows after the output so far; end-of-generation only in accepting states.
+  Greedy chain and DDTree output equal autoregressive output token for token (constrained or
+  not); sampled output has the distribution of autoregressive sampling (sampling.py).
   Raises ValueError for a bad option (naming it), an empty or too long prompt, out-of-vocabulary
   ids, a block size mismatch, a decode state larger than the memory available (check_config),
   or non-finite logits after prefill (naming the GGUF).
@@ -508,8 +532,11 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
                          proposer_params=proposer_params)
   start = b.reuse(0, ids, prompt_cache) if prompt_cache is not None else 0
   checkpoints = {} if prompt_cache is not None else None
-  compile_s = b.compile_prefill(ids.size - start, sampling)
-  for _ in b.prefill_chunks(0, ids, max_new_tokens, sampling, start, checkpoints):
+  if grammar is not None:
+    b.grammars.check(grammar, param="grammar")
+  compile_s = b.compile_prefill(ids.size - start, sampling, grammar=grammar is not None)
+  for _ in b.prefill_chunks(0, ids, max_new_tokens, sampling, start, checkpoints,
+                            grammar=grammar):
     pass
   _check_finite(target, b, 0)                  # waits for the prefill: the first token exists
   t1 = time.perf_counter()
@@ -596,7 +623,7 @@ def generate_batch(target: Target, draft: Optional[Draft], prompts: Sequence[Seq
                    eog_ids: Optional[Sequence[int]] = None, steps_per_call: int = 8,
                    proposer: Optional[Callable] = None, proposer_params=None,
                    on_result: Optional[Callable[[int, GenerateResult], None]] = None,
-                   **overrides) -> list[GenerateResult]:
+                   grammar=None, **overrides) -> list[GenerateResult]:
   """Decode many prompts together in one compiled loop of B slots (continuous batching: a
   finished row's slot is refilled with the next prompt between loop calls, no recompile).
 
@@ -607,6 +634,8 @@ def generate_batch(target: Target, draft: Optional[Draft], prompts: Sequence[Seq
   prompts); default `default_batch_size()`.
   on_result(i, result): called as soon as prompt i finishes (results come back in input order
   regardless).
+  grammar: a grammar.Grammar for every prompt, or one per prompt (None: unconstrained), as
+  `generate` takes it.
   Row i gives what `generate` gives for prompt i alone: the same tokens greedy, and the same
   tokens sampled with the same seed (each row draws from its own key).
   Returns one GenerateResult per prompt, in input order (prefill_s: that prompt's prefill;
@@ -627,6 +656,9 @@ def generate_batch(target: Target, draft: Optional[Draft], prompts: Sequence[Seq
   samps = [dataclasses.replace(sampling, seed=v) for v in
            _per_prompt("seed", sampling.seed if seed is None else seed, n,
                        lambda v: SamplingConfig(seed=v))]
+  grammars = list(grammar) if isinstance(grammar, (list, tuple)) else [grammar] * n
+  if len(grammars) != n:
+    raise ValueError(f"grammar: {len(grammars)} values for {n} prompts")
   b_req = default_batch_size() if batch_size is None else batch_size
   _positive_int("batch_size", b_req)
   B = batching.bucket(min(b_req, n))
@@ -647,17 +679,24 @@ def generate_batch(target: Target, draft: Optional[Draft], prompts: Sequence[Seq
   slot_of: dict[int, tuple[int, float, float]] = {}        # slot -> (prompt, prefill_s, t_start)
   nxt = 0
 
-  def admit(slot):
+  def admit(slot) -> bool:
     nonlocal nxt
     i = nxt
+    if not b.grammar_fits(slot, grammars[i]):
+      return False               # other rows' grammars fill the bank: wait for one to finish
     nxt += 1
     t0 = time.perf_counter()
-    b.prefill(slot, ids[i], max_news[i], samps[i])
+    b.prefill(slot, ids[i], max_news[i], samps[i], grammar=grammars[i])
     _check_finite(target, b, slot)
     slot_of[slot] = (i, time.perf_counter() - t0, time.perf_counter())
+    return True
 
-  for slot in range(min(B, n)):
-    admit(slot)
+  for g in grammars:
+    if g is not None:
+      b.grammars.check(g, param="grammar")
+  free = list(range(B))
+  while free and nxt < n and admit(free[0]):
+    free.pop(0)
   while slot_of:
     _, idle = b.progress()
     for slot in [s for s in slot_of if idle[s]]:
@@ -666,8 +705,10 @@ def generate_batch(target: Target, draft: Optional[Draft], prompts: Sequence[Seq
                            time.perf_counter() - t_start, samps[i], dec.mode)
       if on_result is not None:
         on_result(i, results[i])
-      if nxt < n:
-        admit(slot)
+      b.grammars.release(slot)
+      free.append(slot)
+    while free and nxt < n and admit(free[0]):
+      free.pop(0)
     if slot_of:
       b.run(steps_per_call)
   return results

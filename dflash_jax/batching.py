@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import decode as decode_lib
+from dflash_jax import grammar as grammar_lib
 from dflash_jax import prompt_cache as pc
 from dflash_jax.sampling import SamplingConfig
 
@@ -121,6 +122,7 @@ class SlotBatch:
     self.plan = decode_lib.Plan(target.config, dcfg, dec, target.runtime)
     self.eog = eog
     self.state = decode_lib.init_state(self.plan, batch)
+    self.grammars = grammar_lib.GrammarBank(target.config.n_vocab)   # constrained rows' automata
     self.sampled_rows: set[int] = set()      # slots last prefilled with temperature > 0
     self._restored: dict[int, int] = {}      # slot -> prefix length `reuse` restored
     self._compiled: set = set()              # programs compiled ahead of time (compile_*)
@@ -145,15 +147,22 @@ class SlotBatch:
     return int(self.state.done.shape[0])
 
   def prefill(self, slot: int, ids: np.ndarray, max_new: int, sampling: SamplingConfig,
-              start: int = 0):
+              start: int = 0, grammar: Optional[grammar_lib.Grammar] = None):
     """Prefill `ids` [P] int32 (from `start`, see `prefill_chunks`) into `slot`, chunk by chunk;
     the row is active after the last chunk (unless its first token ends it)."""
-    for _ in self.prefill_chunks(slot, ids, max_new, sampling, start):
+    for _ in self.prefill_chunks(slot, ids, max_new, sampling, start, grammar=grammar):
       pass
+
+  def grammar_fits(self, slot: int, grammar: Optional[grammar_lib.Grammar]) -> bool:
+    """Reserve the grammar bank's room for `slot`'s `grammar` (None: nothing to reserve);
+    False when other rows' grammars fill the bank now (the next `prefill_chunks` of the slot
+    would raise RuntimeError)."""
+    return grammar is None or self.grammars.place(slot, grammar) is not None
 
   def prefill_chunks(self, slot: int, ids: np.ndarray, max_new: int,
                      sampling: SamplingConfig, start: int = 0,
-                     checkpoints: Optional[dict] = None) -> Iterator[int]:
+                     checkpoints: Optional[dict] = None,
+                     grammar: Optional[grammar_lib.Grammar] = None) -> Iterator[int]:
     """`prefill` one chunk (dec.prefill_chunk tokens, fewer for a short prompt: `prefill_len`)
     per step of the iterator, yielding the tokens prefilled so far: a server interleaves the
     chunks with decode calls of the other rows (the row stays out of the loop until its last
@@ -165,7 +174,11 @@ class SlotBatch:
     after exactly `start` tokens). Raises ValueError for a start outside [0, len(ids)) or a
     start > 0 on a hybrid target without that restore.
     checkpoints: on a hybrid target, filled with {tokens prefilled: (ssm, conv) copies} at the end
-    of every chunk (the prompt cache's checkpoints, `save`)."""
+    of every chunk (the prompt cache's checkpoints, `save`).
+    grammar: constrain the row's output to this grammar.Grammar (constrained decoding; every
+    mode's output is then the constrained autoregressive output). Raises ValueError when the
+    grammar can never fit the batch's grammar bank, RuntimeError when the bank is full now
+    (see `grammar_fits`)."""
     if not 0 <= start < ids.size:
       raise ValueError(f"prefill start {start} outside [0, {ids.size})")
     if start and self.recurrent and self._restored.get(slot) != start:
@@ -175,6 +188,14 @@ class SlotBatch:
     if bad:
       raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary "
                        f"[0, {self.target.config.n_vocab})")
+    if grammar is None:
+      self.grammars.release(slot)
+      gstart = grammar_lib.NO_GRAMMAR
+    else:
+      gstart = self.grammars.place(slot, grammar)
+      if gstart is None:
+        raise RuntimeError("the grammar bank is full (other rows' formats); retry later")
+    tables = self.grammars.tables() if self.grammars.active else None
     self._restored.pop(slot, None)
     c = prefill_len(ids.size - start, self.dec.prefill_chunk)
     if sampling.greedy:
@@ -188,8 +209,8 @@ class SlotBatch:
           self.target.params, self.dparams, self.state, jnp.int32(slot),
           jnp.asarray(np.pad(chunk, (0, c - n))), jnp.int32(s0), jnp.int32(n),
           jnp.bool_(s0 + n >= ids.size), self.eog, jnp.int32(sampling.seed), jnp.int32(max_new),
-          sampling.params(), jnp.asarray(tokens_before(ids, s0)), plan=self.plan,
-          sampled=not sampling.greedy)
+          sampling.params(), jnp.asarray(tokens_before(ids, s0)), tables, jnp.int32(gstart),
+          plan=self.plan, sampled=not sampling.greedy)
       if checkpoints is not None and self.recurrent:
         checkpoints[s0 + n] = _recurrent_state(self.state, jnp.int32(slot))
       yield s0 + n
@@ -199,6 +220,7 @@ class SlotBatch:
     prefill."""
     self.state = dataclasses.replace(self.state, done=self.state.done.at[slot].set(True))
     self.sampled_rows.discard(slot)
+    self.grammars.release(slot)
 
   def resized(self, batch: int, slots: Sequence[int]) -> "SlotBatch":
     """A SlotBatch of `batch` slots (a bucket) holding rows `slots` of this one as its rows
@@ -215,18 +237,23 @@ class SlotBatch:
     new.state = _move_rows(self.state, jnp.asarray(idx), jnp.int32(len(slots)), plan=self.plan,
                            batch=batch)
     new.sampled_rows = {i for i, s in enumerate(slots) if s in self.sampled_rows}
+    new.grammars = self.grammars.moved(slots)
     new._restored, new._compiled = {}, set()
     self.state = None
     return new
 
-  def compile_prefill(self, n_prompt: int, sampling: SamplingConfig) -> float:
+  def _tables(self, grammar: bool):
+    """The grammar tables a program takes: the bank's (also when empty) or None."""
+    return self.grammars.tables() if grammar else None
+
+  def compile_prefill(self, n_prompt: int, sampling: SamplingConfig, grammar: bool = False) -> float:
     """Compile (ahead of time: lower + compile, nothing runs) the prefill program an
     n_prompt-token prompt takes with this sampling, and the host-view program read after it;
     a later `prefill_chunks` call then only runs them (JAX's caches hold the traced and compiled
     programs; with the persistent compilation cache a warm process only traces). Returns the
     seconds it took (0 when already compiled)."""
     c = prefill_len(n_prompt, self.dec.prefill_chunk)
-    key = ("prefill", c, not sampling.greedy)
+    key = ("prefill", c, not sampling.greedy, grammar)
     if key in self._compiled:
       return 0.0
     t0 = time.perf_counter()
@@ -234,33 +261,37 @@ class SlotBatch:
     decode_lib.prefill_chunk.lower(
         self.target.params, self.dparams, self.state, z, jnp.zeros((c,), jnp.int32), z, z,
         jnp.bool_(True), self.eog, z, z, sampling.params(), jnp.asarray(tokens_before([], 0)),
-        plan=self.plan,
+        self._tables(grammar), z, plan=self.plan,
         sampled=not sampling.greedy).compile()
     _host_view.lower(self.state, dec=self.dec).compile()
     self._compiled.add(key)
     return time.perf_counter() - t0
 
-  def compile_loop(self, sampled: Optional[bool] = None) -> float:
+  def compile_loop(self, sampled: Optional[bool] = None, grammar: Optional[bool] = None) -> float:
     """Compile the decode loop `run` will call (ahead of time, as `compile_prefill`), in the
-    sampling variant (default: the one `run` picks now). Returns the seconds it took."""
+    sampling and grammar variant (default: the ones `run` picks now). Returns the seconds it
+    took."""
     sampled = bool(self.sampled_rows) if sampled is None else sampled
-    key = ("loop", sampled)
+    grammar = self.grammars.active if grammar is None else grammar
+    key = ("loop", sampled, grammar)
     if key in self._compiled:
       return 0.0
     t0 = time.perf_counter()
     decode_lib.decode_loop.lower(
-        self.target.params, self.dparams, self.state, jnp.int32(0), self.eog, plan=self.plan,
-        sampled=sampled, proposer=self.proposer).compile()
+        self.target.params, self.dparams, self.state, jnp.int32(0), self.eog,
+        self._tables(grammar), plan=self.plan, sampled=sampled, proposer=self.proposer).compile()
     _row_view.lower(self.state, jnp.int32(0)).compile()
     self._compiled.add(key)
     return time.perf_counter() - t0
 
   def run(self, max_steps: int):
     """Decode rounds while any row is active, at most max_steps. Uses the sampling variant of
-    the loop when any slot was prefilled with sampling (greedy rows stay greedy in it)."""
+    the loop when any slot was prefilled with sampling (greedy rows stay greedy in it), and the
+    grammar variant when any slot is constrained."""
     self.state = decode_lib.decode_loop(
         self.target.params, self.dparams, self.state, jnp.int32(max_steps), self.eog,
-        plan=self.plan, sampled=bool(self.sampled_rows), proposer=self.proposer)
+        self._tables(self.grammars.active), plan=self.plan, sampled=bool(self.sampled_rows),
+        proposer=self.proposer)
 
   def _host(self):
     """(n_out, active, out, finite) as host arrays, read once per state (cached until the state

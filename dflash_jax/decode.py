@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax import draft as draft_lib
+from dflash_jax import grammar as grammar_lib
 from dflash_jax import layers
 from dflash_jax import sampling as sampling_lib
 from dflash_jax import target as target_lib
@@ -88,6 +89,8 @@ class DecodeState:
       (False: corrupt weights or metadata; `api.generate` raises).
     recent: [W] int32 the tokens at positions pos-W..pos-1 (W = sampling.PENALTY_WINDOW; the
       penalties' window; entries at negative positions are ignored).
+    gstate: [] int32 the row's grammar state after the bonus token (a state of the batch's
+      grammar.GrammarTables), or grammar.NO_GRAMMAR (-1) for an unconstrained row.
   """
 
   out: jax.Array
@@ -104,6 +107,7 @@ class DecodeState:
   samp: sampling_lib.SamplingParams
   finite: jax.Array
   recent: jax.Array
+  gstate: jax.Array
 
 
 def init_row(plan: Plan) -> DecodeState:
@@ -117,7 +121,8 @@ def init_row(plan: Plan) -> DecodeState:
       target=target_lib.init_cache(tcfg, s, plan.rt),
       draft=draft_lib.init_cache(dcfg, s) if plan.uses_draft else None,
       key=jax.random.key(0), samp=sampling_lib.SamplingConfig().params(),
-      finite=jnp.bool_(True), recent=jnp.zeros((sampling_lib.PENALTY_WINDOW,), jnp.int32))
+      finite=jnp.bool_(True), recent=jnp.zeros((sampling_lib.PENALTY_WINDOW,), jnp.int32),
+      gstate=jnp.int32(grammar_lib.NO_GRAMMAR))
 
 
 def init_state(plan: Plan, batch: int = 1) -> DecodeState:
@@ -152,7 +157,7 @@ def _recent_pos(end: jax.Array) -> jax.Array:
 
 
 def _prefill_row(tparams, dparams, row: DecodeState, k_all, v_all, slot, tokens, start, n_valid,
-                 eog_ids, final, before, *, plan: Plan, sampled: bool):
+                 eog_ids, final, before, grammar, gstart, *, plan: Plan, sampled: bool):
   """One prefill chunk of one row (see `prefill_chunk`). row: the row's state without its K/V
   and draft caches (target.k / .v and draft None); k_all / v_all: the batch's target caches,
   read in place at row `slot`. Returns (new row, target K rows [n_attn, T, Hkv, Dh], V rows,
@@ -176,10 +181,16 @@ def _prefill_row(tparams, dparams, row: DecodeState, k_all, v_all, slot, tokens,
                                          jnp.zeros((1,), jnp.int32), jnp.full((1,), -1, jnp.int32),
                                          jnp.ones((1, 1), bool), end[None]),
       lambda x: x.astype(jnp.float32), logits)
+  gstate = jnp.int32(grammar_lib.NO_GRAMMAR)
+  if grammar is not None:
+    adjusted = grammar_lib.mask_logits(adjusted, grammar, gstart[None])
   first = _next_token(adjusted, key, row.samp, sampled)[0]
+  if grammar is not None:
+    gstate = grammar_lib.advance(grammar, gstart, first)
   new = dataclasses.replace(
       row, target=dataclasses.replace(row.target, ssm=pre.cache.ssm, conv=pre.cache.conv),
       pos=start + n_valid, bonus=first, finite=jnp.all(jnp.isfinite(logits)), recent=recent,
+      gstate=gstate,
       out=row.out.at[0].set(first), n_out=jnp.int32(1),
       done=jnp.any(first == eog_ids) | (row.max_new <= 1) | ~final,
       n_steps=jnp.int32(0))
@@ -190,7 +201,9 @@ def _prefill_row(tparams, dparams, row: DecodeState, k_all, v_all, slot, tokens,
 def prefill_chunk(tparams, dparams, state: DecodeState, slot: jax.Array, tokens: jax.Array,
                   start: jax.Array, n_valid: jax.Array, final: jax.Array, eog_ids: jax.Array,
                   seed: jax.Array, max_new: jax.Array, samp: sampling_lib.SamplingParams,
-                  before: jax.Array, *, plan: Plan, sampled: bool = False) -> DecodeState:
+                  before: jax.Array, grammar: Optional[grammar_lib.GrammarTables] = None,
+                  gstart: Optional[jax.Array] = None, *, plan: Plan,
+                  sampled: bool = False) -> DecodeState:
   """Prefill one chunk of a prompt into row `slot` of the batch (the other rows are untouched).
 
   tokens: [C] int32 (C = dec.prefill_chunk, padded) at positions start.., of which n_valid are
@@ -200,7 +213,10 @@ def prefill_chunk(tparams, dparams, state: DecodeState, slot: jax.Array, tokens:
   The row's PRNG key (from `seed`), length budget `max_new` and sampling params `samp`
   (SamplingParams; temperature 0 = greedy) are set on every chunk; before: [W] int32 the
   prompt's tokens at positions start-W..start-1 (W = sampling.PENALTY_WINDOW; entries at
-  negative positions are ignored): the penalties' window. Updates the row's
+  negative positions are ignored): the penalties' window. grammar: the batch's
+  grammar.GrammarTables (None: no row is constrained) and gstart [] int32 the row's initial
+  grammar state (grammar.NO_GRAMMAR: unconstrained); the first token is drawn under it.
+  Updates the row's
   target cache, feeds the chunk's target features to its draft context cache, and sets the
   first generated token (argmax, or a draw in the `sampled` variant, after the last real row)
   as its bonus: final only after the last chunk, when the row becomes active (done stays False
@@ -218,7 +234,9 @@ def prefill_chunk(tparams, dparams, state: DecodeState, slot: jax.Array, tokens:
   tc = dataclasses.replace(tc, ssm=jnp.where(fresh, 0.0, tc.ssm), conv=jnp.where(fresh, 0.0, tc.conv))
   row = dataclasses.replace(row, key=jax.random.key(seed), max_new=max_new, samp=samp, target=tc)
   row, k, v, dk, dv = _prefill_row(tparams, dparams, row, tk, tv, slot, tokens, start, n_valid,
-                                   eog_ids, final, before, plan=plan, sampled=sampled)
+                                   eog_ids, final, before, grammar,
+                                   jnp.int32(grammar_lib.NO_GRAMMAR) if gstart is None else gstart,
+                                   plan=plan, sampled=sampled)
   # The forward reads the caches inside attention loops; the writes must be ordered after every
   # read, else XLA copies whole caches to keep the reads correct (as in _commit_rows).
   (row, k, v, dk, dv), (tk, tv, dc) = jax.lax.optimization_barrier(((row, k, v, dk, dv),
@@ -248,18 +266,48 @@ def dflash_proposer(tparams, dparams, s: DecodeState, *, dcfg: DraftConfig, dec:
                            rt, n_logits=dec.draft_depth)
 
 
+def _constrained_rows(dlogits, grammar, gstate, sp, key, rejection: bool):
+  """The draft's chain under a grammar, left to right: row j is masked by the state after the
+  chain's tokens before it. Returns (masked rows [D, V] float32, chain tokens [D] int32, q
+  [D, V] processed draft log-probs under the rejection rule else None); rows of a row without
+  grammar (gstate -1) are unmasked and give the tokens the unconstrained path gives."""
+  keys = jax.random.split(key, dlogits.shape[0]) if rejection else None
+
+  def body(st, xs):
+    row, k = xs
+    masked = grammar_lib.mask_logits(row[None], grammar, st[None])
+    tok = jnp.argmax(masked[0]).astype(jnp.int32)
+    q = None
+    if rejection:
+      q = sampling_lib.process_logits(masked, _safe(sp))[0]
+      tok = jnp.where(sp.temperature > 0, jax.random.categorical(k, q).astype(jnp.int32), tok)
+    return grammar_lib.advance(grammar, st, tok), (masked[0], tok, q)
+
+  _, (masked, toks, q) = jax.lax.scan(body, gstate, (dlogits, keys))
+  return masked, toks, q
+
+
 def build_verify_tree(dlogits: Optional[jax.Array], bonus: jax.Array, dec: DecodeConfig,
-                      sp=None, key: Optional[jax.Array] = None, sampled: bool = False):
+                      sp=None, key: Optional[jax.Array] = None, sampled: bool = False,
+                      grammar: Optional[grammar_lib.GrammarTables] = None,
+                      gstate: Optional[jax.Array] = None):
   """The tree this mode verifies (one row): "ar" the root alone; "chain" the path [bonus,
   drafts]; "ddtree" the best-first tree of dec.budget nodes from the rows' log-probs at
   dec.draft_temp. Chain drafts are the rows' argmax, or, under the rejection rule (the `sampled`
   variant, a row with temperature > 0 and dec.chain_rule "rejection"), draws from the processed
   draft distribution q with `key`.
   dlogits: [D, V] float32 draft logits (None for "ar"); bonus: [] int32; sp: the row's
-  SamplingParams. Returns (tree, q [D, V] processed draft log-probs under the rejection rule,
-  else None)."""
+  SamplingParams. grammar / gstate: the batch's GrammarTables and the row's state after the
+  bonus: the chain is drafted left to right under the grammar and DDTree's per-depth log-probs
+  are masked by the chain's states (other branches may hold refused tokens: never accepted).
+  Returns (tree, q [D, V] processed draft log-probs under the rejection rule, else None)."""
   if not dec.speculative:
     return tree_lib.path_tree(bonus[None]), None
+  if grammar is not None:
+    rejection = dec.mode == "chain" and _uses_rejection(dec, sampled)
+    dlogits, drafts, q_logp = _constrained_rows(dlogits, grammar, gstate, sp, key, rejection)
+    if dec.mode == "chain":
+      return tree_lib.path_tree(jnp.concatenate([bonus[None], drafts])), q_logp
   if dec.mode == "chain":
     q_logp = None
     drafts = jnp.argmax(dlogits, axis=-1).astype(jnp.int32)
@@ -373,19 +421,25 @@ def _advance(s: DecodeState, emit, n_acc, eog_ids) -> DecodeState:
       n_steps=s.n_steps + 1, accept_lens=s.accept_lens.at[s.n_steps].set(n_commit))
 
 
-def _step(tparams, dparams, s: DecodeState, eog_ids, live_bound, rules, *, plan: Plan,
+def _step(tparams, dparams, s: DecodeState, eog_ids, live_bound, rules, grammar, *, plan: Plan,
           sampled: bool, proposer) -> _RowStep:
   """One round of one row: propose -> build tree -> verify -> accept (follow) -> commit (as
   updates for the batched loop to write) -> the draft's context rows of the committed tokens.
   rules: [] bool, the same for every row (not vmapped, so a real branch): some row has
   logit_bias or penalties on (`sampling.apply_rules`; a row without them is left unchanged by
-  them)."""
+  them). grammar: the batch's grammar.GrammarTables, or None (no row is constrained): each
+  verified node is masked under the state of its own path."""
   dec = plan.dec
   k_draft, k_accept = jax.random.split(jax.random.fold_in(s.key, s.n_steps))
   dlogits = None
   if dec.speculative:
     dlogits, _ = proposer(tparams, dparams, s, dcfg=plan.dcfg, dec=dec, rt=plan.rt)
-  tree, q_logp = build_verify_tree(dlogits, s.bonus, dec, s.samp, k_draft, sampled)
+  tree, q_logp = build_verify_tree(dlogits, s.bonus, dec, s.samp, k_draft, sampled, grammar,
+                                   s.gstate)
+  gnodes = None
+  if grammar is not None:
+    gnodes = grammar_lib.node_states(grammar, s.gstate, tree.parents, tree.depths, tree.tokens,
+                                     tree.max_depth)
 
   def choose(logits):
     # logit_bias and penalties, each node under its own path's window (sampling.apply_rules)
@@ -396,6 +450,8 @@ def _step(tparams, dparams, s: DecodeState, eog_ids, live_bound, rules, *, plan:
                                            tree.tokens, node_pos, tree.ancestor_matrix(),
                                            node_pos),
         lambda x: x.astype(jnp.float32), logits)
+    if grammar is not None:
+      logits = grammar_lib.mask_logits(logits, grammar, gnodes)
     path, n_acc, emit = accept(tree, logits, q_logp, dec, s.samp, k_accept, sampled)
     # Commit nothing past the row's last output token (its first EOG token, its max_new
     # budget): the output is the same, and the caches of a finished row then hold exactly its
@@ -408,7 +464,11 @@ def _step(tparams, dparams, s: DecodeState, eog_ids, live_bound, rules, *, plan:
   dk = dv = None
   if plan.uses_draft:
     dk, dv = draft_lib.ingest_rows(dparams, plan.dcfg, c.feats, s.pos, plan.rt)
-  return _RowStep(_advance(s, c.emit, c.n_acc, eog_ids), c.update, s.pos, dk, dv)
+  new = _advance(s, c.emit, c.n_acc, eog_ids)
+  if grammar is not None:
+    new = dataclasses.replace(new, gstate=grammar_lib.advance(grammar, gnodes[c.path[c.n_acc]],
+                                                              c.emit[c.n_acc]))
+  return _RowStep(new, c.update, s.pos, dk, dv)
 
 
 def active_rows(state: DecodeState, dec: DecodeConfig) -> jax.Array:
@@ -451,17 +511,20 @@ def _commit_rows(act: jax.Array, r: _RowStep, old: DecodeState) -> DecodeState:
 @functools.partial(jax.jit, static_argnames=("plan", "sampled", "proposer"),
                    donate_argnames=("state",))
 def decode_loop(tparams, dparams, state: DecodeState, max_steps: jax.Array, eog_ids: jax.Array,
-                *, plan: Plan, sampled: bool = False, proposer=dflash_proposer) -> DecodeState:
+                grammar: Optional[grammar_lib.GrammarTables] = None, *, plan: Plan,
+                sampled: bool = False, proposer=dflash_proposer) -> DecodeState:
   """Run decode steps while any row is active (not done, length budget and context left), at
   most max_steps more rounds. Each round steps every row at once (`_step` vmapped over the
   rows); inactive rows keep their state.
 
   max_steps: [] int32 (traced: no recompile across values). eog_ids: [E] int32. sampled:
   static; False = greedy variant (argmax everywhere), True = each row samples with its own
-  SamplingParams and key from the state (rows with temperature 0 stay greedy).
+  SamplingParams and key from the state (rows with temperature 0 stay greedy). grammar: the
+  batch's grammar.GrammarTables when some row is constrained (a separate compiled variant;
+  None: no grammar code runs).
   """
   step = jax.vmap(functools.partial(_step, plan=plan, sampled=sampled, proposer=proposer),
-                  in_axes=(None, None, 0, None, None, None))
+                  in_axes=(None, None, 0, None, None, None, None))
 
   def keep_going(c):
     s, i = c
@@ -475,7 +538,7 @@ def decode_loop(tparams, dparams, state: DecodeState, max_steps: jax.Array, eog_
     # computed over a shorter context and discarded.
     bound = jnp.max(jnp.where(act, s.pos, 0))
     rules = jnp.any(act & sampling_lib.rules_on(s.samp))
-    return _commit_rows(act, step(tparams, dparams, s, eog_ids, bound, rules), s), i + 1
+    return _commit_rows(act, step(tparams, dparams, s, eog_ids, bound, rules, grammar), s), i + 1
 
   return jax.lax.while_loop(keep_going, one_round, (state, jnp.int32(0)))[0]
 

@@ -47,7 +47,9 @@ import numpy as np
 import pydantic
 
 from dflash_jax import cli
-from dflash_jax.serve_protocol import (ANTHROPIC_UNSUPPORTED, UNSUPPORTED, AnthropicRequest,
+from dflash_jax import serve_format
+from dflash_jax.serve_protocol import (ANTHROPIC_UNSUPPORTED, COMPLETION_UNSUPPORTED,
+                                       UNSUPPORTED, AnthropicRequest,
                                        ApiError, ChatRequest, CompletionRequest,
                                        CountTokensRequest, anthropic_message, anthropic_messages,
                                        chat_logprobs, chat_messages, completion_logprobs,
@@ -90,6 +92,7 @@ class _Live:
   t_admit: Optional[float] = None
   reused: int = 0
   checkpoints: dict = dataclasses.field(default_factory=dict)   # recurrent state per chunk end
+  grammar: Any = None                                          # grammar.Grammar or None
 
 
 def _emit(r: _Live, text: Optional[str]):
@@ -190,7 +193,7 @@ class Engine:
                      f"{self.dec.max_ctx} tokens can hold", param=param,
                      code="context_length_exceeded")
 
-  def messages_ids(self, messages: list[dict], param: str = "messages") -> list[int]:
+  def messages_ids(self, messages: list[dict], param: str = "messages", **template) -> list[int]:
     """Token ids of normalized chat messages (`serve_protocol.chat_messages`) through the chat
     template (special-token text in content stays text unless parse_special). Raises ApiError
     400 for a lone surrogate or a template failure."""
@@ -202,16 +205,33 @@ class Engine:
         raise ApiError(400, f"{param}[{i}].content: {e}", param=f"{param}[{i}].content") from None
     try:
       return self.target.tokenizer.encode_chat(messages, add_generation_prompt=True,
-                                               parse_special=self.parse_special)
+                                               parse_special=self.parse_special, **template)
     except (ValueError, NotImplementedError) as e:
       raise ApiError(400, f"cannot apply the chat template: {e}", param=param) from None
 
-  def prompt_ids(self, req) -> list[int]:
-    """Token ids of a request's (first) prompt: chat messages through the template, or a
-    completion prompt (see completion_prompts). Raises ApiError (400) naming the field."""
+  def prompt_ids(self, req, tools: Optional[list] = None) -> list[int]:
+    """Token ids of a request's (first) prompt: chat messages through the template (with
+    `tools` shown to the model, serve_format.with_tools), or a completion prompt (see
+    completion_prompts). Raises ApiError (400) naming the field."""
     if isinstance(req, ChatRequest):
-      return self.messages_ids(chat_messages(req.messages, self.target.tokenizer.chat_template))
+      template = self.target.tokenizer.chat_template
+      msgs, kw = chat_messages(req.messages, template), {}
+      if tools:
+        msgs, kw = serve_format.with_tools(msgs, tools, template)
+      return self.messages_ids(msgs, **kw)
     return self.completion_prompts(req)[0]
+
+  def grammar(self, regex: str, param: str):
+    """The compiled grammar.Grammar of `regex` (cached per regex; a generic JSON object takes
+    ~10 s the first time). Raises ApiError 400 naming `param` when it cannot be compiled or can
+    never fit the decoder's grammar bank."""
+    from dflash_jax import api, grammar as grammar_lib
+    try:
+      g = api.grammar_compiler(self.target).compile(regex, param=param)
+      grammar_lib.GrammarBank(self.target.config.n_vocab).check(g, param=param)
+      return g
+    except ValueError as e:
+      raise ApiError(400, str(e), param=param) from None
 
   def completion_prompts(self, req) -> list[list[int]]:
     """Token ids of each prompt of a completion request: a string, a list of token ids, or a
@@ -284,7 +304,8 @@ class Engine:
     n x prompts choices would overflow the queue."""
     from dflash_jax.tokenizer import check_text
     anthropic = isinstance(req, AnthropicRequest)
-    refuse_unsupported(req.model_extra, ANTHROPIC_UNSUPPORTED if anthropic else UNSUPPORTED)
+    refuse_unsupported(req.model_extra, ANTHROPIC_UNSUPPORTED if anthropic else
+                       COMPLETION_UNSUPPORTED if isinstance(req, CompletionRequest) else UNSUPPORTED)
     n = 1 if anthropic else req.n
     if not 1 <= n <= self.MAX_CHOICES:
       raise ApiError(400, f"n={n}: the number of choices must be in [1, {self.MAX_CHOICES}]",
@@ -313,13 +334,16 @@ class Engine:
         or self.dec.max_ctx - len(ids)
     return min(limit, self.dec.max_ctx), stops
 
-  def submit(self, ids, max_new, stops, samp, on_text, cancelled) -> concurrent.futures.Future:
+  def submit(self, ids, max_new, stops, samp, on_text, cancelled,
+             grammar=None) -> concurrent.futures.Future:
     """Queue one request; the future resolves to its Outcome (or raises ApiError 400 for input
     the library rejects). on_text(str) gets streamable text increments from the scheduler
-    thread; cancelled() is polled between decode calls. Counts toward `waiting` until done."""
+    thread; cancelled() is polled between decode calls; grammar: constrain the output to a
+    grammar.Grammar (`grammar()`). Counts toward `waiting` until done."""
     fut: concurrent.futures.Future = concurrent.futures.Future()
     live = _Live(np.asarray(ids, np.int32), max_new, stops, samp, on_text, cancelled, fut,
-                 scan=cli.StopScanner(self.target.tokenizer, stops), t_submit=time.perf_counter())
+                 scan=cli.StopScanner(self.target.tokenizer, stops), t_submit=time.perf_counter(),
+                 grammar=grammar)
     with self._cv:
       self.waiting += 1
       self._pending.append(live)
@@ -389,13 +413,15 @@ class Engine:
     free = sorted(set(range(self._batch.size)) - {r.slot for r in self._live})
     with self._cv:
       while free and self._pending:
+        if not self._batch.grammar_fits(free[0], self._pending[0].grammar):
+          break                                 # the grammar bank is full: wait for a row
         r = self._pending.popleft()
         r.slot = free.pop(0)
         r.t_admit = time.perf_counter()
         if self.prompt_cache is not None:
           r.reused = self._batch.reuse(r.slot, r.ids, self.prompt_cache)
         r.prefill = self._batch.prefill_chunks(r.slot, r.ids, r.max_new, r.samp, start=r.reused,
-                                               checkpoints=r.checkpoints)
+                                               checkpoints=r.checkpoints, grammar=r.grammar)
         self.metrics["prompt_tokens_total"] += int(r.ids.size)
         self.metrics["prompt_tokens_reused_total"] += r.reused
         self._live.append(r)
@@ -611,16 +637,27 @@ def _usage(n_prompt: int, outs: list[Outcome]) -> dict:
               o.stats.get("prompt_tokens_reused", 0) for o in outs))}}
 
 
+def _message(out: Outcome, tools: bool) -> tuple[dict, str]:
+  """(assistant message, finish_reason) of a chat choice; with tools, `<tool_call>` blocks of
+  the text become tool_calls (finish_reason "tool_calls")."""
+  if tools:
+    content, calls = serve_format.parse_tool_calls(out.text)
+    if calls:
+      return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+  return {"role": "assistant", "content": out.text}, out.finish_reason
+
+
 def _final(kind: str, rid: str, created: int, model: str, outs: list[Outcome], n_prompt: int,
-           echo: Optional[list[str]] = None, lps: Optional[list] = None) -> dict:
+           echo: Optional[list[str]] = None, lps: Optional[list] = None,
+           tools: bool = False) -> dict:
   """The response object of a finished (chat) completion: one choice per Outcome, usage summed;
   `dflash` and `timings` (llama-server's shape) of the first choice, and per choice when
-  there are several."""
+  there are several. tools: parse tool calls out of chat choices (`_message`)."""
   choices = []
   for i, out in enumerate(outs):
     if kind == "chat":
-      choice = {"index": i, "message": {"role": "assistant", "content": out.text},
-                "finish_reason": out.finish_reason,
+      message, finish = _message(out, tools)
+      choice = {"index": i, "message": message, "finish_reason": finish,
                 "logprobs": chat_logprobs(lps[i]) if lps else None}
     else:
       text = (echo[i] if echo else "") + out.text
@@ -651,17 +688,18 @@ class _Job:
     self.watcher.cancel()
 
 
-def _launch(engine: Engine, runs: list, max_new, stops, request: fastapi.Request) -> _Job:
-  """Submit each (ids, sampling) of `runs` to the engine's batch (they decode together) and
-  watch the client: a disconnect sets the cancel flag, which frees their slots between decode
-  calls."""
+def _launch(engine: Engine, runs: list, max_new, stops, request: fastapi.Request,
+            grammar=None) -> _Job:
+  """Submit each (ids, sampling) of `runs` to the engine's batch (they decode together; each
+  constrained to `grammar` when given) and watch the client: a disconnect sets the cancel flag,
+  which frees their slots between decode calls."""
   loop = asyncio.get_running_loop()
   cancel, pieces = threading.Event(), asyncio.Queue()
   tasks = []
   for i, (ids, samp) in enumerate(runs):
     fut = engine.submit(ids, max_new, stops, samp,
                         lambda t, i=i: loop.call_soon_threadsafe(pieces.put_nowait, (i, t)),
-                        cancel.is_set)
+                        cancel.is_set, grammar=grammar)
     tasks.append(asyncio.wrap_future(fut))
 
   async def watch_disconnect():
@@ -694,11 +732,13 @@ async def _results(job: _Job) -> list[Outcome]:
 
 
 async def _events(engine: Engine, job: _Job, kind: str, rid: str, created: int, req, n_prompt: int,
-                  echo: Optional[list[str]], scorer=None):
+                  echo: Optional[list[str]], scorer=None, tools: bool = False):
   """The server-sent events of a streamed request, ending with `data: [DONE]`: (chat) a role
   chunk per choice, (completions with echo) the prompt, text chunks as they come, a last chunk
   per choice with its finish_reason and `dflash` stats, then (stream_options.include_usage) a
-  usage chunk with no choices. An error after the headers went out is sent as an error event."""
+  usage chunk with no choices. An error after the headers went out is sent as an error event.
+  tools: a choice's text is held back until it ends, then sent as one content delta and one
+  tool_calls delta (each call whole: id, name, arguments)."""
   name = engine.model_name
   send = lambda obj: f"data: {json.dumps(obj)}\n\n"   # noqa: E731
   try:
@@ -708,7 +748,8 @@ async def _events(engine: Engine, job: _Job, kind: str, rid: str, created: int, 
       elif echo:
         yield send(_chunk(kind, rid, created, name, i, echo[i], None))
     async for i, text in _pieces(job):
-      yield send(_chunk(kind, rid, created, name, i, text, None))
+      if not tools:
+        yield send(_chunk(kind, rid, created, name, i, text, None))
     try:
       outs = await _results(job)
       lps = await scorer(outs) if scorer is not None else None
@@ -721,7 +762,17 @@ async def _events(engine: Engine, job: _Job, kind: str, rid: str, created: int, 
       yield "data: [DONE]\n\n"
       return
     for i, out in enumerate(outs):
-      last = _chunk(kind, rid, created, name, i, None, out.finish_reason)
+      finish = out.finish_reason
+      if tools:
+        message, finish = _message(out, True)
+        if message["content"]:
+          yield send(_chunk(kind, rid, created, name, i, message["content"], None))
+        if message.get("tool_calls"):
+          delta = _chunk(kind, rid, created, name, i, None, None)
+          delta["choices"][0]["delta"] = {"tool_calls": [
+              dict(c, index=k) for k, c in enumerate(message["tool_calls"])]}
+          yield send(delta)
+      last = _chunk(kind, rid, created, name, i, None, finish)
       last["dflash"] = out.stats
       if lps:         # scored once the choice is complete: every token's entry in its last chunk
         last["choices"][0]["logprobs"] = (chat_logprobs if kind == "chat" else
@@ -754,11 +805,19 @@ async def _complete(engine: Engine, kind: str, req, request: fastapi.Request):
   from fastapi.responses import StreamingResponse
   _check_queue(engine)
   engine.check_size(req)
+  plan = serve_format.tool_plan(req.tools, req.tool_choice) if kind == "chat" else None
+  regex, param = serve_format.response_format_regex(req.response_format), "response_format"
+  if plan is not None and regex is not None:
+    raise ApiError(400, "response_format (json) and tools together are not supported: give "
+                   "tool_choice 'none' or no response_format", param="response_format")
+  if plan is not None and plan.regex is not None:
+    regex, param = plan.regex, "tools"
   if kind == "chat":
-    prompts = [await asyncio.to_thread(engine.prompt_ids, req)]
+    prompts = [await asyncio.to_thread(engine.prompt_ids, req, plan.tools if plan else None)]
   else:
     prompts = await asyncio.to_thread(engine.completion_prompts, req)
   max_new, stops = engine.check(req, max(prompts, key=len), n_prompts=len(prompts))
+  grammar = await asyncio.to_thread(engine.grammar, regex, param) if regex is not None else None
   samp = engine.sampling(req)
   top_k = logprobs_wanted(req)
   if await request.is_disconnected():       # gone while its prompt was tokenized
@@ -780,16 +839,18 @@ async def _complete(engine: Engine, kind: str, req, request: fastapi.Request):
     async def scorer(outs):       # log-probabilities of each choice's tokens (one forward each)
       return [await asyncio.to_thread(engine.logprobs, runs[i][0], o.tokens, top_k, bool(echo))
               for i, o in enumerate(outs)]
-  job = _launch(engine, runs, max_new, stops, request)
+  job = _launch(engine, runs, max_new, stops, request, grammar)
   if req.stream:
-    return StreamingResponse(_events(engine, job, kind, rid, created, req, n_prompt, echo, scorer),
+    return StreamingResponse(_events(engine, job, kind, rid, created, req, n_prompt, echo, scorer,
+                                     tools=plan is not None),
                              media_type="text/event-stream")
   try:
     outs = await _results(job)
     lps = await scorer(outs) if scorer is not None else None
   finally:
     job.close()
-  return _final(kind, rid, created, engine.model_name, outs, n_prompt, echo, lps)
+  return _final(kind, rid, created, engine.model_name, outs, n_prompt, echo, lps,
+                tools=plan is not None)
 
 
 def _stop_reason(out: Outcome) -> tuple[str, Optional[str]]:

@@ -74,10 +74,14 @@ class _Request(pydantic.BaseModel):
   repeat_penalty: Optional[float] = None         # llama-server's name
   repeat_last_n: Optional[int] = None            # llama-server's penalty window
   stream_options: Optional[StreamOptions] = None
+  response_format: Optional[Any] = None          # serve_format.response_format_regex
 
 
 class ChatRequest(_Request):
   messages: list[dict[str, Any]]
+  tools: Optional[Any] = None                    # serve_format.tool_plan
+  tool_choice: Optional[Any] = None
+  parallel_tool_calls: Optional[bool] = None     # accepted: a forced call is one call
   logprobs: Optional[bool] = None
   top_logprobs: Optional[int] = None
 
@@ -111,12 +115,13 @@ class CountTokensRequest(pydantic.BaseModel):
 
 # Request fields this server does not implement -> the values that ask for nothing (accepted).
 UNSUPPORTED = {
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-    "function_call": (None, "none"), "parallel_tool_calls": (None, True, False),
-    "response_format": (None, {"type": "text"}),
+    "functions": (None, []), "function_call": (None, "none"),
     "best_of": (None, 1), "suffix": (None, ""), "audio": (None,), "modalities": (None, ["text"]),
     "prediction": (None,), "reasoning_effort": (None,),
 }
+# /v1/completions has no tools (OpenAI's legacy completions API): refused there.
+COMPLETION_UNSUPPORTED = dict(UNSUPPORTED, tools=(None, []), tool_choice=(None, "none"),
+                              parallel_tool_calls=(None, True, False))
 ANTHROPIC_UNSUPPORTED = {
     "tools": (None, []), "tool_choice": (None, {"type": "none"}, {"type": "auto"}),
     "thinking": (None, {"type": "disabled"}), "mcp_servers": (None, []),
