@@ -388,9 +388,20 @@ def test_cancel_before_prefill_ends(server):
      "stream_options"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 0.5, "top_p": 7}', "top_p"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "top_k": 3, "min_p": 2}', "min_p"),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}', "tools"),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}',
+    (b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}',
+     "tools[0]"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"function": {"name": "f"}}], '
+     b'"tool_choice": {"type": "function", "function": {"name": "g"}}}', "tool_choice"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"function": {"name": "f"}}], '
+     b'"tool_choice": "sometimes"}', "tool_choice"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"function": {"name": "f"}}], '
+     b'"tool_choice": "required", "response_format": {"type": "json_object"}}', "response_format"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}',
      "response_format"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", '
+     b'"json_schema": {"name": "x", "schema": [1]}}}', "response_format.json_schema.schema"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", '
+     b'"json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}', "response_format"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 21}',
      "top_logprobs"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}', "top_logprobs"),
@@ -409,6 +420,9 @@ def test_bad_fields_are_400_naming_them(server, raw, param):
   assert status == 400 and r["error"]["param"] == param, r
   status, r = _http(server[0], "POST", "/v1/completions", raw=b'{"prompt": "x\\ud800"}')
   assert status == 400 and r["error"]["param"] == "prompt"
+  status, r = _http(server[0], "POST", "/v1/completions",
+                    {"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]})
+  assert status == 400 and r["error"]["param"] == "tools"     # no tools on legacy completions
 
 
 def test_unsupported_fields_at_their_noop_values_are_accepted(server):
@@ -794,3 +808,131 @@ def test_logit_bias_and_penalties_equal_generate(server, smol):
   want = dj.generate(smol, draft, ids, max_new_tokens=10, config=dec, sampling=cfg)
   assert r.choices[0].message.content == smol.tokenizer.decode(want.tokens)
   assert "penalties" in r.model_extra["dflash"]["sampling"]
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                           "age": {"type": "integer", "minimum": 0}},
+          "required": ["name", "age"], "additionalProperties": False}
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}},
+    {"type": "function", "function": {
+        "name": "get_time", "description": "The local time of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string",
+                                                                 "maxLength": 24}},
+                       "required": ["city"]}}}]
+
+
+def test_response_format_json_schema_and_object(server, smol):
+  """json_schema output validates against its schema (and equals constrained `generate`, the
+  server's chain mode vs the library's AR); json_object output is a JSON object."""
+  import jsonschema
+  from dflash_jax import api, grammar
+  base, _, draft, dec = server
+  c = openai.OpenAI(base_url=base + "/v1", api_key="x")
+  msgs = [{"role": "user", "content": "Invent a person. Reply with their name and age."}]
+  r = c.chat.completions.create(model="smol", messages=msgs, max_tokens=40, temperature=0,
+                                response_format={"type": "json_schema", "json_schema": {
+                                    "name": "person", "schema": PERSON, "strict": True}})
+  text = r.choices[0].message.content
+  jsonschema.validate(json.loads(text), PERSON)
+  assert r.choices[0].finish_reason == "stop"
+  g = api.grammar_compiler(smol).compile(grammar.json_schema_regex(PERSON))
+  ids = cli.build_prompt(smol, msgs[0]["content"], chat=True)
+  ref = dj.generate(smol, draft, ids, max_new_tokens=40, mode="ar", max_ctx=MAX_CTX, grammar=g)
+  assert text == smol.tokenizer.decode(ref.tokens)
+  r = c.chat.completions.create(model="smol", messages=[{"role": "user", "content": "A cat as JSON."}],
+                                max_tokens=24, temperature=0.7, seed=3,
+                                response_format={"type": "json_object"})
+  text = r.choices[0].message.content
+  assert text.lstrip().startswith("{")
+  if r.choices[0].finish_reason == "stop":
+    assert isinstance(json.loads(text), dict)
+
+
+@pytest.fixture(scope="module")
+def tools_server(smol, server):
+  """A server with room for tool instructions in the prompt (max_ctx 512; the same draft)."""
+  draft = server[2]
+  dec = dj.api.resolve_config(draft, dj.DecodeConfig(mode="chain", max_ctx=512))
+  engine = serve.Engine(smol, draft, dec, None, "smol", max_queue=16)
+  base, srv, th = _start(engine)
+  yield base, engine, draft, dec
+  srv.should_exit = True
+  th.join(timeout=10)
+
+
+def test_tools_required_named_auto_and_streamed(tools_server):
+  import jsonschema
+  base = tools_server[0]
+  c = openai.OpenAI(base_url=base + "/v1", api_key="x")
+  msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+  r = c.chat.completions.create(model="smol", messages=msgs, max_tokens=60, temperature=0,
+                                tools=WEATHER, tool_choice="required")
+  calls = r.choices[0].message.tool_calls
+  assert r.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+  fn = {t["function"]["name"]: t["function"] for t in WEATHER}[calls[0].function.name]
+  jsonschema.validate(json.loads(calls[0].function.arguments), fn["parameters"])
+  assert calls[0].id.startswith("call_") and calls[0].type == "function"
+  # named: that tool, streamed as one tool_calls delta
+  chunks = list(c.chat.completions.create(
+      model="smol", messages=msgs, max_tokens=60, temperature=0, tools=WEATHER, stream=True,
+      tool_choice={"type": "function", "function": {"name": "get_time"}}))
+  deltas = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+  assert len(deltas) == 1 and deltas[0].function.name == "get_time"
+  jsonschema.validate(json.loads(deltas[0].function.arguments), WEATHER[1]["function"]["parameters"])
+  assert chunks[-1].choices[0].finish_reason == "tool_calls"
+  # the call goes back into the history with its result, and the model answers (auto)
+  follow = msgs + [{"role": "assistant", "content": None, "tool_calls": [
+      {"id": calls[0].id, "type": "function", "function": {"name": calls[0].function.name,
+                                                           "arguments": calls[0].function.arguments}}]},
+      {"role": "tool", "tool_call_id": calls[0].id, "content": "18 C, sunny"}]
+  r = c.chat.completions.create(model="smol", messages=follow, max_tokens=8, temperature=0,
+                                tools=WEATHER)
+  assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+  # tool_choice none: tools are not shown, nothing parsed (the plain answer)
+  none = c.chat.completions.create(model="smol", messages=msgs, max_tokens=8, temperature=0,
+                                   tools=WEATHER, tool_choice="none")
+  plain = c.chat.completions.create(model="smol", messages=msgs, max_tokens=8, temperature=0)
+  assert none.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_tool_call_parsing():
+  from dflash_jax import serve_format
+  text = ('Let me check.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+          '<tool_call>\n<function=g>\n<parameter=city>\nParis\n</parameter>\n<parameter=n>\n3\n'
+          '</parameter>\n</function>\n</tool_call><tool_call>not json</tool_call>')
+  content, calls = serve_format.parse_tool_calls(text)
+  assert [c["function"]["name"] for c in calls] == ["f", "g"]
+  assert json.loads(calls[0]["function"]["arguments"]) == {"a": 1}
+  assert json.loads(calls[1]["function"]["arguments"]) == {"city": "Paris", "n": 3}
+  assert content == "Let me check.\n\n<tool_call>not json</tool_call>"
+  assert serve_format.parse_tool_calls("no calls here") == ("no calls here", [])
+
+
+def test_langchain_structured_output_and_bind_tools(tools_server):
+  """LangChain's ChatOpenAI against the server: with_structured_output (json_schema) returns a
+  validated pydantic object; bind_tools with a forced tool returns its call."""
+  pytest.importorskip("langchain_openai")
+  import pydantic
+  from langchain_openai import ChatOpenAI
+
+  class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=16)
+    age: int
+
+  llm = ChatOpenAI(base_url=tools_server[0] + "/v1", api_key="x", model="smol", temperature=0,
+                   max_tokens=40)
+  p = llm.with_structured_output(Person, method="json_schema", strict=True).invoke(
+      "Invent a person with a name and an age.")
+  assert isinstance(p, Person) and p.age >= 0
+
+  def get_weather(city: str) -> str:
+    """The current weather of a city."""
+    return "sunny"
+
+  msg = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("Weather in Rome?")
+  assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather"
+  assert isinstance(msg.tool_calls[0]["args"]["city"], str)
