@@ -576,12 +576,12 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
 
 def precompile(target: Target, draft: Optional[Draft], prompt_len: int, *,
                config: Optional[DecodeConfig] = None, sampling: Optional[SamplingConfig] = None,
-               loop: bool = True, **overrides) -> float:
+               loop: bool = True, grammar: bool = False, **overrides) -> float:
   """Compile ahead of time (nothing runs) the programs `generate` runs for a prompt of
   prompt_len tokens with this config and sampling: the prefill, and the decode loop when `loop`
   (`generate` compiles the loop itself right after the first token, so a caller that wants the
-  first token soonest passes loop=False). Returns the seconds it took. Raises ValueError as
-  `generate` does for a bad config."""
+  first token soonest passes loop=False); grammar: the constrained-decoding variants. Returns
+  the seconds it took. Raises ValueError as `generate` does for a bad config."""
   _check_types(config, sampling)
   sampling, overrides = _split_overrides(sampling, overrides)
   dec = resolve_config(draft, config, target=target, **overrides)
@@ -589,9 +589,9 @@ def precompile(target: Target, draft: Optional[Draft], prompt_len: int, *,
     raise ValueError(f"prompt_len={prompt_len} must be in [1, max_ctx={dec.max_ctx})")
   check_config(target, draft, dec)             # before the decode state is allocated
   b = batching.SlotBatch(target, draft, dec, 1, _eog(target, None))
-  t = b.compile_prefill(prompt_len, sampling)
+  t = b.compile_prefill(prompt_len, sampling, grammar=grammar)
   if loop:
-    t += b.compile_loop(sampled=not sampling.greedy)
+    t += b.compile_loop(sampled=not sampling.greedy, grammar=grammar)
   return t
 
 

@@ -203,6 +203,43 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
   return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
+DRAFT_ARCHITECTURES = ("DFlashDraftModel",)
+# Config fields of other draft variants (DFlash-2: z-lab's DFlash2DraftModel) -> the values that
+# mean "off", i.e. what the DFlash-1 forward computes. Any other value is refused.
+_DRAFT_FIELDS_OFF = {
+    "is_causal": (None, False), "output_multiplier": (None, 1, 1.0),
+    "final_logit_softcapping": (None, 0, 0.0), "attn_logit_softcapping": (None, 0, 0.0),
+    "input_embedding_scale": (None, 1, 1.0), "attention_bias": (None, False),
+    "hidden_act": (None, "silu"), "mlp_bias": (None, False),
+}
+_DRAFT_PREFIXES_OFF = ("conv_", "selector_")
+
+
+def _check_variant(cfg: Mapping[str, Any], dfc: Mapping[str, Any], path: str):
+  """Refuse a draft variant or a config value the DFlash-1 forward does not implement (the
+  draft would propose garbage with no error): `architectures` other than DFlashDraftModel
+  (absent: DFlash-1), the fields of `_DRAFT_FIELDS_OFF` at other values, conv_* / selector_*
+  fields (DFlash-2's grouped convolutions and candidate selector). ValueError naming the file
+  and the field."""
+  arch = cfg.get("architectures")
+  if arch is not None:
+    if not isinstance(arch, list) or len(arch) != 1 or arch[0] not in DRAFT_ARCHITECTURES:
+      extra = (" (DFlash-2 drafts: their grouped dynamic convolutions, soft-capped logits and "
+               "candidate selector are not implemented yet)" if "DFlash2DraftModel" in
+               (arch if isinstance(arch, list) else [arch]) else "")
+      raise ValueError(f"{path}: architectures={arch!r} is not a supported draft variant; "
+                       f"supported: {list(DRAFT_ARCHITECTURES)}{extra}")
+  for where, fields in (("dflash_config.", dfc), ("", cfg)):
+    for k, v in fields.items():
+      if k in _DRAFT_FIELDS_OFF and v not in _DRAFT_FIELDS_OFF[k]:
+        raise ValueError(f"{path}: {where}{k}={v!r} is not implemented by the DFlash-1 draft "
+                         f"forward (supported: {[x for x in _DRAFT_FIELDS_OFF[k] if x is not None]}"
+                         f" or absent)")
+      if k.startswith(_DRAFT_PREFIXES_OFF) and v is not None:
+        raise ValueError(f"{path}: {where}{k}={v!r} belongs to another draft variant (DFlash-2 "
+                         f"convolutions / candidate selector), not implemented here")
+
+
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class DraftConfig:
@@ -250,6 +287,7 @@ class DraftConfig:
     if not isinstance(dfc, Mapping):
       raise ValueError(f"{path}: dflash_config must be a JSON object, got {type(dfc).__name__}")
     top = _Fields(cfg, path, "draft config field")
+    _check_variant(cfg, dfc, path)
     # DFlash fields: dflash_config first, then the top level.
     dfl = _Fields({**{k: v for k, v in cfg.items() if v is not None},
                    **{k: v for k, v in dfc.items() if v is not None}}, path, "draft config field")

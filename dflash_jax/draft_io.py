@@ -123,7 +123,13 @@ def load(draft_dir: str, tcfg: TargetConfig) -> tuple[DraftConfig, draft_lib.Dra
     arrays = _load_safetensors(st_path)
   except Exception as e:
     raise ValueError(f"{st_path}: cannot read safetensors (truncated or corrupt?): {e}") from e
-  for key, shape in expected_shapes(cfg, tcfg.d_model).items():
+  expected = expected_shapes(cfg, tcfg.d_model)
+  unused = sorted(set(arrays) - set(expected))
+  if unused:
+    raise ValueError(f"{st_path}: tensor {unused[0]!r} is used by no layer of this "
+                     f"{cfg.n_layer}-layer DFlashDraftModel ({len(unused)} such tensors; another "
+                     f"draft variant, or more layers than num_hidden_layers?)")
+  for key, shape in expected.items():
     if key not in arrays:
       raise ValueError(f"{st_path}: missing tensor {key!r}")
     if tuple(arrays[key].shape) != shape:

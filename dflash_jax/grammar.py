@@ -3,7 +3,8 @@ tool call) as a token-level automaton the compiled decode loop applies as a logi
 
 The automaton comes from `outlines-core` (the Rust core of Outlines: regex -> byte DFA ->
 token-level index over the vocabulary; JSON Schema -> regex with `build_regex_from_schema`).
-Chosen over xgrammar because it is one small wheel with no torch / CUDA dependency, builds the
+Chosen over xgrammar because it is one small wheel with no torch / CUDA dependency (xgrammar
+0.2.8's wheel requires torch, transformers and triton), builds the
 index of a typical response schema over SmolLM2's 49,152 tokens in 0.06-0.3 s (a generic JSON
 object, nesting depth 3: ~10 s, cached), and its output is a plain transition table that can
 live on the device; xgrammar's pushdown automaton needs its host-side matcher per token, which

@@ -49,6 +49,12 @@ _INTERACTIVE = flags.DEFINE_boolean("interactive", False, "Multi-turn chat on th
 _PROMPT_CACHE = flags.DEFINE_integer("prompt_cache_bytes", 1 << 30, "With --interactive: bytes "
                                      "the prompt cache may hold (0: off, every turn prefills "
                                      "the whole conversation).", lower_bound=0)
+_JSON_SCHEMA = flags.DEFINE_string("json_schema", None, "Constrain the output to JSON that follows "
+                                   "this JSON Schema (inline JSON text, or a path to a .json "
+                                   "file; '{\"type\": \"object\"}' for any object): constrained "
+                                   "decoding in every mode (grammar.py).")
+_REGEX = flags.DEFINE_string("regex", None, "Constrain the output to this regular expression "
+                             "(outlines-core syntax; not with --json_schema).")
 _WARMUP = flags.DEFINE_boolean("warmup", True, "Compile before decoding, with a 'compiling' line "
                                "(a single prompt: its prefill program, the decode loop after the "
                                "first token; a batch: a 1-token batch first), so the stats line "
@@ -91,7 +97,7 @@ def _load():
   return target, draft, dec, decode_flags.sampling(_DF, target.sampling_defaults)
 
 
-def _warm_up(target, draft, dec, samp, ids, n_rows=None):
+def _warm_up(target, draft, dec, samp, ids, n_rows=None, grammar=False):
   """Compile what the run uses: the one-prompt loop, or (n_rows given) the batch of the bucket
   that n_rows prompts at --batch_size take."""
   import jax
@@ -100,7 +106,8 @@ def _warm_up(target, draft, dec, samp, ids, n_rows=None):
   print(f"[dflash] compiling (compile cache: {cache or 'off'}) ...", file=sys.stderr, flush=True)
   t0 = time.perf_counter()
   if n_rows is None:       # the prompt's prefill; generate compiles the loop after 1 token
-    dj.api.precompile(target, draft, len(ids), config=dec, sampling=samp, loop=False)
+    dj.api.precompile(target, draft, len(ids), config=dec, sampling=samp, loop=False,
+                      grammar=grammar)
   else:
     b = min(n_rows, _BATCH.value or dj.api.default_batch_size())
     dj.generate_batch(target, draft, [ids[:1]] * b, max_new_tokens=2, config=dec,
@@ -108,14 +115,41 @@ def _warm_up(target, draft, dec, samp, ids, n_rows=None):
   print(f"[dflash] compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
 
-def _run_one(target, draft, dec, samp, ids, max_new, stream, prompt_cache=None):
+def _grammar(target):
+  """The grammar.Grammar --json_schema / --regex ask for, or None. Raises ValueError naming the
+  flag for unreadable or invalid input."""
+  from dflash_jax import api, grammar
+  if _JSON_SCHEMA.value is not None and _REGEX.value is not None:
+    raise ValueError("give --json_schema or --regex, not both")
+  if _REGEX.value is not None:
+    return api.grammar_compiler(target).compile(_REGEX.value, param="--regex")
+  if _JSON_SCHEMA.value is None:
+    return None
+  text = _JSON_SCHEMA.value
+  if not text.lstrip().startswith("{"):
+    try:
+      with open(text, encoding="utf-8") as fh:
+        text = fh.read()
+    except OSError as e:
+      raise ValueError(f"--json_schema {_JSON_SCHEMA.value}: cannot read it ({e})") from None
+  try:
+    schema = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"--json_schema: not JSON ({e})") from None
+  return api.grammar_compiler(target).compile(grammar.json_schema_regex(schema,
+                                                                        param="--json_schema"),
+                                              param="--json_schema")
+
+
+def _run_one(target, draft, dec, samp, ids, max_new, stream, prompt_cache=None, grammar=None):
   """Generate for prompt ids; streams to stdout when `stream`. Returns (result, completion)."""
   import dflash_jax as dj
   from dflash_jax import cli
 
   printer = cli.StreamPrinter(target.tokenizer, sys.stdout) if stream else None
   r = dj.generate(target, draft, ids, max_new_tokens=max_new, config=dec, sampling=samp,
-                  on_tokens=printer.on_tokens if printer else None, prompt_cache=prompt_cache)
+                  on_tokens=printer.on_tokens if printer else None, prompt_cache=prompt_cache,
+                  grammar=grammar)
   completion = target.tokenizer.decode(r.tokens)
   if printer:
     printer.finish(completion)
@@ -201,6 +235,7 @@ def _batch(target, draft, dec, samp, rows):
   "error"} and the batch goes on. Returns the number of failed rows."""
   import dflash_jax as dj
   from dflash_jax import cli
+  grammar = _grammar(target)
   out = _open_partial(_OUTPUT_FILE.value) if _OUTPUT_FILE.value else None
   recs, todo = [None] * len(rows), []        # todo: (row index, key, text, ids, max_new)
   for i, (line, row) in enumerate(rows):
@@ -236,6 +271,7 @@ def _batch(target, draft, dec, samp, rows):
     flush()
     if todo:
       dj.generate_batch(target, draft, [t[3] for t in todo], max_new_tokens=[t[4] for t in todo],
+                        grammar=grammar,
                         config=dec, sampling=samp, batch_size=_BATCH.value, on_result=on_result)
   finally:
     if out is not None:
@@ -286,7 +322,8 @@ def _interactive(target, draft, dec, samp, stdin=None):
       continue
     turn += 1
     s = dataclasses.replace(samp, seed=(samp.seed + turn - 1) % 2**31)   # a fresh draw per turn
-    r, completion = _run_one(target, draft, dec, s, ids, _MAX_NEW.value, _STREAM.value, cache)
+    r, completion = _run_one(target, draft, dec, s, ids, _MAX_NEW.value, _STREAM.value, cache,
+                             grammar=_grammar(target))
     if not _STREAM.value:
       print(completion)
     answer = tok.decode(r.tokens, skip_special=True)
@@ -324,11 +361,13 @@ def main(argv):
     text = _PROMPT.value if _PROMPT.value is not None else _read_stdin()
   target, draft, dec, samp = _load()
   if _INTERACTIVE.value:
+    _grammar(target)                 # bad --json_schema / --regex: the error before compiling
     if _WARMUP.value:
       _warm_up(target, draft, dec, samp, cli.build_prompt(target, "hi", chat=True))
     _interactive(target, draft, dec, samp)
     return
   if rows is not None:
+    _grammar(target)
     if _WARMUP.value:
       _warm_up(target, draft, dec, samp, cli.build_prompt(target, "hi", chat=_CHAT.value),
                n_rows=max(1, len(rows)))
@@ -338,10 +377,12 @@ def main(argv):
   ids = api.check_prompt(target, cli.build_prompt(
       target, text, chat=_CHAT.value, system=_SYSTEM.value,
       parse_special=_TF.parse_special.value, max_ctx=dec.max_ctx), dec)
+  grammar = _grammar(target)
   if _WARMUP.value:
-    _warm_up(target, draft, dec, samp, ids)
+    _warm_up(target, draft, dec, samp, ids, grammar=grammar is not None)
   t0 = time.perf_counter()
-  r, completion = _run_one(target, draft, dec, samp, ids, _MAX_NEW.value, _STREAM.value)
+  r, completion = _run_one(target, draft, dec, samp, ids, _MAX_NEW.value, _STREAM.value,
+                           grammar=grammar)
   if not _STREAM.value:
     print(completion)
   print(f"[dflash] mode {r.mode} | {cli.stats_line(r)} | wall {time.perf_counter() - t0:.1f} s",

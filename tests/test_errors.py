@@ -71,6 +71,45 @@ def test_mismatched_draft(tmp_path, qwen_f32, field, value, match):
     dj.load_draft(d, qwen_f32)
 
 
+def test_dflash2_and_unknown_draft_variants_are_refused(tmp_path, qwen_f32):
+  """A DFlash-2 config.json (z-lab's DFlash2DraftModel, the shared fixture's) and each of its
+  fields on a DFlash-1 config are refused naming the file and the field, not loaded as DFlash-1."""
+  import json
+  v2 = json.loads(open(os.path.join(os.path.dirname(DRAFT), "dflash2_tiny", "config.json")).read())
+  d = draft_copy(tmp_path / "v2", lambda cfg: v2)
+  with pytest.raises(ValueError, match=r"config\.json: architectures=\['DFlash2DraftModel'\].*"
+                                       r"DFlash-2"):
+    dj.load_draft(d, qwen_f32)
+  cases = [({"architectures": ["EagleDraft"]}, r"architectures=\['EagleDraft'\]"),
+           ({"is_causal": True}, r"is_causal=True"),
+           ({"final_logit_softcapping": 4.0}, r"final_logit_softcapping=4\.0"),
+           ({"hidden_act": "gelu"}, r"hidden_act='gelu'"),
+           ({"dflash_config": {"mask_token_id": 1023, "target_layer_ids": [1, 3, 5],
+                               "output_multiplier": 4.0}}, r"dflash_config\.output_multiplier=4\.0"),
+           ({"dflash_config": {"mask_token_id": 1023, "target_layer_ids": [1, 3, 5],
+                               "selector_rank": 32}}, r"selector_rank=32.*candidate selector")]
+  for i, (edit, match) in enumerate(cases):
+    d = draft_copy(tmp_path / str(i), lambda cfg: {**cfg, **edit})
+    with pytest.raises(ValueError, match=match):
+      dj.load_draft(d, qwen_f32)
+  ok = draft_copy(tmp_path / "ok", lambda cfg: {**cfg, "is_causal": False, "output_multiplier": 1.0})
+  dj.load_draft(ok, qwen_f32)                       # the "off" values load
+
+
+def test_draft_with_unused_tensor(tmp_path, qwen_f32):
+  """A tensor no DFlash-1 layer uses (a DFlash-2 conv kernel) is refused, naming it."""
+  from safetensors.numpy import save_file
+  from dflash_jax.draft_io import _load_safetensors
+  d = tmp_path / "draft"
+  shutil.copytree(DRAFT, d)
+  arrays = _load_safetensors(str(d / "model.safetensors"))
+  arrays["layers.0.mlp_conv.base_kernel"] = np.zeros((16, 2), np.float32)
+  save_file({k: np.asarray(v, np.float32) for k, v in arrays.items()}, str(d / "model.safetensors"))
+  with pytest.raises(ValueError, match=r"model\.safetensors: tensor 'layers\.0\.mlp_conv\.base_kernel' "
+                                       r"is used by no layer"):
+    dj.load_draft(str(d), qwen_f32)
+
+
 def test_draft_with_wrong_tensor_shape(tmp_path, qwen_f32):
   from safetensors.numpy import save_file
   from dflash_jax.draft_io import _load_safetensors

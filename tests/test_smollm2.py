@@ -81,6 +81,22 @@ def test_generate_script_batch_jsonl(tmp_path, smol):
   assert rows[0]["tokens"] == ref.tokens and rows[0]["completion"] == smol.tokenizer.decode(ref.tokens)
 
 
+def test_generate_script_json_schema(tmp_path):
+  """--json_schema (a file) constrains the printed answer to JSON that validates."""
+  import jsonschema
+  schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                             "count": {"type": "integer", "minimum": 0}},
+            "required": ["colour", "count"], "additionalProperties": False}
+  path = tmp_path / "s.json"
+  path.write_text(json.dumps(schema))
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "generate.py"), "--prompt",
+                      "Pick a colour and a count.", "--json_schema", str(path), "--mode", "chain",
+                      "--max_new_tokens", "40", "--max_ctx", "256", "--nostream"],
+                     capture_output=True, text=True, timeout=900, cwd=ROOT)
+  assert r.returncode == 0, r.stderr[-3000:]
+  jsonschema.validate(json.loads(r.stdout), schema)
+
+
 def test_generate_script_interactive(smol):
   """--interactive: two turns on stdin, a /reset, a third turn; the second turn is prefilled from
   the prompt cache (the first turn's prompt and answer) and answers exactly what the library gives
@@ -167,6 +183,12 @@ def test_generate_script_batch_keeps_going_and_protects_output(tmp_path):
     (["--prompt", "x", "--mode", "ddtree", "--budget", "100000"], b"", "budget=100000: must be in"),
     (["--prompt", "x", "--max_ctx", "10000000", "--draft", "none"], b"",
      "error: max_ctx=10000000: the decode cache needs"),
+    (["--prompt", "x", "--json_schema", '{"type": "nonsense"}'], b"",
+     "error: --json_schema: cannot compile this JSON schema"),
+    (["--prompt", "x", "--json_schema", "{tmp}/missing.json"], b"",
+     "error: --json_schema {tmp}/missing.json: cannot read it"),
+    (["--prompt", "x", "--json_schema", "{}", "--regex", "a+"], b"",
+     "error: give --json_schema or --regex, not both"),
 ])
 def test_generate_script_bad_input_is_one_line(tmp_path, args, stdin, match):
   """Bad input to generate.py is one `error:` line (no traceback), found before compiling."""

@@ -36,6 +36,10 @@ def main():
   for name in ("config.json", "model.safetensors", "reference.npz"):
     shutil.copy(os.path.join(SRC, "dflash_tiny", name), d)
 
+  d2 = os.path.join(DST, "dflash2_tiny")      # the DFlash-2 config only (refused, not loaded)
+  os.makedirs(d2, exist_ok=True)
+  shutil.copy(os.path.join(SRC, "dflash2_tiny", "config.json"), d2)
+
   s = os.path.join(DST, "smollm2")
   os.makedirs(s, exist_ok=True)
   for name in ("tokenize.json", "prompts.jsonl"):
