@@ -38,15 +38,19 @@ def _start(engine, api_key=None, uvicorn_kw=None, **app_kw):
   return f"http://127.0.0.1:{port}", srv, th
 
 
-@pytest.fixture(scope="module")
-def server(smol):
-  draft = dj.load_draft(cli.find_draft_dir(smol), smol)
-  dec = dj.api.resolve_config(draft, dj.DecodeConfig(mode="chain", max_ctx=MAX_CTX))
-  engine = serve.Engine(smol, draft, dec, None, "smol", max_queue=64)
+def _serving(smol, draft, max_ctx, max_queue):
+  """(base URL, engine, draft, dec) of a chain-mode server, shut down when the generator closes."""
+  dec = dj.api.resolve_config(draft, dj.DecodeConfig(mode="chain", max_ctx=max_ctx))
+  engine = serve.Engine(smol, draft, dec, None, "smol", max_queue=max_queue)
   base, srv, th = _start(engine)
   yield base, engine, draft, dec
   srv.should_exit = True
   th.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(smol):
+  yield from _serving(smol, dj.load_draft(cli.find_draft_dir(smol), smol), MAX_CTX, 64)
 
 
 def test_api_key(server):
@@ -855,13 +859,7 @@ def test_response_format_json_schema_and_object(server, smol):
 @pytest.fixture(scope="module")
 def tools_server(smol, server):
   """A server with room for tool instructions in the prompt (max_ctx 512; the same draft)."""
-  draft = server[2]
-  dec = dj.api.resolve_config(draft, dj.DecodeConfig(mode="chain", max_ctx=512))
-  engine = serve.Engine(smol, draft, dec, None, "smol", max_queue=16)
-  base, srv, th = _start(engine)
-  yield base, engine, draft, dec
-  srv.should_exit = True
-  th.join(timeout=10)
+  yield from _serving(smol, server[2], 512, 16)
 
 
 def test_tools_required_named_auto_and_streamed(tools_server):
