@@ -637,11 +637,11 @@ def _usage(n_prompt: int, outs: list[Outcome]) -> dict:
               o.stats.get("prompt_tokens_reused", 0) for o in outs))}}
 
 
-def _message(out: Outcome, tools: bool) -> tuple[dict, str]:
-  """(assistant message, finish_reason) of a chat choice; with tools, `<tool_call>` blocks of
-  the text become tool_calls (finish_reason "tool_calls")."""
+def _message(out: Outcome, tools) -> tuple[dict, str]:
+  """(assistant message, finish_reason) of a chat choice; with tools (the request's tool list),
+  `<tool_call>` blocks of the text become tool_calls (finish_reason "tool_calls")."""
   if tools:
-    content, calls = serve_format.parse_tool_calls(out.text)
+    content, calls = serve_format.parse_tool_calls(out.text, tools)
     if calls:
       return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
   return {"role": "assistant", "content": out.text}, out.finish_reason
@@ -649,7 +649,7 @@ def _message(out: Outcome, tools: bool) -> tuple[dict, str]:
 
 def _final(kind: str, rid: str, created: int, model: str, outs: list[Outcome], n_prompt: int,
            echo: Optional[list[str]] = None, lps: Optional[list] = None,
-           tools: bool = False) -> dict:
+           tools: Optional[list] = None) -> dict:
   """The response object of a finished (chat) completion: one choice per Outcome, usage summed;
   `dflash` and `timings` (llama-server's shape) of the first choice, and per choice when
   there are several. tools: parse tool calls out of chat choices (`_message`)."""
@@ -732,7 +732,7 @@ async def _results(job: _Job) -> list[Outcome]:
 
 
 async def _events(engine: Engine, job: _Job, kind: str, rid: str, created: int, req, n_prompt: int,
-                  echo: Optional[list[str]], scorer=None, tools: bool = False):
+                  echo: Optional[list[str]], scorer=None, tools: Optional[list] = None):
   """The server-sent events of a streamed request, ending with `data: [DONE]`: (chat) a role
   chunk per choice, (completions with echo) the prompt, text chunks as they come, a last chunk
   per choice with its finish_reason and `dflash` stats, then (stream_options.include_usage) a
@@ -764,7 +764,7 @@ async def _events(engine: Engine, job: _Job, kind: str, rid: str, created: int, 
     for i, out in enumerate(outs):
       finish = out.finish_reason
       if tools:
-        message, finish = _message(out, True)
+        message, finish = _message(out, tools)
         if message["content"]:
           yield send(_chunk(kind, rid, created, name, i, message["content"], None))
         if message.get("tool_calls"):
@@ -805,7 +805,8 @@ async def _complete(engine: Engine, kind: str, req, request: fastapi.Request):
   from fastapi.responses import StreamingResponse
   _check_queue(engine)
   engine.check_size(req)
-  plan = serve_format.tool_plan(req.tools, req.tool_choice) if kind == "chat" else None
+  plan = (serve_format.tool_plan(req.tools, req.tool_choice, engine.target.tokenizer.chat_template)
+          if kind == "chat" else None)
   regex, param = serve_format.response_format_regex(req.response_format), "response_format"
   if plan is not None and regex is not None:
     raise ApiError(400, "response_format (json) and tools together are not supported: give "
@@ -842,7 +843,7 @@ async def _complete(engine: Engine, kind: str, req, request: fastapi.Request):
   job = _launch(engine, runs, max_new, stops, request, grammar)
   if req.stream:
     return StreamingResponse(_events(engine, job, kind, rid, created, req, n_prompt, echo, scorer,
-                                     tools=plan is not None),
+                                     tools=plan.tools if plan else None),
                              media_type="text/event-stream")
   try:
     outs = await _results(job)
@@ -850,7 +851,7 @@ async def _complete(engine: Engine, kind: str, req, request: fastapi.Request):
   finally:
     job.close()
   return _final(kind, rid, created, engine.model_name, outs, n_prompt, echo, lps,
-                tools=plan is not None)
+                tools=plan.tools if plan else None)
 
 
 def _stop_reason(out: Outcome) -> tuple[str, Optional[str]]:

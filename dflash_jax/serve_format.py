@@ -68,10 +68,16 @@ class ToolPlan:
   regex: Optional[str]
 
 
-def tool_plan(tools: Any, tool_choice: Any) -> Optional[ToolPlan]:
-  """The ToolPlan of a request's `tools` / `tool_choice`, or None (no tools, or choice "none").
-  Raises ApiError 400 naming the field for a malformed tool, an unknown choice or a forced tool
-  that is not in the list."""
+def uses_xml_calls(chat_template: Optional[str]) -> bool:
+  """Whether the chat template writes tool calls in Qwen3-Coder's XML form
+  (`<function=name>` / `<parameter=p>`) rather than as JSON."""
+  return bool(chat_template) and "<function=" in chat_template
+
+
+def tool_plan(tools: Any, tool_choice: Any, chat_template: Optional[str] = None) -> Optional[ToolPlan]:
+  """The ToolPlan of a request's `tools` / `tool_choice`, or None (no tools, or choice "none");
+  a forced call takes the template's call syntax (`uses_xml_calls`). Raises ApiError 400 naming
+  the field for a malformed tool, an unknown choice or a forced tool that is not in the list."""
   if tools in (None, []):
     if tool_choice not in (None, "none", "auto"):
       raise ApiError(400, "tool_choice needs tools", param="tool_choice")
@@ -104,7 +110,7 @@ def tool_plan(tools: Any, tool_choice: Any) -> Optional[ToolPlan]:
   regex = None
   if choice != "auto":
     forced = [t["function"] for t in tools if choice == "required" or t["function"]["name"] == choice]
-    regex = tool_call_regex(forced)
+    regex = tool_call_regex(forced, xml=uses_xml_calls(chat_template))
   return ToolPlan(tools=tools, choice=choice, regex=regex)
 
 
@@ -114,13 +120,42 @@ def _call_schema(fn: dict) -> dict:
           "required": ["name", "arguments"]}
 
 
-def tool_call_regex(functions: list) -> str:
+def _xml_value_regex(schema: Any) -> str:
+  """A Qwen3-Coder parameter value: strings raw (no '<'; an enum: its literals), anything else
+  as JSON of its schema."""
+  if isinstance(schema, dict) and isinstance(schema.get("enum"), list) and \
+      all(isinstance(v, str) for v in schema["enum"]):
+    return "(" + "|".join(re.escape(v) for v in schema["enum"]) + ")"
+  if not isinstance(schema, dict) or schema.get("type") in (None, "string"):
+    return r"[^<]*"
+  return grammar_lib.json_schema_regex(schema, param="tools")
+
+
+def _xml_call_regex(fn: dict) -> str:
+  """One `<function=name>` element with its parameters in schema order (required ones present,
+  the others optional)."""
+  params = fn.get("parameters") or {}
+  props = params.get("properties") or {}
+  required = set(params.get("required") or [])
+  body = ""
+  for name, sub in props.items():
+    one = (re.escape(f"<parameter={name}>") + r"\n" + _xml_value_regex(sub) + r"\n" +
+           re.escape("</parameter>") + r"\n")
+    body += one if name in required else f"({one})?"
+  return re.escape(f"<function={fn['name']}>") + r"\n" + body + re.escape("</function>")
+
+
+def tool_call_regex(functions: list, xml: bool = False) -> str:
   """The regex of exactly one `<tool_call>` block calling one of `functions` (OpenAI function
-  objects) with arguments that follow its `parameters` schema."""
-  schema = (_call_schema(functions[0]) if len(functions) == 1
-            else {"anyOf": [_call_schema(f) for f in functions]})
+  objects) with arguments that follow its `parameters` schema: JSON {"name", "arguments"}
+  (Hermes / Qwen2.5), or with xml Qwen3-Coder's `<function=..>` / `<parameter=..>` elements."""
   try:
-    inner = grammar_lib.json_schema_regex(schema, param="tools")
+    if xml:
+      inner = "(" + "|".join(_xml_call_regex(f) for f in functions) + ")"
+    else:
+      schema = (_call_schema(functions[0]) if len(functions) == 1
+                else {"anyOf": [_call_schema(f) for f in functions]})
+      inner = grammar_lib.json_schema_regex(schema, param="tools")
   except ValueError as e:
     raise ApiError(400, str(e), param="tools") from None
   return re.escape(TOOL_OPEN) + r"\n" + inner + r"\n" + re.escape(TOOL_CLOSE)
@@ -155,8 +190,9 @@ _XML_FN = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
 _XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?(?:</parameter>|$)", re.S)
 
 
-def _parse_block(body: str) -> Optional[dict]:
-  """One tool call from a block's body (JSON or Qwen3-Coder XML), or None."""
+def _parse_block(body: str, tools: Optional[list] = None) -> Optional[dict]:
+  """One tool call from a block's body (JSON or Qwen3-Coder XML), or None. XML values are JSON
+  when they parse as JSON, except parameters the tool's schema types as strings (kept raw)."""
   try:
     obj = json.loads(body)
     if isinstance(obj, dict) and isinstance(obj.get("name"), str):
@@ -167,24 +203,33 @@ def _parse_block(body: str) -> Optional[dict]:
     pass
   m = _XML_FN.search(body)
   if m:
+    name = m.group(1).strip()
+    props = next(((t["function"].get("parameters") or {}).get("properties") or {}
+                  for t in tools or [] if t["function"]["name"] == name), {})
     args = {}
     for k, v in _XML_PARAM.findall(m.group(2)):
+      k = k.strip()
+      sub = props.get(k)
+      if isinstance(sub, dict) and (sub.get("type") == "string" or isinstance(sub.get("enum"), list)
+                                    and all(isinstance(e, str) for e in sub["enum"])):
+        args[k] = v
+        continue
       try:
-        args[k.strip()] = json.loads(v)
+        args[k] = json.loads(v)
       except json.JSONDecodeError:
-        args[k.strip()] = v
-    return {"name": m.group(1).strip(), "arguments": json.dumps(args, ensure_ascii=False)}
+        args[k] = v
+    return {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}
   return None
 
 
-def parse_tool_calls(text: str) -> tuple[Optional[str], list[dict]]:
+def parse_tool_calls(text: str, tools: Optional[list] = None) -> tuple[Optional[str], list[dict]]:
   """(content, tool_calls) of a generated text: every `<tool_call>` block that parses becomes an
   OpenAI tool call {id, type: "function", function: {name, arguments: JSON text}}; the text
   outside the parsed blocks (stripped; None when empty) is the content. A block that does not
-  parse stays in the content."""
+  parse stays in the content. tools: the request's tools (their schemas type XML values)."""
   calls, keep, at = [], [], 0
   for m in _BLOCK.finditer(text):
-    call = _parse_block(m.group(1))
+    call = _parse_block(m.group(1), tools)
     if call is None:
       continue
     keep.append(text[at:m.start()])

@@ -910,6 +910,36 @@ def test_tool_call_parsing():
   assert serve_format.parse_tool_calls("no calls here") == ("no calls here", [])
 
 
+def test_xml_tool_calls_for_qwen3_coder_templates(smol):
+  """A template that writes calls as `<function=..><parameter=..>` (Qwen3-Coder) gets forced calls
+  in that form: the regex compiles to an automaton, accepts a well-formed call (and refuses a
+  missing required parameter), and the call parses back to arguments that follow the schema."""
+  import re
+  import jsonschema
+  from dflash_jax import api, serve_format
+  tmpl = "{% for m in messages %}{{ m.content }}{% endfor %}<function=example_function_name>"
+  plan = serve_format.tool_plan(WEATHER, "required", tmpl)
+  assert serve_format.uses_xml_calls(tmpl) and not serve_format.uses_xml_calls("{{ tools }}")
+  call = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nSão Paulo\n</parameter>\n"
+          "<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>")
+  assert re.fullmatch(plan.regex, call)
+  assert not re.fullmatch(plan.regex, call.replace("<parameter=unit>\ncelsius\n</parameter>\n", ""))
+  g = api.grammar_compiler(smol).compile(plan.regex, param="tools")
+  ids = smol.tokenizer.encode(call)
+  assert g.accepts(ids + [smol.tokenizer.eog_ids[0]])
+  _, calls = serve_format.parse_tool_calls(call, WEATHER)
+  args = json.loads(calls[0]["function"]["arguments"])
+  assert args == {"city": "São Paulo", "unit": "celsius"}
+  jsonschema.validate(args, WEATHER[0]["function"]["parameters"])
+  # numbers in XML values come back as JSON numbers, string-typed ones stay strings
+  tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+            "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}}}}]
+  _, calls = serve_format.parse_tool_calls(
+      "<tool_call>\n<function=f>\n<parameter=n>\n12\n</parameter>\n<parameter=s>\n34\n"
+      "</parameter>\n</function>\n</tool_call>", tools)
+  assert json.loads(calls[0]["function"]["arguments"]) == {"n": 12, "s": "34"}
+
+
 def test_langchain_structured_output_and_bind_tools(tools_server):
   """LangChain's ChatOpenAI against the server: with_structured_output (json_schema) returns a
   validated pydantic object; bind_tools with a forced tool returns its call."""
