@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 NO_GRAMMAR = -1          # a row's state when it is unconstrained
+DEAD = -2                # a tree node whose path the grammar refuses (never accepted)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,7 +235,7 @@ def node_states(t: GrammarTables, root: jax.Array, parents: jax.Array, depths: j
                 tokens: jax.Array, max_depth: int) -> jax.Array:
   """[N] int32 the state after each tree node's path (node 0, the root / bonus token: `root`,
   the row's state). Nodes come in any order; depth level d is resolved from level d-1, so
-  max_depth static rounds. A node whose token its parent's state refuses gets -1 (DEAD) and so
+  max_depth static rounds. A node whose token its parent's state refuses gets DEAD (-2) and so
   do its descendants: they can never be accepted, since the verify masks the parent."""
   st = jnp.full(tokens.shape, root, jnp.int32)
   for d in range(1, max_depth + 1):
@@ -244,8 +245,6 @@ def node_states(t: GrammarTables, root: jax.Array, parents: jax.Array, depths: j
     st = jnp.where(depths == d, nxt, st)
   return jnp.where(root < 0, root, st)
 
-
-DEAD = -2                # a node whose path the grammar refuses (never accepted)
 
 
 class GrammarBank:
@@ -277,11 +276,12 @@ class GrammarBank:
     """Give `slot` grammar `g`; returns its initial bank state, or None when the bank is full
     now (other rows' grammars take the room: retry after they finish)."""
     self.check(g)
-    self.release(slot)
     key = id(g)
+    if self._slot.get(slot) == key:            # already placed for this slot (a reservation)
+      return self._placed[key][2] + g.initial
+    self.release(slot)
     if key not in self._placed:
-      spans = sorted((off, off + p[0].n_states) for p in self._placed.values()
-                     for off in [p[2]])
+      spans = sorted((off, off + gg.n_states) for gg, _, off in self._placed.values())
       gids = {p[1] for p in self._placed.values()}
       free_gid = next((i for i in range(self.max_grammars) if i not in gids), None)
       off, at = None, 0

@@ -97,9 +97,10 @@ def _load():
   return target, draft, dec, decode_flags.sampling(_DF, target.sampling_defaults)
 
 
-def _warm_up(target, draft, dec, samp, ids, n_rows=None, grammar=False):
+def _warm_up(target, draft, dec, samp, ids, n_rows=None, grammar=None):
   """Compile what the run uses: the one-prompt loop, or (n_rows given) the batch of the bucket
-  that n_rows prompts at --batch_size take."""
+  that n_rows prompts at --batch_size take; with `grammar` (the run's Grammar), the constrained
+  variants."""
   import jax
   import dflash_jax as dj
   cache = jax.config.jax_compilation_cache_dir
@@ -107,11 +108,11 @@ def _warm_up(target, draft, dec, samp, ids, n_rows=None, grammar=False):
   t0 = time.perf_counter()
   if n_rows is None:       # the prompt's prefill; generate compiles the loop after 1 token
     dj.api.precompile(target, draft, len(ids), config=dec, sampling=samp, loop=False,
-                      grammar=grammar)
+                      grammar=grammar is not None)
   else:
     b = min(n_rows, _BATCH.value or dj.api.default_batch_size())
     dj.generate_batch(target, draft, [ids[:1]] * b, max_new_tokens=2, config=dec,
-                      sampling=samp, batch_size=b)
+                      sampling=samp, batch_size=b, grammar=grammar)
   print(f"[dflash] compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
 
@@ -226,16 +227,16 @@ def _prepare_row(target, dec, row):
   return text, api.check_prompt(target, ids, dec), max_new
 
 
-def _batch(target, draft, dec, samp, rows):
+def _batch(target, draft, dec, samp, rows, grammar=None):
   """Prompt rows (from `_read_rows`), decoded --batch_size at a time in one compiled loop
   (`generate_batch`: a finished row's slot takes the next prompt), results as JSONL to
   --output_file in input order (written to <file>.partial as rows finish in order, renamed onto
   it at the end, even after an error or Ctrl-C, so finished rows survive). A row that fails
   (bad line, bad field, a prompt longer than the context) is recorded as {"id", "line",
-  "error"} and the batch goes on. Returns the number of failed rows."""
+  "error"} and the batch goes on. grammar: constrain every row to it. Returns the number of
+  failed rows."""
   import dflash_jax as dj
   from dflash_jax import cli
-  grammar = _grammar(target)
   out = _open_partial(_OUTPUT_FILE.value) if _OUTPUT_FILE.value else None
   recs, todo = [None] * len(rows), []        # todo: (row index, key, text, ids, max_new)
   for i, (line, row) in enumerate(rows):
@@ -282,7 +283,7 @@ def _batch(target, draft, dec, samp, rows):
   return n_failed
 
 
-def _interactive(target, draft, dec, samp, stdin=None):
+def _interactive(target, draft, dec, samp, stdin=None, grammar=None):
   """The --interactive loop: read a user turn per line from stdin, answer it with the whole
   conversation through the chat template (streamed), keep the answer in the conversation. The
   prompt cache holds the conversation's cache rows, so each turn prefills only its new tokens
@@ -323,7 +324,7 @@ def _interactive(target, draft, dec, samp, stdin=None):
     turn += 1
     s = dataclasses.replace(samp, seed=(samp.seed + turn - 1) % 2**31)   # a fresh draw per turn
     r, completion = _run_one(target, draft, dec, s, ids, _MAX_NEW.value, _STREAM.value, cache,
-                             grammar=_grammar(target))
+                             grammar=grammar)
     if not _STREAM.value:
       print(completion)
     answer = tok.decode(r.tokens, skip_special=True)
@@ -360,26 +361,25 @@ def main(argv):
   if rows is None and not _INTERACTIVE.value:
     text = _PROMPT.value if _PROMPT.value is not None else _read_stdin()
   target, draft, dec, samp = _load()
+  grammar = _grammar(target)         # bad --json_schema / --regex: the error before compiling
   if _INTERACTIVE.value:
-    _grammar(target)                 # bad --json_schema / --regex: the error before compiling
     if _WARMUP.value:
-      _warm_up(target, draft, dec, samp, cli.build_prompt(target, "hi", chat=True))
-    _interactive(target, draft, dec, samp)
+      _warm_up(target, draft, dec, samp, cli.build_prompt(target, "hi", chat=True),
+               grammar=grammar)
+    _interactive(target, draft, dec, samp, grammar=grammar)
     return
   if rows is not None:
-    _grammar(target)
     if _WARMUP.value:
       _warm_up(target, draft, dec, samp, cli.build_prompt(target, "hi", chat=_CHAT.value),
-               n_rows=max(1, len(rows)))
-    if _batch(target, draft, dec, samp, rows):
+               n_rows=max(1, len(rows)), grammar=grammar)
+    if _batch(target, draft, dec, samp, rows, grammar):
       sys.exit(1)
     return
   ids = api.check_prompt(target, cli.build_prompt(
       target, text, chat=_CHAT.value, system=_SYSTEM.value,
       parse_special=_TF.parse_special.value, max_ctx=dec.max_ctx), dec)
-  grammar = _grammar(target)
   if _WARMUP.value:
-    _warm_up(target, draft, dec, samp, ids, grammar=grammar is not None)
+    _warm_up(target, draft, dec, samp, ids, grammar=grammar)
   t0 = time.perf_counter()
   r, completion = _run_one(target, draft, dec, samp, ids, _MAX_NEW.value, _STREAM.value,
                            grammar=grammar)
