@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import auto_mode, batching
+from dflash_jax import auto_mode, batching, kv_cache
 from dflash_jax import decode as decode_lib
 from dflash_jax import draft as draft_lib
 from dflash_jax import draft_io
@@ -107,7 +107,8 @@ def _resolve_weights(weights: str, f, rt: Runtime) -> str:
 
 
 def load_target(gguf_path: str, *, weights: str = "auto", compute_dtype: str = "float32",
-                kv_dtype: str = "float32", tokenizer: bool = True, kernels: str = "auto",
+                kv_dtype: str = "float32", kv_dtype_v: str = "", tokenizer: bool = True,
+                kernels: str = "auto",
                 fuse_projections: bool = True,
                 progress: Optional[Callable[[int, int], None]] = None) -> Target:
   """Load a GGUF target (`qwen35`, `llama`, `qwen3`).
@@ -115,7 +116,9 @@ def load_target(gguf_path: str, *, weights: str = "auto", compute_dtype: str = "
   weights: "quantized" keeps GGUF blocks packed on device and dequantizes inside the jitted
     forward; "f32"/"bf16" dequantize once at load (4-8x the memory); "auto" (default) picks per
     platform by measurement (`_resolve_weights`: f32 on CPU when it fits, else quantized).
-  compute_dtype, kv_dtype, kernels: the target's Runtime (see runtime.Runtime); kernels "auto"
+  compute_dtype, kv_dtype, kv_dtype_v, kernels: the target's Runtime (see runtime.Runtime;
+    kv_dtype in float32 / bfloat16 / float16 / q8_0 / q4_0, for the draft's context cache too;
+    kv_dtype_v the values' format when it differs, "" = kv_dtype); kernels "auto"
     = Pallas kernels on GPU, the pure-JAX reference elsewhere. The Pallas dequantizing matmul
     needs weights="quantized" (float weights always use XLA's dot).
   tokenizer: build the tokenizer from the GGUF vocabulary (errors if unsupported).
@@ -126,7 +129,8 @@ def load_target(gguf_path: str, *, weights: str = "auto", compute_dtype: str = "
   tensor shape mismatch, bad option) or NotImplementedError (unsupported tokenizer kind),
   naming the file or option.
   """
-  rt = Runtime.for_backend(kernels, compute_dtype=compute_dtype, kv_dtype=kv_dtype)
+  rt = Runtime.for_backend(kernels, compute_dtype=compute_dtype, kv_dtype=kv_dtype,
+                           kv_dtype_v=kv_dtype_v)
   f = read_gguf(gguf_path)
   if progress is not None:
     done, total = [0], f.n_tensor_bytes
@@ -142,6 +146,8 @@ def load_target(gguf_path: str, *, weights: str = "auto", compute_dtype: str = "
     raise ValueError(f"{f.path}: missing tensor 'token_embd.weight'")
   cfg = TargetConfig.from_gguf(f.meta, n_vocab=f.tensors["token_embd.weight"].shape[0],
                                path=f.path, has_rope_freqs="rope_freqs.weight" in f.tensors)
+  kv_cache.check_format(rt.k_format, cfg.head_dim, f"kv_dtype (keys of {f.path})")
+  kv_cache.check_format(rt.v_format, cfg.v_head_dim, f"kv_dtype_v (values of {f.path})")
   params = jax.device_put(target_params.load_params(f, cfg, weights=weights,
                                                     fuse=fuse_projections))
   tok = GGUFTokenizer(f.meta, path=f.path) if tokenizer else None
@@ -169,6 +175,8 @@ def load_draft(draft_dir: str, target: Target) -> Draft:
   """Load a z-lab DFlash draft directory and check it against `target` (hidden size, vocab,
   target_layer_ids, mask id). Raises FileNotFoundError / ValueError naming the draft."""
   cfg, params = draft_io.load(draft_dir, target.config)
+  kv_cache.check_format(target.runtime.k_format, cfg.head_dim, f"kv_dtype (draft {draft_dir})")
+  kv_cache.check_format(target.runtime.v_format, cfg.head_dim, f"kv_dtype_v (draft {draft_dir})")
   return Draft(cfg, jax.device_put(params), draft_dir)
 
 
@@ -364,10 +372,13 @@ def check_config(target: Target, draft: Optional[Draft], dec: DecodeConfig, batc
   need, have = state_bytes(target, draft, dec, batch), available_bytes()
   if have is not None and need > have:
     rows = f" x batch {batch}" if batch > 1 else ""
-    raise ValueError(f"max_ctx={dec.max_ctx}{rows}: the decode cache needs {need / 2**30:.2f} GiB "
-                     f"but only {have / 2**30:.2f} GiB is available on "
-                     f"{jax.devices()[0].platform}; lower --max_ctx" +
-                     (" or --batch_size" if batch > 1 else ""))
+    rt = target.runtime
+    fmt = rt.k_format if rt.k_format == rt.v_format else f"{rt.k_format} K / {rt.v_format} V"
+    smaller = "" if rt.v_format == "q4_0" else ", a smaller --kv_dtype (q8_0, q4_0)"
+    raise ValueError(f"max_ctx={dec.max_ctx}{rows}: the decode cache with a {fmt} KV cache needs "
+                     f"{need / 2**30:.2f} GiB ({need} bytes) but only {have / 2**30:.2f} GiB is "
+                     f"available on {jax.devices()[0].platform}; lower --max_ctx" +
+                     (", --batch_size" if batch > 1 else "") + smaller)
   n_train = target.config.n_ctx_train
   if n_train and dec.max_ctx > n_train:
     warnings.warn(f"max_ctx={dec.max_ctx} exceeds the model's context_length={n_train} "

@@ -119,7 +119,7 @@ def init_row(plan: Plan) -> DecodeState:
       pos=jnp.int32(0), bonus=jnp.int32(0), done=jnp.bool_(True), n_steps=jnp.int32(0),
       accept_lens=jnp.zeros((s,), jnp.int32),
       target=target_lib.init_cache(tcfg, s, plan.rt),
-      draft=draft_lib.init_cache(dcfg, s) if plan.uses_draft else None,
+      draft=draft_lib.init_cache(dcfg, s, plan.rt) if plan.uses_draft else None,
       key=jax.random.key(0), samp=sampling_lib.SamplingConfig().params(),
       finite=jnp.bool_(True), recent=jnp.zeros((sampling_lib.PENALTY_WINDOW,), jnp.int32),
       gstate=jnp.int32(grammar_lib.NO_GRAMMAR))
@@ -243,8 +243,7 @@ def prefill_chunk(tparams, dparams, state: DecodeState, slot: jax.Array, tokens:
                                                                     (tk, tv, dc)))
   small = jax.tree.map(lambda x, r: jax.lax.dynamic_update_index_in_dim(x, r, slot, 0), small, row)
   at = (slot, jnp.int32(0), jnp.int32(0), start, jnp.int32(0))
-  put = lambda cache, rows: jax.lax.dynamic_update_slice(
-      cache, layers.kv_rows(rows)[None].astype(cache.dtype), at)
+  put = lambda cache, rows: cache.write(layers.kv_rows(rows)[None], at)
   if dk is not None:
     dc = draft_lib.DraftCache(put(dc.k, dk), put(dc.v, dv))
   return dataclasses.replace(small, target=dataclasses.replace(small.target, k=put(tk, k),

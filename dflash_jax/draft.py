@@ -17,7 +17,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from dflash_jax import layers
+from dflash_jax import kv_cache, layers
 from dflash_jax.config import DraftConfig
 from dflash_jax.quants import QuantWeight, take_rows
 from dflash_jax.runtime import Runtime
@@ -50,16 +50,19 @@ class DraftParams:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DraftCache:
-  """Draft context K/V: k, v [n_layer, Hkv, S, Dh] float32, head-major (layers.write_block; post
-  k_norm and RoPE)."""
+  """Draft context K/V: k, v [n_layer, Hkv, S, Dh] kv_cache.KVBuffer (Runtime.k_format /
+  v_format, as the target's cache), head-major (layers.write_block; post k_norm and RoPE)."""
 
-  k: jax.Array
-  v: jax.Array
+  k: kv_cache.KVBuffer
+  v: kv_cache.KVBuffer
 
 
-def init_cache(cfg: DraftConfig, capacity: int) -> DraftCache:
-  shape = (cfg.n_layer, cfg.n_kv_head, capacity, cfg.head_dim)
-  return DraftCache(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
+def init_cache(cfg: DraftConfig, capacity: int, rt: Runtime = Runtime()) -> DraftCache:
+  """Zeroed context cache of `capacity` rows in rt's K / V formats (ValueError from
+  kv_cache.check_format)."""
+  lead = (cfg.n_layer, cfg.n_kv_head, capacity)
+  return DraftCache(kv_cache.KVBuffer.zeros(rt.k_format, lead, cfg.head_dim),
+                    kv_cache.KVBuffer.zeros(rt.v_format, lead, cfg.head_dim))
 
 
 def _kv(x, lay: DraftLayer, pos, cfg: DraftConfig, rt: Runtime):

@@ -14,6 +14,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.kv_cache import KVBuffer
 from dflash_jax.quants import QuantWeight
 from dflash_jax.runtime import Runtime
 from pallas_kernels import dequant_matmul as dm
@@ -124,14 +125,14 @@ def rope(x: jax.Array, pos: jax.Array, *, rot_dim: int, theta: float, style: str
   return jnp.concatenate([out, rest], axis=-1)
 
 
-def write_block(cache: jax.Array, start: jax.Array, rows: jax.Array) -> jax.Array:
-  """cache: [n_layer, Hkv, S, Dh] (one sequence's KV cache of all layers, head-major: a layer's
-  head is one contiguous [S, Dh] slab, so attention reads chunks with no transpose); rows:
-  [n_layer, T, Hkv, Dh] (token-major, as the forwards produce them) -> cache with
-  cache[:, :, start:start+T] = rows (cast to cache.dtype): one dynamic-update-slice, in place on
-  a donated or loop-carried cache."""
-  idx = (jnp.int32(0), jnp.int32(0), jnp.asarray(start, jnp.int32), jnp.int32(0))
-  return jax.lax.dynamic_update_slice(cache, kv_rows(rows).astype(cache.dtype), idx)
+def write_block(cache: KVBuffer, start: jax.Array, rows: jax.Array) -> KVBuffer:
+  """cache: [n_layer, Hkv, S, Dh] (one sequence's K or V cache of all layers, head-major: a
+  layer's head is one contiguous [S, Dh] slab, so attention reads chunks with no transpose; any
+  kv_cache format); rows: [n_layer, T, Hkv, Dh] float (token-major, as the forwards produce
+  them) -> cache with rows start..start+T-1 = rows, encoded in the cache's format: one
+  dynamic-update-slice per plane, in place on a donated or loop-carried cache."""
+  z = jnp.int32(0)
+  return cache.write(kv_rows(rows), (z, z, jnp.asarray(start, jnp.int32), z))
 
 
 def kv_rows(rows: jax.Array) -> jax.Array:
@@ -139,14 +140,13 @@ def kv_rows(rows: jax.Array) -> jax.Array:
   return rows.transpose(0, 2, 1, 3)
 
 
-def write_block_rows(cache: jax.Array, start: jax.Array, rows: jax.Array) -> jax.Array:
+def write_block_rows(cache: KVBuffer, start: jax.Array, rows: jax.Array) -> KVBuffer:
   """The batched form: cache [B, n_layer, Hkv, S, Dh], start [B] int32, rows [B, n_layer, T,
-  Hkv, Dh] -> row b's block written at start[b]. One dynamic-update-slice per row, unrolled (in
-  place; no scatter, and no nested loop whose carry XLA would copy)."""
+  Hkv, Dh] -> row b's block written at start[b]. One dynamic-update-slice per row and plane,
+  unrolled (in place; no scatter, and no nested loop whose carry XLA would copy)."""
   z = jnp.int32(0)
   for b in range(cache.shape[0]):
-    cache = jax.lax.dynamic_update_slice(cache, kv_rows(rows[b])[None].astype(cache.dtype),
-                                         (jnp.int32(b), z, z, start[b], z))
+    cache = cache.write(kv_rows(rows[b])[None], (jnp.int32(b), z, z, start[b], z))
   return cache
 
 
@@ -166,7 +166,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
   return o.reshape(t, h, v.shape[-1])
 
 
-def attention_live(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int,
+def attention_live(q: jax.Array, k_all: KVBuffer, v_all: KVBuffer, layer: int,
                    mask, n_live: jax.Array, chunk: int = 128, local=None,
                    live_bound=None, row=None) -> jax.Array:
   """Softmax attention over the live rows of a stacked KV cache only, chunk by chunk with an
@@ -174,11 +174,13 @@ def attention_live(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int,
   proportional to n_live, not to the cache capacity S; optionally plus `local` keys that are not
   in the cache (this call's own rows), in the same softmax.
 
-  q: [T, H, Dh] float32; k_all / v_all: [n_layer, Hkv, S, Dh|Dv] head-major caches (any float
-  dtype, read as float32; see `write_block`); layer: static row of k_all; mask: [T, S] bool
+  q: [T, H, Dh] float32; k_all / v_all: [n_layer, Hkv, S, Dh|Dv] head-major caches
+  (kv_cache.KVBuffer in any format; each chunk is decoded to float32 as it is read, never the
+  whole cache; see `write_block`); layer: static row of k_all; mask: [T, S] bool
   visible cache keys, or None (all rows below n_live visible); n_live: [] int32 cache rows that
   may be visible (rows >= n_live never are). local: None or (k [T2, Hkv, Dh], v [T2, Hkv, Dv],
-  mask [T, T2] bool). live_bound: optional [] int32 >= n_live that sets the number of chunks visited; the batched decode loop
+  mask [T, T2] bool; float32, already as the cache would return them: kv_cache.roundtrip).
+  live_bound: optional [] int32 >= n_live that sets the number of chunks visited; the batched decode loop
   passes the largest n_live of its rows, unbatched, so that under `vmap` every row reads the
   same chunk offsets (plain slices instead of per-row gathers). row: None, or [] int32 with
   k_all / v_all a batch's caches [B, n_layer, Hkv, S, Dh]: this sequence's cache is row `row`,
@@ -206,13 +208,13 @@ def attention_live(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int,
 
   def body(i, carry):
     c0 = jnp.minimum(i * c, s_cap - c)                 # slid back for the last partial chunk
+    z = jnp.int32(0)
     if row is None:
-      kc = jax.lax.dynamic_slice(k_all, (layer, 0, c0, 0), (1, hkv, c, dh))[0]
-      vc = jax.lax.dynamic_slice(v_all, (layer, 0, c0, 0), (1, hkv, c, dv))[0]
+      at, sizes = (jnp.int32(layer), z, c0, z), (1, hkv, c)
     else:
-      kc = jax.lax.dynamic_slice(k_all, (row, layer, 0, c0, 0), (1, 1, hkv, c, dh))[0, 0]
-      vc = jax.lax.dynamic_slice(v_all, (row, layer, 0, c0, 0), (1, 1, hkv, c, dv))[0, 0]
-    kc, vc = kc.astype(jnp.float32), vc.astype(jnp.float32)
+      at, sizes = (row, jnp.int32(layer), z, c0, z), (1, 1, hkv, c)
+    kc = k_all.read(at, sizes).reshape(hkv, c, dh)
+    vc = v_all.read(at, sizes).reshape(hkv, c, dv)
     cols = c0 + jnp.arange(c, dtype=jnp.int32)
     vis = ((cols >= i * c) & (cols < n_live))[None, :]
     if mask is not None:

@@ -47,8 +47,8 @@ def extract_rows(state, slot: jax.Array, *, rows: int):
   [n_layer, Hkv, rows, Dh] (draft None without a draft), ssm [n_gdn, Hv, Dk, Dv], conv
   [n_gdn, K-1, C])."""
   def cut(c):
-    return jax.lax.dynamic_slice(c, (slot,) + (jnp.int32(0),) * (c.ndim - 1),
-                                 (1,) + c.shape[1:3] + (rows,) + c.shape[4:])[0]
+    return c.cut((slot,) + (jnp.int32(0),) * (c.ndim - 1),
+                 (1,) + c.shape[1:3] + (rows,)).map(lambda p: p[0])
   d = state.draft
   kv = (cut(state.target.k), cut(state.target.v),
         None if d is None else cut(d.k), None if d is None else cut(d.v))
@@ -65,7 +65,7 @@ def restore_rows(state, slot: jax.Array, n: jax.Array, kv, ssm: jax.Array, conv:
   z = jnp.int32(0)
 
   def put(c, r):
-    return jax.lax.dynamic_update_slice(c, r[None].astype(c.dtype), (slot,) + (z,) * (c.ndim - 1))
+    return c.put(r.map(lambda p: p[None]), (slot,) + (z,) * (c.ndim - 1))
   t, d = state.target, state.draft
   t = dataclasses.replace(
       t, k=put(t.k, kv[0]), v=put(t.v, kv[1]),
@@ -82,10 +82,11 @@ def restore_rows(state, slot: jax.Array, n: jax.Array, kv, ssm: jax.Array, conv:
 def layout(state) -> tuple:
   """What an entry's rows must match to be restored into `state`'s slots: (shape without the
   slot and row axes, dtype) of every cache array, and the capacity S (rows)."""
-  arrs = [state.target.k, state.target.v]
+  bufs = [state.target.k, state.target.v]
   if state.draft is not None:
-    arrs += [state.draft.k, state.draft.v]
-  return (tuple((a.shape[1:3] + a.shape[4:], str(a.dtype)) for a in arrs),
+    bufs += [state.draft.k, state.draft.v]
+  return (tuple((b.fmt,) + tuple((p.shape[1:3] + p.shape[4:], str(p.dtype)) for p in b.planes)
+                for b in bufs),
           state.target.k.shape[3], tuple(state.target.ssm.shape[1:]))
 
 
@@ -95,7 +96,8 @@ class Entry:
 
   Attributes:
     tokens: [n] int32 the sequence whose rows 0..n-1 the entry holds.
-    kv: device arrays (target k, v, draft k, v or None), each [n_layer, Hkv, R, Dh], R >= n.
+    kv: device kv_cache.KVBuffers (target k, v, draft k, v or None), each [n_layer, Hkv, R,
+      Dh], R >= n, in the state's formats.
     states: {length p: (ssm, conv)} recurrent state after the first p tokens (hybrid targets;
       empty otherwise).
     layout: `layout` of the state it came from.

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 KERNEL_CHOICES = ("reference", "pallas", "pallas_interpret")
 COMPUTE_DTYPES = ("float32", "bfloat16")
-KV_DTYPES = ("float32", "bfloat16")
+KV_DTYPES = ("float32", "bfloat16", "float16", "q8_0", "q4_0")   # kv_cache.FORMATS
 
 
 @jax.tree_util.register_static
@@ -29,7 +29,12 @@ class Runtime:
       through the Pallas interpreter; CPU tests).
     compute_dtype: activation / matmul operand dtype, "float32" (what the references are
       compared in) or "bfloat16"; accumulation and norms stay float32.
-    kv_dtype: KV cache storage dtype ("float32" or "bfloat16"); attention reads it as float32.
+    kv_dtype: KV cache storage format of the target's attention layers and the draft's context
+      cache: "float32", "bfloat16", "float16", or llama.cpp's block formats "q8_0" / "q4_0"
+      (`kv_cache`: quantized on write, dequantized chunk by chunk inside attention, which
+      computes in float32).
+    kv_dtype_v: the values' format when it differs from the keys' (llama.cpp's -ctk / -ctv);
+      "" = kv_dtype.
 
   Raises ValueError naming the field for a value outside the choices above.
   """
@@ -37,10 +42,11 @@ class Runtime:
   kernels: str = "reference"
   compute_dtype: str = "float32"
   kv_dtype: str = "float32"
+  kv_dtype_v: str = ""
 
   def __post_init__(self):
     for name, choices in (("kernels", KERNEL_CHOICES), ("compute_dtype", COMPUTE_DTYPES),
-                          ("kv_dtype", KV_DTYPES)):
+                          ("kv_dtype", KV_DTYPES), ("kv_dtype_v", ("",) + KV_DTYPES)):
       if getattr(self, name) not in choices:
         raise ValueError(f"Runtime.{name}={getattr(self, name)!r}: expected one of {choices}")
 
@@ -55,9 +61,14 @@ class Runtime:
     return jnp.dtype(self.compute_dtype)
 
   @property
-  def kv(self) -> jnp.dtype:
-    """kv_dtype as a jnp dtype."""
-    return jnp.dtype(self.kv_dtype)
+  def k_format(self) -> str:
+    """The keys' cache format (kv_cache.FORMATS)."""
+    return self.kv_dtype
+
+  @property
+  def v_format(self) -> str:
+    """The values' cache format."""
+    return self.kv_dtype_v or self.kv_dtype
 
   @classmethod
   def for_backend(cls, kernels: str = "auto", **kw) -> "Runtime":

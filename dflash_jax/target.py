@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from dflash_jax import gdn, layers
+from dflash_jax import gdn, kv_cache, layers
 from dflash_jax.config import TargetConfig
 from dflash_jax.quants import take_rows
 from dflash_jax.runtime import Runtime
@@ -30,9 +30,9 @@ class TargetCache:
   """Decode state of the target for positions < the committed length (held by the caller).
 
   Attributes:
-    k: [n_attn, Hkv, S, Dh] KV cache keys, head-major (layers.write_block; post-RoPE,
-      Runtime.kv_dtype); rows past the length are stale.
-    v: [n_attn, Hkv, S, Dv].
+    k: [n_attn, Hkv, S, Dh] KV cache keys (kv_cache.KVBuffer in Runtime.k_format), head-major
+      (layers.write_block; post-RoPE); rows past the length are stale.
+    v: [n_attn, Hkv, S, Dv] values (Runtime.v_format).
     ssm: [n_gdn, Hv, Dk, Dv] float32 Gated DeltaNet SSM state.
     conv: [n_gdn, K-1, C] float32 conv state: the last K-1 pre-conv inputs.
   """
@@ -75,8 +75,8 @@ class Prefilled:
 @dataclasses.dataclass(frozen=True)
 class Verified:
   """Output of `verify`: logits [N, V] float32 per tree node; feats [N, F*D] float32 or None;
-  k, v [n_attn, N, Hkv, Dh|Dv] (Runtime.kv_dtype) the nodes' K/V (not written to the cache: the
-  commit writes the accepted path's); steps the per-node GDN states for `commit_path`."""
+  k, v [n_attn, N, Hkv, Dh|Dv] float32 the nodes' K/V before the cache's encoding (not written
+  to the cache: the commit writes the accepted path's); steps the per-node GDN states for `commit_path`."""
 
   logits: jax.Array
   feats: Optional[jax.Array]
@@ -101,11 +101,13 @@ class CacheUpdate:
 
 
 def init_cache(cfg: TargetConfig, capacity: int, rt: Runtime = Runtime()) -> TargetCache:
-  """Zeroed cache with `capacity` KV rows (KV in rt.kv_dtype)."""
+  """Zeroed cache with `capacity` KV rows (K / V in rt.k_format / rt.v_format).
+  Raises ValueError (kv_cache.check_format) for a block format that does not tile the head dim."""
   n_attn, n_gdn = len(cfg.attn_layers), len(cfg.gdn_layers)
+  lead = (n_attn, cfg.n_kv_head, capacity)
   return TargetCache(
-      k=jnp.zeros((n_attn, cfg.n_kv_head, capacity, cfg.head_dim), rt.kv),
-      v=jnp.zeros((n_attn, cfg.n_kv_head, capacity, cfg.v_head_dim), rt.kv),
+      k=kv_cache.KVBuffer.zeros(rt.k_format, lead, cfg.head_dim),
+      v=kv_cache.KVBuffer.zeros(rt.v_format, lead, cfg.v_head_dim),
       ssm=jnp.zeros((n_gdn, cfg.gdn_n_v_head, cfg.gdn_d_k, cfg.gdn_d_v), jnp.float32),
       conv=jnp.zeros((n_gdn, max(cfg.conv_kernel - 1, 0), cfg.conv_dim), jnp.float32))
 
@@ -160,8 +162,9 @@ def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_all, v_all, li: int, star
   """Softmax attention (gated for qwen35). x: [T, D]; k_all/v_all: [n_attn, Hkv, S, Dh] the
   whole KV cache (read only: rows < start are the committed past, all visible); li: this
   layer's row in it; pos: [T] int32 RoPE positions; local_mask: [T, T] bool which of this
-  call's own rows each row sees. Returns (out [T, D], k [T, Hkv, Dh], v [T, Hkv, Dv]) with k/v
-  in the cache's dtype (what a commit writes)."""
+  call's own rows each row sees. Returns (out [T, D], k [T, Hkv, Dh], v [T, Hkv, Dv]) float32
+  (what a commit encodes and writes; this call's own rows are attended to as the cache will
+  return them, kv_cache.roundtrip, so a verify sees what autoregressive decoding sees)."""
   t = x.shape[0]
   h, hkv, dh, dv = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.v_head_dim
   y = layers.rms_norm(x, p.norm, cfg.rms_eps)
@@ -177,8 +180,8 @@ def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_all, v_all, li: int, star
   rope = functools.partial(layers.rope, pos=pos, rot_dim=cfg.rope_dim, theta=cfg.rope_theta,
                            style=cfg.rope_style, freq_factors=rope_freqs)
   q, k = rope(q), rope(k)
-  k, v = k.astype(k_all.dtype), v.astype(v_all.dtype)   # as stored (and read back) by the cache
-  o = layers.attention_live(q, k_all, v_all, li, None, start, local=(k, v, local_mask),
+  local = (kv_cache.roundtrip(k_all.fmt, k), kv_cache.roundtrip(v_all.fmt, v), local_mask)
+  o = layers.attention_live(q, k_all, v_all, li, None, start, local=local,
                             live_bound=live_bound, row=kv_row)
   o = o.reshape(t, h * dv)
   if gate is not None:
@@ -218,8 +221,8 @@ def _trunk(params: TargetParams, cfg: TargetConfig, x, cache: TargetCache, start
       feats[i] = x
   feat = jnp.concatenate([feats[l] for l in feature_layers], axis=-1) if feature_layers else None
   t = x.shape[0]
-  k = jnp.stack(ks) if ks else jnp.zeros((0, t, cfg.n_kv_head, cfg.head_dim), cache.k.dtype)
-  v = jnp.stack(vs) if vs else jnp.zeros((0, t, cfg.n_kv_head, cfg.v_head_dim), cache.v.dtype)
+  k = jnp.stack(ks) if ks else jnp.zeros((0, t, cfg.n_kv_head, cfg.head_dim), jnp.float32)
+  v = jnp.stack(vs) if vs else jnp.zeros((0, t, cfg.n_kv_head, cfg.v_head_dim), jnp.float32)
   return x, feat, k, v, cache, steps
 
 

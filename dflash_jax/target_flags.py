@@ -10,6 +10,8 @@ import dataclasses
 
 from absl import flags
 
+from dflash_jax.runtime import KV_DTYPES
+
 
 @dataclasses.dataclass(frozen=True)
 class TargetFlags:
@@ -21,13 +23,14 @@ class TargetFlags:
   fuse_projections: flags.FlagHolder
   compute_dtype: flags.FlagHolder
   kv_dtype: flags.FlagHolder
+  kv_dtype_v: flags.FlagHolder
   compile_cache: flags.FlagHolder
   compile_cache_dir: flags.FlagHolder
   parse_special: flags.FlagHolder
 
 
 def define(flag_values: flags.FlagValues = flags.FLAGS) -> TargetFlags:
-  """Defines --target, --weights, --kernels, --fuse_projections, --compute_dtype, --kv_dtype,
+  """Defines --target, --weights, --kernels, --fuse_projections, --compute_dtype, --kv_dtype, --kv_dtype_v,
   --compile_cache, --compile_cache_dir, --parse_special."""
   return TargetFlags(
       target=flags.DEFINE_string(
@@ -49,8 +52,15 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> TargetFlags:
           "compute_dtype", "float32", ["float32", "bfloat16"],
           "Activation / matmul operand dtype.", flag_values=flag_values),
       kv_dtype=flags.DEFINE_enum(
-          "kv_dtype", "float32", ["float32", "bfloat16"], "KV cache storage dtype.",
-          flag_values=flag_values),
+          "kv_dtype", "float32", list(KV_DTYPES),
+          "KV cache storage format of the target and the draft's context cache: float32, "
+          "bfloat16, float16, or llama.cpp's q8_0 (3.8x smaller than float32) / q4_0 (7.1x) "
+          "blocks, dequantized chunk by chunk inside attention. Speculative output is identical "
+          "to autoregressive output with the same format.", flag_values=flag_values),
+      kv_dtype_v=flags.DEFINE_enum(
+          "kv_dtype_v", None, list(KV_DTYPES),
+          "The values' format when it differs from the keys' (llama.cpp -ctv); default: "
+          "--kv_dtype.", flag_values=flag_values),
       compile_cache=flags.DEFINE_boolean(
           "compile_cache", True, "Keep compiled programs in a persistent cache on disk, so the "
           "next run reads them back instead of compiling (--nocompile_cache: off).",
@@ -107,5 +117,6 @@ def load(f: TargetFlags, progress=None):
                        f"{jax.default_backend()!r}: use --kernels=auto or --kernels=reference")
   return api.load_target(target_path(f), weights=f.weights.value,
                          compute_dtype=f.compute_dtype.value, kv_dtype=f.kv_dtype.value,
+                         kv_dtype_v=f.kv_dtype_v.value or "",
                          kernels=f.kernels.value,
                          fuse_projections=f.fuse_projections.value, progress=progress)

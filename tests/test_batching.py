@@ -156,7 +156,7 @@ def test_bad_batch_input(qwen_f32, qwen_draft, qwen_ref):
     dj.generate_batch(qwen_f32, qwen_draft, p[:2], max_new_tokens=[4, 0])
   with pytest.raises(ValueError, match="batch_size=0"):
     dj.generate_batch(qwen_f32, qwen_draft, p[:2], max_new_tokens=4, batch_size=0)
-  with pytest.raises(ValueError, match=r"x batch 64: the decode cache needs .* GiB.*--batch_size"):
+  with pytest.raises(ValueError, match=r"x batch 64: the decode cache .* needs .* GiB.*--batch_size"):
     dj.generate_batch(qwen_f32, qwen_draft, [p[0]] * 64, max_new_tokens=4, batch_size=64,
                       max_ctx=1 << 22)
 

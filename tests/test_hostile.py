@@ -2,6 +2,7 @@
 counts and offsets, bad metadata values, broken tokenizers and chat templates, bad draft configs.
 Each must be a ValueError / NotImplementedError naming the file and key or tensor, fast."""
 
+import dataclasses
 import json
 import os
 import time
@@ -13,6 +14,7 @@ import dflash_jax as dj
 from conftest import DRAFT, QWEN, draft_copy
 from dflash_jax.config import DraftConfig, TargetConfig
 from dflash_jax.gguf_io import GGUFFormatError, read_gguf
+from dflash_jax.runtime import Runtime
 from gguf_mutations import header_slots, write_slot
 
 SRC = os.path.join(QWEN, "model-q8_0.gguf")
@@ -195,8 +197,17 @@ def test_max_ctx_checks_before_compiling(qwen_f32, monkeypatch):
   # 2 attention layers x (K + V) x 2 KV heads x 64 dims x 4 bytes per token, plus the rest.
   assert 2 * 2 * 2 * 64 * 4 * (1 << 20) < need < 2 * 2 * 2 * 64 * 4 * (1 << 20) * 1.2
   monkeypatch.setattr(api, "available_bytes", lambda: need - 1)
-  with pytest.raises(ValueError, match=r"max_ctx=1048576: the decode cache needs 2\.\d\d GiB but only"):
+  with pytest.raises(ValueError, match=r"max_ctx=1048576: the decode cache with a float32 KV "
+                                       r"cache needs 2\.\d\d GiB \(\d+ bytes\) but only"):
     api.check_config(qwen_f32, None, dec)
+  # The format counts: q4_0 K and V store 18 bytes per 32 values (0.14 of float32's bytes).
+  q4 = dataclasses.replace(qwen_f32, runtime=Runtime(kv_dtype="q4_0"))
+  need_q4 = api.state_bytes(q4, None, dec)
+  values = 2 * 2 * 2 * 64 * dec.capacity        # layers x (K, V) x heads x dims x cache rows
+  assert need - need_q4 == values * 4 - values * 18 // 32
+  monkeypatch.setattr(api, "available_bytes", lambda: need_q4 - 1)
+  with pytest.raises(ValueError, match=r"a q4_0 KV cache needs 0\.\d\d GiB \(\d+ bytes\)"):
+    api.check_config(q4, None, dec)
   monkeypatch.undo()
   with pytest.raises(ValueError, match=r"DecodeConfig\.max_ctx=100000000: must be in"):
     api.resolve_config(None, mode="ar", max_ctx=100_000_000)

@@ -182,7 +182,7 @@ def test_generate_script_batch_keeps_going_and_protects_output(tmp_path):
     (["--prompt", "x", "--max_new_tokens", "0"], b"", "max_new_tokens"),
     (["--prompt", "x", "--mode", "ddtree", "--budget", "100000"], b"", "budget=100000: must be in"),
     (["--prompt", "x", "--max_ctx", "10000000", "--draft", "none"], b"",
-     "error: max_ctx=10000000: the decode cache needs"),
+     "error: max_ctx=10000000: the decode cache with a float32 KV cache needs"),
     (["--prompt", "x", "--json_schema", '{"type": "nonsense"}'], b"",
      "error: --json_schema: cannot compile this JSON schema"),
     (["--prompt", "x", "--json_schema", "{tmp}/missing.json"], b"",

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax import gdn, layers
+from dflash_jax import gdn, kv_cache, layers
 from dflash_jax import target as target_lib
 from dflash_jax import tree as tree_lib
 from dflash_jax.runtime import Runtime
@@ -212,14 +212,23 @@ def test_fused_projections_match_unfused(qwen_q, qwen_ref, q):
     (100, 5, 50, 256, False, "float32"),       # S smaller than a chunk
     (640, 23, 500, 128, True, "float32"),      # tree mask, last chunk slid back (640 = 5 x 128)
     (600, 23, 560, 128, True, "bfloat16"),     # S not a multiple of the chunk; bf16 cache
+    (600, 23, 560, 128, True, "float16"),
+    (384, 16, 300, 128, False, "q8_0"),        # block formats: decoded chunk by chunk
+    (600, 23, 560, 128, True, "q4_0"),
 ])
 def test_attention_live_matches_full_cache_attention(s_cap, t, start, chunk, tree, kv):
-  """layers.attention_live (chunked online softmax over the live rows only) against the
-  full-cache masked softmax `layers.attention` on the same cache rows: max abs < 1e-5."""
+  """layers.attention_live (chunked online softmax over the live rows only, each chunk decoded
+  from the cache's format) against the full-cache masked softmax `layers.attention` on the
+  cache's decoded values (kv_cache.KVBuffer.values): max abs < 1e-5."""
   rng = np.random.default_rng(s_cap + t)
   q = jnp.asarray(rng.normal(size=(t, 6, 64)), jnp.float32)
-  k = jnp.asarray(rng.normal(size=(2, s_cap, 2, 64)), kv)
-  v = jnp.asarray(rng.normal(size=(2, s_cap, 2, 48)), kv)
+  dv = 48 if kv in kv_cache.FLOAT_FORMATS else 64
+  kb = kv_cache.KVBuffer.zeros(kv, (2, 2, s_cap), 64)
+  vb = kv_cache.KVBuffer.zeros(kv, (2, 2, s_cap), dv)
+  kb = layers.write_block(kb, 0, jnp.asarray(rng.normal(size=(2, s_cap, 2, 64)), jnp.float32))
+  vb = layers.write_block(vb, 0, jnp.asarray(rng.normal(size=(2, s_cap, 2, dv)), jnp.float32))
+  k = kb.values().transpose(0, 2, 1, 3)    # token-major [n_layer, S, Hkv, Dh] for the reference
+  v = vb.values().transpose(0, 2, 1, 3)
   key = np.arange(s_cap)
   if tree:   # committed past plus a random subset of this call's rows (always itself)
     own = rng.random((t, t)) < 0.5
@@ -231,8 +240,7 @@ def test_attention_live_matches_full_cache_attention(s_cap, t, start, chunk, tre
     mask = key[None] <= (start + np.arange(t))[:, None]
   mask = jnp.asarray(mask)
   ref = layers.attention(q, k[1].astype(jnp.float32), v[1].astype(jnp.float32), mask)
-  out = layers.attention_live(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), 1, mask,
-                              jnp.int32(start + t), chunk)    # the cache is head-major
+  out = layers.attention_live(q, kb, vb, 1, mask, jnp.int32(start + t), chunk)
   assert out.shape == ref.shape and float(jnp.max(jnp.abs(out - ref))) < 1e-5
 
 

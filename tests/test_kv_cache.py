@@ -1,0 +1,136 @@
+"""KV cache formats (kv_cache.KVBuffer): float32 / bfloat16 / float16 / q8_0 / q4_0 storage of
+the target's and the draft's caches. References: gguf-py's quantizers (bit-exact blocks, via
+kv_quant, tests/test_kv_quant.py), and, for losslessness, autoregressive decoding with the same
+cache format (exact token equality)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dflash_jax as dj
+from conftest import mean_kl
+from dflash_jax import cli, kv_cache, kv_quant, layers
+from dflash_jax.runtime import Runtime
+from test_draft_and_decode import _oracle_run
+
+
+def _with_kv(target, k, v=""):
+  return dataclasses.replace(target, runtime=Runtime(kv_dtype=k, kv_dtype_v=v))
+
+
+@pytest.mark.parametrize("fmt", kv_cache.FORMATS)
+def test_buffer_write_read_cut_put(fmt):
+  """A KVBuffer written at rows 5..9 returns exactly decode(encode(rows)) there (for q8_0 /
+  q4_0: gguf's blocks of those values) and zeros elsewhere; cut + put copies rows as stored;
+  its bytes are the format's bytes per value."""
+  rng = np.random.default_rng(0)
+  buf = kv_cache.KVBuffer.zeros(fmt, (2, 3, 16), 64)
+  assert buf.shape == (2, 3, 16, 64)
+  assert buf.nbytes == 2 * 3 * 16 * 64 * kv_cache.bytes_per_value(fmt)
+  rows = jnp.asarray(rng.normal(size=(2, 5, 3, 64)), jnp.float32)       # token-major
+  buf = layers.write_block(buf, 5, rows)
+  got = np.asarray(buf.values())
+  want = np.asarray(kv_cache.roundtrip(fmt, layers.kv_rows(rows)))
+  np.testing.assert_array_equal(got[:, :, 5:10], want)
+  assert not got[:, :, :5].any() and not got[:, :, 10:].any()
+  if fmt in kv_quant.FORMATS:   # the stored planes are gguf's blocks of these values
+    import gguf
+    qtype = getattr(gguf.GGMLQuantizationType, fmt.upper())
+    ref = gguf.quants.quantize(np.asarray(layers.kv_rows(rows)).reshape(-1, 64), qtype)
+    planes = [np.asarray(p[:, :, 5:10]) for p in buf.planes]
+    np.testing.assert_array_equal(kv_quant.to_gguf_blocks(planes[0], planes[1]).reshape(-1),
+                                  ref.reshape(-1))
+  assert 0 < np.abs(want - np.asarray(layers.kv_rows(rows))).max() if fmt != "float32" else True
+  part = buf.cut((0, 0, 4, 0), (2, 3, 8))
+  moved = kv_cache.KVBuffer.zeros(fmt, (2, 3, 16), 64).put(part, (0, 0, 8, 0))
+  np.testing.assert_array_equal(np.asarray(moved.values())[:, :, 8:16], got[:, :, 4:12])
+
+
+def test_bad_formats_are_refused(qwen_f32_path):
+  with pytest.raises(ValueError, match=r"kv_dtype='q8_0' stores blocks of 32 values along the "
+                                       r"head dimension, which is 48 here"):
+    kv_cache.KVBuffer.zeros("q8_0", (1, 1, 8), 48)
+  with pytest.raises(ValueError, match=r"Runtime.kv_dtype='q5_1': expected one of"):
+    Runtime(kv_dtype="q5_1")
+  with pytest.raises(ValueError, match=r"Runtime.kv_dtype_v='int8'"):
+    dj.load_target(qwen_f32_path, kv_dtype_v="int8")
+
+
+@pytest.mark.parametrize("k,v", [("bfloat16", ""), ("float16", ""), ("q8_0", ""), ("q4_0", ""),
+                                 ("q8_0", "q4_0")])   # float32: every other decode test
+def test_every_format_lossless_tiny_hybrid(qwen_f32, qwen_draft, qwen_ref, k, v):
+  """With each cache format (and K / V in different formats): autoregressive greedy output with
+  that format == an oracle chain committing 1..16 tokens a step (the verify's own rows are
+  attended to as the cache will return them) == chain and DDTree with the fixture draft; on
+  the tiny Qwen3.5 hybrid (Gated DeltaNet rollback beside quantized attention caches)."""
+  t = _with_kv(qwen_f32, k, v)
+  prompt = qwen_ref["tokens"][2, :16]
+  truth = dj.generate(t, None, prompt, max_new_tokens=160, mode="ar", max_ctx=256,
+                      eog_ids=()).tokens
+  r = _oracle_run(t, prompt, np.asarray(truth, np.int32), list(range(15)) + [99], 256)
+  assert r.tokens == truth and max(r.accept_lens) == 16
+  for mode in ("chain", "ddtree"):
+    out = dj.generate(t, qwen_draft, prompt, max_new_tokens=40, mode=mode, max_ctx=256,
+                      eog_ids=())
+    assert out.tokens == truth[:40], (k, v, mode)
+
+
+def test_formats_change_numerics_within_bounds(qwen_f32, qwen_ref):
+  """The formats act (logits differ from the float32 cache's) and stay close: the next-token
+  distributions of a 64-token prompt (whose attention reads its own rows through the format)
+  vs the float32 cache: mean KL < 1e-4 for bfloat16 / float16 / q8_0, < 2e-2 for q4_0."""
+  toks = qwen_ref["tokens"][0]
+  base = np.asarray(dj.forward_logits(qwen_f32, toks))
+  for fmt, bound in (("bfloat16", 1e-4), ("float16", 1e-4), ("q8_0", 1e-4), ("q4_0", 2e-2)):
+    lg = np.asarray(dj.forward_logits(_with_kv(qwen_f32, fmt), toks))
+    kl = mean_kl(base, lg)
+    assert 0 < np.abs(lg - base).max() and kl < bound, (fmt, kl)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_quantized_cache_lossless_smollm2(smol, smol_prompts, fmt):
+  """SmolLM2 with the shipped draft and a q8_0 / q4_0 cache (target and draft context), three
+  prompts: q8_0 chain and DDTree greedy == autoregressive greedy with the same format, token for
+  token. q4_0: equal up to rounding. A verify computes a row's K/V in a forward of many tokens,
+  AR in a forward of one, and the two differ in the last bits (as with a float32 cache); q4_0's
+  16 levels turn such a difference into a whole quantization step when a value sits at a
+  rounding boundary (~1e-6 of values), which can move a later near-tie. So for q4_0 each
+  divergence from AR must be such a tie: the two tokens are the top two of a third computation
+  (the full-sequence forward with the same format) and within 0.5 logits of each other."""
+  t = _with_kv(smol, fmt)
+  draft = dj.load_draft(cli.find_draft_dir(smol), t)
+  identical = 0
+  for p in smol_prompts[:3]:
+    prompt = list(p["prompt_ids"])
+    outs = {m: dj.generate(t, draft, prompt, max_new_tokens=64, mode=m, max_ctx=512,
+                           eog_ids=()) for m in ("ar", "chain", "ddtree")}
+    ar = outs["ar"].tokens
+    for m in ("chain", "ddtree"):
+      assert max(outs[m].accept_lens) > 1
+      spec = outs[m].tokens
+      if spec == ar:
+        identical += 1
+        continue
+      assert fmt == "q4_0", (fmt, m, prompt)
+      i = next(j for j in range(len(ar)) if ar[j] != spec[j])
+      lg = np.asarray(dj.forward_logits(t, prompt + ar[:i]))[-1]
+      assert set(np.argsort(-lg)[:2].tolist()) == {ar[i], spec[i]}, (m, i)
+      assert abs(lg[ar[i]] - lg[spec[i]]) < 0.5, (m, i)
+  assert identical >= (6 if fmt == "q8_0" else 3)
+
+
+def test_draft_context_cache_uses_the_format(qwen_f32, qwen_draft):
+  """The draft's context cache is stored in the target's K / V formats too."""
+  from dflash_jax import decode as decode_lib
+  t = _with_kv(qwen_f32, "q8_0", "q4_0")
+  dec = dj.api.resolve_config(qwen_draft, mode="chain", max_ctx=128)
+  st = jax.eval_shape(lambda: decode_lib.init_row(
+      decode_lib.Plan(t.config, qwen_draft.config, dec, t.runtime)))
+  assert (st.target.k.fmt, st.target.v.fmt, st.draft.k.fmt, st.draft.v.fmt) == (
+      "q8_0", "q4_0", "q8_0", "q4_0")
+  assert [p.dtype for p in st.draft.k.planes] == [jnp.int8, jnp.float16]
