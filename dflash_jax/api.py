@@ -298,6 +298,9 @@ class GenerateResult:
     return self.prompt_len / self.prefill_s if self.prefill_s > 0 else 0.0
 
 
+DEFAULT_DRAFT_WINDOW = 4096   # z-lab's drafts are trained on 4096-token sequences
+
+
 def resolve_config(draft: Optional[Draft], config: Optional[DecodeConfig] = None, *,
                    has_proposer: bool = False, target: Optional[Target] = None, batch: int = 1,
                    **overrides) -> DecodeConfig:
@@ -327,6 +330,9 @@ def resolve_config(draft: Optional[Draft], config: Optional[DecodeConfig] = None
                      f"{draft.config.block_size}")
   if dec.block_size is None:
     dec = dataclasses.replace(dec, block_size=draft.config.block_size if draft is not None else 16)
+  if dec.draft_window is None:
+    sw = draft.config.sliding_window if draft is not None and any(draft.config.sliding) else 0
+    dec = dataclasses.replace(dec, draft_window=sw or DEFAULT_DRAFT_WINDOW)
   return dec
 
 

@@ -401,6 +401,13 @@ class DecodeConfig:
       "rejection" (drafts drawn from the draft's processed distribution, the standard
       speculative sampling rule) or "match" (drafts = the draft's argmax, accepted while equal
       to the target's own draws). Both are exact; see sampling.py.
+    draft_window: the draft attends to the target features of the most recent draft_window
+      positions only, kept in a ring buffer of draft_window + `draft_margin` rows, so the
+      draft's memory and per-step work do not grow with max_ctx (z-lab's drafts are trained on
+      4096-token sequences); 0 = every committed position (a buffer of `capacity` rows);
+      None = the draft config's sliding_window when it has sliding layers, else 4096 (resolved
+      by `api.resolve_config`). Positions stay absolute: the draft's RoPE sees only key-query
+      offsets, which the window bounds either way.
 
   Raises ValueError naming the field (and the valid choices) for a bad value.
   """
@@ -414,6 +421,7 @@ class DecodeConfig:
   chain_seed: bool = True
   draft_temp: float = 1.0
   chain_rule: str = "rejection"
+  draft_window: int | None = None
 
   def __post_init__(self):
     if self.mode not in MODES + (AUTO,):
@@ -429,6 +437,8 @@ class DecodeConfig:
     if not isinstance(self.chain_seed, bool):
       raise ValueError(f"DecodeConfig.chain_seed={self.chain_seed!r}: expected a bool")
     check_number(self, "draft_temp", 0.0, math.inf, lo_open=True)
+    if self.draft_window is not None:
+      check_int(self, "draft_window", 0, MAX_CTX)
 
   @property
   def speculative(self) -> bool:
@@ -466,6 +476,20 @@ class DecodeConfig:
     if self.mode == AUTO:
       raise ValueError("DecodeConfig.mode='auto' is unresolved: api.resolve_config picks the mode")
     return self.mode
+
+  @property
+  def draft_margin(self) -> int:
+    """Ring-buffer rows beyond the draft window: a commit or prefill chunk writes up to
+    max(verify_len, L, prefill_chunk) rows past the committed length, which must not land on
+    rows the window still reads."""
+    return max(self.verify_len, self.L, self.prefill_chunk)
+
+  @property
+  def draft_rows(self) -> int:
+    """Rows of the draft's context cache: draft_window + draft_margin when that is below
+    `capacity` (a ring buffer), else capacity (every position, as with draft_window 0)."""
+    w = self.draft_window or 0
+    return w + self.draft_margin if 0 < w and w + self.draft_margin < self.capacity else self.capacity
 
   @property
   def capacity(self) -> int:

@@ -119,7 +119,9 @@ def init_row(plan: Plan) -> DecodeState:
       pos=jnp.int32(0), bonus=jnp.int32(0), done=jnp.bool_(True), n_steps=jnp.int32(0),
       accept_lens=jnp.zeros((s,), jnp.int32),
       target=target_lib.init_cache(tcfg, s, plan.rt),
-      draft=draft_lib.init_cache(dcfg, s, plan.rt) if plan.uses_draft else None,
+      draft=(draft_lib.init_cache(dcfg, dec.draft_rows, plan.rt,
+                                  window=dec.draft_window if dec.draft_rows < s else 0)
+             if plan.uses_draft else None),
       key=jax.random.key(0), samp=sampling_lib.SamplingConfig().params(),
       finite=jnp.bool_(True), recent=jnp.zeros((sampling_lib.PENALTY_WINDOW,), jnp.int32),
       gstate=jnp.int32(grammar_lib.NO_GRAMMAR))
@@ -245,7 +247,7 @@ def prefill_chunk(tparams, dparams, state: DecodeState, slot: jax.Array, tokens:
   at = (slot, jnp.int32(0), jnp.int32(0), start, jnp.int32(0))
   put = lambda cache, rows: cache.write(layers.kv_rows(rows)[None], at)
   if dk is not None:
-    dc = draft_lib.DraftCache(put(dc.k, dk), put(dc.v, dv))
+    dc = dc.write(start, dk[None], dv[None], lead=(slot,))
   return dataclasses.replace(small, target=dataclasses.replace(small.target, k=put(tk, k),
                                                                 v=put(tv, v)), draft=dc)
 
@@ -502,8 +504,8 @@ def _commit_rows(act: jax.Array, r: _RowStep, old: DecodeState) -> DecodeState:
                               ssm=pick(r.update.ssm, tc.ssm), conv=pick(r.update.conv, tc.conv))
   dc = old.draft
   if r.draft_k is not None:
-    dc = draft_lib.DraftCache(layers.write_block_rows(dc.k, r.start, r.draft_k),
-                              layers.write_block_rows(dc.v, r.start, r.draft_v))
+    for b in range(r.start.shape[0]):
+      dc = dc.write(r.start[b], r.draft_k[b][None], r.draft_v[b][None], lead=(jnp.int32(b),))
   return dataclasses.replace(new, target=tc, draft=dc)
 
 

@@ -50,19 +50,53 @@ class DraftParams:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DraftCache:
-  """Draft context K/V: k, v [n_layer, Hkv, S, Dh] kv_cache.KVBuffer (Runtime.k_format /
-  v_format, as the target's cache), head-major (layers.write_block; post k_norm and RoPE)."""
+  """Draft context K/V: k, v [n_layer, Hkv, R, Dh] kv_cache.KVBuffer (Runtime.k_format /
+  v_format, as the target's cache), head-major (post k_norm and RoPE at the absolute position).
+
+  window: static; 0 = row p holds position p (R = the decode capacity); else a ring buffer:
+  position p lives in row p % R and `propose` attends to positions start-window..start-1 only
+  (R >= window + the most rows one write puts past the committed length, DecodeConfig.draft_rows,
+  so such rows never land on a row the window still reads).
+  """
 
   k: kv_cache.KVBuffer
   v: kv_cache.KVBuffer
+  window: int = dataclasses.field(default=0, metadata=dict(static=True))
+
+  def write(self, start: jax.Array, k: jax.Array, v: jax.Array, lead: tuple = ()) -> "DraftCache":
+    """Context rows k, v [(1,) n_layer, T, Hkv, Dh] float (token-major; T <= R) for positions
+    start..start+T-1 written at their rows: one dynamic-update-slice per plane at row `start`,
+    or, in a ring buffer, a scatter to rows (start + j) % R (in place either way). lead: the
+    indices of the leading (batch) axes of a batched cache, with a leading 1 on k / v."""
+    kr, vr = layers.kv_rows(k[0] if lead else k), layers.kv_rows(v[0] if lead else v)
+    if lead:
+      kr, vr = kr[None], vr[None]
+    z = jnp.int32(0)
+    if not self.window:
+      at = tuple(lead) + (z, z, jnp.asarray(start, jnp.int32), z)
+      return dataclasses.replace(self, k=self.k.write(kr, at), v=self.v.write(vr, at))
+    rows = (start + jnp.arange(kr.shape[-2], dtype=jnp.int32)) % self.k.shape[-2]
+    return dataclasses.replace(self, k=self.k.scatter(kr, tuple(lead), rows),
+                               v=self.v.scatter(vr, tuple(lead), rows))
+
+  def key_positions(self, start: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(pos [R] int32 the position each row holds for a block at `start`, n_live [] int32 the
+    rows to read): rows < start (R = capacity), or every row of a ring buffer once it wrapped
+    (rows holding positions < 0 or before the window are masked by the caller)."""
+    r = self.k.shape[-2]
+    rows = jnp.arange(r, dtype=jnp.int32)
+    if not self.window:
+      return rows, start
+    return start - 1 - jnp.mod(start - 1 - rows, r), jnp.minimum(start, r)
 
 
-def init_cache(cfg: DraftConfig, capacity: int, rt: Runtime = Runtime()) -> DraftCache:
+def init_cache(cfg: DraftConfig, capacity: int, rt: Runtime = Runtime(),
+               window: int = 0) -> DraftCache:
   """Zeroed context cache of `capacity` rows in rt's K / V formats (ValueError from
-  kv_cache.check_format)."""
+  kv_cache.check_format); window > 0: a ring buffer (see DraftCache)."""
   lead = (cfg.n_layer, cfg.n_kv_head, capacity)
   return DraftCache(kv_cache.KVBuffer.zeros(rt.k_format, lead, cfg.head_dim),
-                    kv_cache.KVBuffer.zeros(rt.v_format, lead, cfg.head_dim))
+                    kv_cache.KVBuffer.zeros(rt.v_format, lead, cfg.head_dim), window)
 
 
 def _kv(x, lay: DraftLayer, pos, cfg: DraftConfig, rt: Runtime):
@@ -112,7 +146,7 @@ def ingest(params: DraftParams, cfg: DraftConfig, feats: jax.Array, start: jax.A
   later ingests overwrite and `propose` never reads).
   """
   k, v = ingest_rows(params, cfg, feats, start, rt)
-  return DraftCache(layers.write_block(cache.k, start, k), layers.write_block(cache.v, start, v))
+  return cache.write(start, k, v)
 
 
 def propose(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: QuantWeight,
@@ -138,17 +172,23 @@ def propose(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: 
                          jnp.full((L - 1,), cfg.mask_token_id, jnp.int32)])
   pos = start + jnp.arange(L, dtype=jnp.int32)
   h = take_rows(embed, ids)
-  key_pos = jnp.arange(cache.k.shape[2], dtype=jnp.int32)
+  key_pos, n_live = cache.key_positions(start)
+  in_window = None
+  if cache.window:
+    in_window = jnp.broadcast_to(((key_pos >= 0) & (key_pos >= start - cache.window))[None],
+                                 (L, key_pos.shape[0]))
   full_local = jnp.ones((L, L), bool)
   for i, lay in enumerate(params.layers):
     x = layers.rms_norm(h, lay.in_norm, cfg.rms_eps)
     k, v = _kv(x, lay, pos, cfg, rt)
+    past = in_window
     if cfg.sliding[i]:
       past = pos[:, None] - key_pos[None, :] < cfg.sliding_window
+      past = past if in_window is None else past & in_window
       local = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < cfg.sliding_window)
     else:
-      past, local = None, full_local
-    o = layers.attention_live(_queries(x, lay, pos, cfg, rt), cache.k, cache.v, i, past, start,
+      local = full_local
+    o = layers.attention_live(_queries(x, lay, pos, cfg, rt), cache.k, cache.v, i, past, n_live,
                               local=(k, v, local))
     h = _mlp_residual(h, o.reshape(L, cfg.n_head * cfg.head_dim), lay, cfg, rt)
   h = layers.rms_norm(h, params.norm, cfg.rms_eps)

@@ -118,6 +118,17 @@ class KVBuffer:
     return dataclasses.replace(self, planes=tuple(
         jax.lax.dynamic_update_slice(p, e.astype(p.dtype), at) for p, e in zip(self.planes, enc)))
 
+  def scatter(self, rows: jax.Array, lead: tuple, at_rows: jax.Array) -> "KVBuffer":
+    """rows [(1,) n_layer, Hkv, T, Dh] float encoded and written at rows `at_rows` [T] int32 of
+    the row axis (the second to last), under leading indices `lead` (a batched buffer's row
+    index; rows then carries a leading 1): a ring buffer's wrapped write (in place)."""
+    enc = encode(self.fmt, rows[0] if lead else rows)
+    if lead:   # numpy indexing: the separated integer indices' axis (T) comes first
+      enc = tuple(e.transpose(2, 0, 1, 3) for e in enc)
+    idx = tuple(lead) + (slice(None), slice(None), at_rows)
+    return dataclasses.replace(self, planes=tuple(
+        p.at[idx].set(e.astype(p.dtype)) for p, e in zip(self.planes, enc)))
+
   def read(self, at: tuple, sizes: tuple) -> jax.Array:
     """The float32 values [*sizes, Dh] of the block at index `at` (one entry per axis, the last
     0) of leading sizes `sizes`: a dynamic slice per plane, then `decode`."""

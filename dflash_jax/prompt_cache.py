@@ -12,6 +12,11 @@ checkpoints for recurrent models too), so a hybrid target reuses the longest che
 the shared prefix and prefills from there. The cache is bounded in bytes (`max_bytes`, the
 device arrays it holds) and evicts least recently used entries.
 
+A draft whose context is a ring buffer (DecodeConfig.draft_window, for long contexts) keeps its
+whole ring in the entry; restored for a shorter prefix than the entry's, rows the window would
+read can hold later positions of the entry, so the draft proposes from a stale context until it
+is overwritten: acceptance may drop for that request, output does not change.
+
 Lossless: the restored rows and state are exactly those a cold prefill of the same tokens
 writes (the prefill is chunk-invariant), so output equals a cold run token for token
 (tests/test_prompt_cache.py).
@@ -46,9 +51,9 @@ def extract_rows(state, slot: jax.Array, *, rows: int):
   decode.DecodeState (read only). Returns (kv: (target k, target v, draft k, draft v) each
   [n_layer, Hkv, rows, Dh] (draft None without a draft), ssm [n_gdn, Hv, Dk, Dv], conv
   [n_gdn, K-1, C])."""
-  def cut(c):
+  def cut(c):      # a draft ring buffer (DraftCache.window) may hold fewer rows: all of them
     return c.cut((slot,) + (jnp.int32(0),) * (c.ndim - 1),
-                 (1,) + c.shape[1:3] + (rows,)).map(lambda p: p[0])
+                 (1,) + c.shape[1:3] + (min(rows, c.shape[3]),)).map(lambda p: p[0])
   d = state.draft
   kv = (cut(state.target.k), cut(state.target.v),
         None if d is None else cut(d.k), None if d is None else cut(d.v))
