@@ -29,6 +29,7 @@ class DecodeFlags:
   chain_seed: flags.FlagHolder
   draft_temp: flags.FlagHolder
   chain_rule: flags.FlagHolder
+  draft_window: flags.FlagHolder
   temperature: flags.FlagHolder
   top_k: flags.FlagHolder
   top_p: flags.FlagHolder
@@ -43,7 +44,7 @@ class DecodeFlags:
 def define(flag_values: flags.FlagValues = flags.FLAGS, *,
            max_ctx: int = _DEFAULT.max_ctx) -> DecodeFlags:
   """Defines --mode, --block_size, --max_ctx, --budget, --tree_top_k, --chain_seed,
-  --draft_temp, --chain_rule and the sampling flags --temperature, --top_k, --top_p, --min_p,
+  --draft_temp, --chain_rule, --draft_window and the sampling flags --temperature, --top_k, --top_p, --min_p,
   --seed (unset sampling flags take the GGUF's recommended values, else greedy)."""
   fv = dict(flag_values=flag_values)
   return DecodeFlags(
@@ -67,6 +68,11 @@ def define(flag_values: flags.FlagValues = flags.FLAGS, *,
                                    "Chain verification when sampling: 'rejection' (standard "
                                    "speculative sampling) or 'match' (accept while the draft's "
                                    "argmax equals the target's draw).", **fv),
+      draft_window=flags.DEFINE_integer(
+          "draft_window", None, "The draft attends to the target features of the last "
+          "draft_window positions only (a fixed-size ring buffer: its memory does not grow with "
+          "--max_ctx). Default: the draft config's sliding_window, else 4096 (z-lab's training "
+          "length); 0 = every position.", **fv),
       temperature=flags.DEFINE_float("temperature", None, "Sampling temperature; 0 = greedy. "
                                      "Default: the GGUF's general.sampling.temp, else 0.", **fv),
       top_k=flags.DEFINE_integer("top_k", None, "Sampling top-k (0 = off). Default: the GGUF's, "
@@ -95,7 +101,7 @@ def config(f: DecodeFlags, **overrides) -> DecodeConfig:
   values = dict(mode=f.mode.value, block_size=f.block_size.value,
                 max_ctx=f.max_ctx.value, budget=f.budget.value, tree_top_k=f.tree_top_k.value,
                 chain_seed=f.chain_seed.value, draft_temp=f.draft_temp.value,
-                chain_rule=f.chain_rule.value)
+                chain_rule=f.chain_rule.value, draft_window=f.draft_window.value)
   values.update(overrides)
   try:
     return DecodeConfig(**values)

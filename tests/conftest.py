@@ -99,6 +99,13 @@ def smol_prompts():
 
 def pytest_configure(config):
   jax.config.update("jax_platforms", "cpu")
+  # A persistent compilation cache for this session only: the per-module fixture below drops the
+  # in-memory programs, and a later module compiling the same program (SmolLM2's decode loops
+  # recur across modules) reads it back from disk instead of compiling it again. Keys are HLO
+  # hashes, so a monkeypatched function compiles afresh.
+  import tempfile
+  from dflash_jax import compile_cache
+  compile_cache.enable(tempfile.mkdtemp(prefix="dflash_jax_test_xla_"))
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -23,6 +23,7 @@ import pytest
 
 import dflash_jax as dj
 from dflash_jax import batching, decode, sampling
+from dflash_jax.runtime import Runtime
 from dflash_jax.sampling import SamplingConfig
 
 TOP_K = 3
@@ -152,26 +153,30 @@ def _sample_many(target, draft, prompt, dec, cfg: SamplingConfig, n, proposer=No
   return np.asarray(jax.jit(jax.vmap(run))(seeds))
 
 
-@pytest.fixture(scope="module")
-def exact_joint(qwen_f32, draft_ref):
+def _exact_joint(target, draft_ref):
   """(prompt, exact joint distribution {tokens: prob} of the first N_TOKENS tokens under the
-  numpy reference sampler at CFG, proposer tables): the tables map a token to the target's
-  first / second choice after the prefix ending with it (a fixed function of the last token, so
-  the proposers below can be adversarial)."""
+  numpy reference sampler at CFG, proposer tables) for `target` (its cache format included):
+  the tables map a token to the target's first / second choice after the prefix ending with it
+  (a fixed function of the last token, so the proposers below can be adversarial)."""
   prompt = [int(x) for x in draft_ref["prompt_ids"]]
-  v = qwen_f32.config.n_vocab
+  v = target.config.n_vocab
   first, second = np.zeros(v, np.int32), np.zeros(v, np.int32)
   frontier = [((), 1.0)]
   for _ in range(N_TOKENS):
     nxt = []
     for prefix, pr in frontier:
-      lg = np.asarray(dj.forward_logits(qwen_f32, prompt + list(prefix)))[-1]
+      lg = np.asarray(dj.forward_logits(target, prompt + list(prefix)))[-1]
       d = ref_process(lg, CFG.temperature, CFG.top_k, CFG.top_p, CFG.min_p)
       last = prefix[-1] if prefix else prompt[-1]
       first[last], second[last] = np.argsort(-d, kind="stable")[:2]
       nxt += [(prefix + (int(t),), pr * d[t]) for t in np.nonzero(d)[0]]
     frontier = nxt
   return prompt, dict(frontier), {"first": jnp.asarray(first), "second": jnp.asarray(second)}
+
+
+@pytest.fixture(scope="module")
+def exact_joint(qwen_f32, draft_ref):
+  return _exact_joint(qwen_f32, draft_ref)
 
 
 def _chi_square_p(samples, joint):
@@ -210,6 +215,23 @@ def test_sampled_sequences_match_autoregressive(qwen_f32, qwen_draft, exact_join
                               has_proposer=proposer is not None)
   prop = _proposer(proposer, qwen_f32.config.n_vocab) if proposer else None
   samples = _sample_many(qwen_f32, qwen_draft, prompt, dec, CFG, N_SAMPLES, prop,
+                         tables if proposer else None)
+  assert _chi_square_p(samples, joint) > 1e-4
+
+
+@pytest.mark.parametrize("proposer", [None, "right"])
+def test_sampled_chain_exact_with_q4_0_cache(qwen_f32, qwen_draft, draft_ref, proposer):
+  """Sampling stays exact with a quantized KV cache: chain speculative sampling (rejection) over a
+  q4_0 cache has the joint distribution of autoregressive sampling with a q4_0 cache (the verify
+  attends to its own rows as the cache returns them), with the fixture draft and with a proposer
+  that is accepted often (multi-row commits)."""
+  t = dataclasses.replace(qwen_f32, runtime=Runtime(kv_dtype="q4_0"))
+  prompt, joint, tables = _exact_joint(t, draft_ref)
+  dec = dj.api.resolve_config(qwen_draft if proposer is None else None,
+                              dj.DecodeConfig(mode="chain", block_size=4 if proposer else None,
+                                              **SMALL_CTX), has_proposer=proposer is not None)
+  prop = _proposer(proposer, t.config.n_vocab) if proposer else None
+  samples = _sample_many(t, qwen_draft, prompt, dec, CFG, N_SAMPLES, prop,
                          tables if proposer else None)
   assert _chi_square_p(samples, joint) > 1e-4
 
