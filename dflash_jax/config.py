@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import jax
 
@@ -204,6 +204,7 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 
 
 DRAFT_ARCHITECTURES = ("DFlashDraftModel",)
+DFLASH2 = "DFlash2DraftModel"
 # Config fields of other draft variants (DFlash-2: z-lab's DFlash2DraftModel) -> the values that
 # mean "off", i.e. what the DFlash-1 forward computes. Any other value is refused.
 _DRAFT_FIELDS_OFF = {
@@ -215,17 +216,72 @@ _DRAFT_FIELDS_OFF = {
 _DRAFT_PREFIXES_OFF = ("conv_", "selector_")
 
 
-def _check_variant(cfg: Mapping[str, Any], dfc: Mapping[str, Any], path: str):
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class DFlash2Fields:
+  """What a DFlash-2 draft (z-lab `DFlash2DraftModel`, PyPI `dflash` 0.1.0 dflash/model.py) adds
+  to DFlash-1, read from `dflash_config`, then the top level, then the package's default.
+
+  Attributes:
+    conv_kernel: K, taps of the grouped dynamic causal convolutions (K-1 look-back block rows).
+    conv_group: G, channels per dynamic-tap group (D / G groups).
+    selector_rank: R, rank of the candidate selector's codebooks.
+    selector_top_k: k, candidates per block row.
+    output_multiplier: logits = lm_head(h) * output_multiplier.
+    softcap: `final_logit_softcapping` (0: none): logits = cap * tanh(logits / cap).
+    input_embedding_scale: block embeddings are multiplied by it.
+    causal: [n_layer] causal mask inside the block per layer (`is_causal` for every layer when
+      present, else the sliding layers only).
+  """
+
+  conv_kernel: int
+  conv_group: int
+  selector_rank: int
+  selector_top_k: int
+  output_multiplier: float
+  softcap: float
+  input_embedding_scale: float
+  causal: tuple[bool, ...]
+
+
+def _dflash2_fields(cfg, dfl: "_Fields", top: "_Fields", d_model: int, n_vocab: int,
+                    sliding: tuple[bool, ...]) -> DFlash2Fields:
+  g = dfl.int("conv_group_size", 1, d_model)
+  if d_model % g:
+    dfl.fail("conv_group_size", g, f"must divide hidden_size={d_model}")
+  causal = cfg.get("is_causal")
+  if causal is not None and not isinstance(causal, bool):
+    top.fail("is_causal", causal, "expected a bool or absent")
+  return DFlash2Fields(
+      conv_kernel=dfl.int("conv_kernel_size", 1, MAX_BLOCK_SIZE), conv_group=g,
+      selector_rank=dfl.int("selector_rank", 1, MAX_DIM),
+      selector_top_k=dfl.int("selector_top_k", 1, n_vocab),
+      output_multiplier=dfl.number("output_multiplier", 0.0, 1e30, default=1.0),
+      softcap=(0.0 if dfl.src.get("final_logit_softcapping") in (None, 0)
+               else dfl.number("final_logit_softcapping", 0.0, 1e30)),
+      input_embedding_scale=dfl.number("input_embedding_scale", 0.0, 1e30, default=1.0),
+      causal=tuple(sliding) if causal is None else (causal,) * len(sliding))
+
+
+def _check_variant(cfg: Mapping[str, Any], dfc: Mapping[str, Any], path: str,
+                   variants: tuple[str, ...] = DRAFT_ARCHITECTURES):
   """Refuse a draft variant or a config value the DFlash-1 forward does not implement (the
   draft would propose garbage with no error): `architectures` other than DFlashDraftModel
   (absent: DFlash-1), the fields of `_DRAFT_FIELDS_OFF` at other values, conv_* / selector_*
   fields (DFlash-2's grouped convolutions and candidate selector). ValueError naming the file
   and the field."""
   arch = cfg.get("architectures")
+  if arch == [DFLASH2] and DFLASH2 in variants:
+    for k in ("attention_bias", "hidden_act", "mlp_bias", "attn_logit_softcapping"):
+      for where, fields in (("dflash_config.", dfc), ("", cfg)):
+        if k in fields and fields[k] not in _DRAFT_FIELDS_OFF[k]:
+          raise ValueError(f"{path}: {where}{k}={fields[k]!r} is not implemented by the "
+                           f"DFlash-2 draft forward")
+    return
   if arch is not None:
     if not isinstance(arch, list) or len(arch) != 1 or arch[0] not in DRAFT_ARCHITECTURES:
-      extra = (" (DFlash-2 drafts: their grouped dynamic convolutions, soft-capped logits and "
-               "candidate selector are not implemented yet)" if "DFlash2DraftModel" in
+      extra = (" (DFlash-2 drafts: their forward and candidate selector are in "
+               "dflash_jax/draft2.py, but the decode loop does not run them yet)" if "DFlash2DraftModel" in
                (arch if isinstance(arch, list) else [arch]) else "")
       raise ValueError(f"{path}: architectures={arch!r} is not a supported draft variant; "
                        f"supported: {list(DRAFT_ARCHITECTURES)}{extra}")
@@ -252,7 +308,9 @@ class DraftConfig:
     mask_token_id: id (in the target vocab) whose embedding fills the L-1 masked slots.
     target_layer_ids: target layers whose outputs are concatenated into the draft context.
     sliding: [n_layer] True where `layer_types` says "sliding_attention" (causal + window in the block).
-    sliding_window: window for sliding layers (tokens).
+    sliding_window: window for sliding layers (tokens; 0 = unwindowed).
+    dflash2: DFlash2Fields for a `DFlash2DraftModel` (read only when the caller accepts that
+      variant, `from_json(variants=...)`), None for DFlash-1.
   """
 
   d_model: int
@@ -269,17 +327,27 @@ class DraftConfig:
   target_layer_ids: tuple[int, ...]
   sliding: tuple[bool, ...]
   sliding_window: int = 0
+  dflash2: Optional[DFlash2Fields] = None
 
   @property
   def n_features(self) -> int:
     return len(self.target_layer_ids)
 
+  @property
+  def variant(self) -> str:
+    """The z-lab architecture: "DFlashDraftModel" or "DFlash2DraftModel"."""
+    return DFLASH2 if self.dflash2 is not None else DRAFT_ARCHITECTURES[0]
+
   @classmethod
-  def from_json(cls, cfg: Mapping[str, Any], *, path: str = "?") -> "DraftConfig":
+  def from_json(cls, cfg: Mapping[str, Any], *, path: str = "?",
+                variants: tuple[str, ...] = DRAFT_ARCHITECTURES) -> "DraftConfig":
     """Parse a z-lab config.json dict; every DFlash field is read from `dflash_config` first,
     then from the top level (as the dflash package's `_draft_value` does).
 
-    Raises ValueError naming the file when a field is missing or invalid.
+    variants: the architectures the caller runs (DFlash-1 by default; add DFLASH2 to read a
+    DFlash-2 config's conv / selector / logit fields into `dflash2`).
+    Raises ValueError naming the file when a field is missing or invalid, or the variant (or a
+    field's value) is one the caller does not run.
     """
     if not isinstance(cfg, Mapping):
       raise ValueError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
@@ -287,7 +355,7 @@ class DraftConfig:
     if not isinstance(dfc, Mapping):
       raise ValueError(f"{path}: dflash_config must be a JSON object, got {type(dfc).__name__}")
     top = _Fields(cfg, path, "draft config field")
-    _check_variant(cfg, dfc, path)
+    _check_variant(cfg, dfc, path, variants)
     # DFlash fields: dflash_config first, then the top level.
     dfl = _Fields({**{k: v for k, v in cfg.items() if v is not None},
                    **{k: v for k, v in dfc.items() if v is not None}}, path, "draft config field")
@@ -320,6 +388,13 @@ class DraftConfig:
       top.fail("layer_types", layer_types, f"expected {n_layer} entries, each "
                f"'full_attention' or 'sliding_attention'")
     sliding = tuple(t == "sliding_attention" for t in layer_types)
+    dflash2 = None
+    window = top.int("sliding_window", 1, MAX_CTX) if any(sliding) else 0
+    if cfg.get("architectures") == [DFLASH2]:
+      vocab = top.int("vocab_size", 1, 1 << 31)
+      dflash2 = _dflash2_fields(cfg, dfl, top, d_model, vocab, sliding)
+      if not cfg.get("use_sliding_window", False):
+        window = 0   # transformers' Qwen3Config drops sliding_window: the package runs unwindowed
     return cls(
         d_model=d_model, n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head,
         head_dim=top.int("head_dim", 1, MAX_DIM, default=max(d_model // n_head, 1)),
@@ -327,8 +402,7 @@ class DraftConfig:
         rms_eps=top.number("rms_norm_eps", 0.0, 1.0, default=1e-6), rope_theta=rope_theta,
         block_size=dfl.int("block_size", 2, MAX_BLOCK_SIZE, default=16),
         mask_token_id=dfl.int("mask_token_id", 0, 1 << 31),
-        target_layer_ids=layer_ids, sliding=sliding,
-        sliding_window=top.int("sliding_window", 1, MAX_CTX) if any(sliding) else 0)
+        target_layer_ids=layer_ids, sliding=sliding, sliding_window=window, dflash2=dflash2)
 
   def to_json(self) -> dict[str, Any]:
     """The z-lab config.json fields this config came from (transformers Qwen3 + dflash_config)."""
@@ -348,7 +422,27 @@ class DraftConfig:
                           "target_layer_ids": list(self.target_layer_ids),
                           "block_size": self.block_size},
         "dtype": "bfloat16",
-    }
+    } | ({} if self.dflash2 is None else self._dflash2_json())
+
+  def _dflash2_json(self) -> dict[str, Any]:
+    f = self.dflash2
+    if f.causal == self.sliding:
+      causal = None
+    elif len(set(f.causal)) == 1:
+      causal = f.causal[0]
+    else:
+      raise ValueError(f"DraftConfig.to_json: per-layer causal {f.causal} has no z-lab form")
+    return {
+        "architectures": [DFLASH2], "auto_map": None, "is_causal": causal,
+        "use_sliding_window": bool(self.sliding_window),
+        "dflash_config": {"mask_token_id": self.mask_token_id,
+                          "target_layer_ids": list(self.target_layer_ids),
+                          "block_size": self.block_size, "conv_kernel_size": f.conv_kernel,
+                          "conv_group_size": f.conv_group, "selector_rank": f.selector_rank,
+                          "selector_top_k": f.selector_top_k,
+                          "output_multiplier": f.output_multiplier,
+                          "final_logit_softcapping": f.softcap or None,
+                          "input_embedding_scale": f.input_embedding_scale}}
 
 
 MODES = ("ar", "chain", "ddtree")

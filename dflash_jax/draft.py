@@ -40,11 +40,35 @@ class DraftLayer:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class ConvParams:
+  """A DFlash-2 grouped dynamic causal convolution (`GroupedDynamicCausalConv`): static taps
+  base [2, K, D] f32 (side 0 "prepare", side 1 "finish") plus per-row dynamic taps
+  proj(h) [2*K*D/G] (column s*K*(D/G) + o*(D/G) + g: side s, tap o, group g)."""
+  base: jax.Array          # [2, K, D] f32
+  proj: QuantWeight        # [2*K*D/G, D]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DFlash2Params:
+  """What a DFlash-2 draft adds to DraftParams: per layer the attention and MLP convolutions,
+  and the candidate selector (hidden_projection [R, D], predecessor / successor codebooks
+  [V, R] f32)."""
+  attn_conv: tuple         # [n_layer] ConvParams
+  mlp_conv: tuple          # [n_layer] ConvParams
+  sel_proj: QuantWeight    # [R, D]
+  pred: jax.Array          # [V, R] f32
+  succ: jax.Array          # [V, R] f32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class DraftParams:
   fc: QuantWeight          # [D, n_features*D_target]
   hidden_norm: jax.Array   # [D] f32
   norm: jax.Array          # [D] f32
   layers: tuple            # [n_layer] DraftLayer
+  dflash2: "DFlash2Params | None" = None   # DFlash-2 drafts only (draft2.py)
 
 
 @jax.tree_util.register_dataclass

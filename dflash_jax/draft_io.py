@@ -17,7 +17,8 @@ import numpy as np
 
 from dflash_jax import draft as draft_lib
 from dflash_jax import layers
-from dflash_jax.config import DraftConfig, TargetConfig, default_target_layer_ids
+from dflash_jax.config import (DRAFT_ARCHITECTURES, DraftConfig, TargetConfig,
+                               default_target_layer_ids)
 from dflash_jax.quants import QuantWeight
 
 
@@ -31,8 +32,22 @@ def _layer_keys(i: int) -> dict[str, str]:
               down=p + "mlp.down_proj.weight")
 
 
+def _dflash2_keys(i: int) -> dict[str, str]:
+  p = f"layers.{i}."
+  return dict(attn_base=p + "attention_conv.base_kernel",
+              attn_proj=p + "attention_conv.kernel_projection.weight",
+              mlp_base=p + "mlp_conv.base_kernel", mlp_proj=p + "mlp_conv.kernel_projection.weight")
+
+
+SELECTOR_KEYS = dict(sel_proj="candidate_selector.hidden_projection.weight",
+                     pred="candidate_selector.predecessor_codebook",
+                     succ="candidate_selector.successor_codebook")
+
+
 def expected_shapes(cfg: DraftConfig, d_target: int) -> dict[str, tuple[int, ...]]:
-  """z-lab safetensors key -> HF shape [out, in] for this config."""
+  """z-lab safetensors key -> HF shape [out, in] for this config (DFlash-2: plus the convs'
+  base_kernel [2, K, D] / kernel_projection [2*K*D/G, D] and the selector's tensors; the
+  codebooks under z-lab's names, without `.weight`)."""
   d, h, hkv, dh, f = cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.d_ff
   shapes = {"fc.weight": (d, cfg.n_features * d_target), "hidden_norm.weight": (d,),
             "norm.weight": (d,)}
@@ -42,6 +57,16 @@ def expected_shapes(cfg: DraftConfig, d_target: int) -> dict[str, tuple[int, ...
                    k["wk"]: (hkv * dh, d), k["wv"]: (hkv * dh, d), k["wo"]: (d, h * dh),
                    k["q_norm"]: (dh,), k["k_norm"]: (dh,), k["gate"]: (f, d), k["up"]: (f, d),
                    k["down"]: (d, f)})
+  f2 = cfg.dflash2
+  if f2 is not None:
+    taps = 2 * f2.conv_kernel * d // f2.conv_group
+    for i in range(cfg.n_layer):
+      k = _dflash2_keys(i)
+      shapes.update({k["attn_base"]: (2, f2.conv_kernel, d), k["attn_proj"]: (taps, d),
+                     k["mlp_base"]: (2, f2.conv_kernel, d), k["mlp_proj"]: (taps, d)})
+    shapes.update({SELECTOR_KEYS["sel_proj"]: (f2.selector_rank, d),
+                   SELECTOR_KEYS["pred"]: (cfg.n_vocab, f2.selector_rank),
+                   SELECTOR_KEYS["succ"]: (cfg.n_vocab, f2.selector_rank)})
   return shapes
 
 
@@ -64,8 +89,16 @@ def params_from_arrays(arrays: dict[str, np.ndarray], cfg: DraftConfig, *,
     fields = {n: (vec(key) if "norm" in n else mat(key)) for n, key in k.items()}
     fields["gate_up"] = layers.Projections.separate([fields.pop("gate"), fields.pop("up")])
     lay.append(draft_lib.DraftLayer(**fields))
+  extra = None
+  if cfg.dflash2 is not None:
+    ks = [_dflash2_keys(i) for i in range(cfg.n_layer)]
+    conv = lambda k, side: draft_lib.ConvParams(vec(k[side + "_base"]), mat(k[side + "_proj"]))
+    extra = draft_lib.DFlash2Params(
+        attn_conv=tuple(conv(k, "attn") for k in ks), mlp_conv=tuple(conv(k, "mlp") for k in ks),
+        sel_proj=mat(SELECTOR_KEYS["sel_proj"]), pred=vec(SELECTOR_KEYS["pred"]),
+        succ=vec(SELECTOR_KEYS["succ"]))
   return draft_lib.DraftParams(fc=mat("fc.weight"), hidden_norm=vec("hidden_norm.weight"),
-                               norm=vec("norm.weight"), layers=tuple(lay))
+                               norm=vec("norm.weight"), layers=tuple(lay), dflash2=extra)
 
 
 def params_to_arrays(params: draft_lib.DraftParams) -> dict[str, np.ndarray]:
@@ -77,6 +110,15 @@ def params_to_arrays(params: draft_lib.DraftParams) -> dict[str, np.ndarray]:
     for n, key in _layer_keys(i).items():
       x = {"gate": gate, "up": up}.get(n) or getattr(lay, n)
       out[key] = np.asarray(x.data if isinstance(x, QuantWeight) else x)
+  ex = params.dflash2
+  if ex is not None:
+    for i in range(len(params.layers)):
+      k = _dflash2_keys(i)
+      for side, conv in (("attn", ex.attn_conv[i]), ("mlp", ex.mlp_conv[i])):
+        out[k[side + "_base"]] = np.asarray(conv.base)
+        out[k[side + "_proj"]] = np.asarray(conv.proj.data)
+    out[SELECTOR_KEYS["sel_proj"]] = np.asarray(ex.sel_proj.data)
+    out[SELECTOR_KEYS["pred"]], out[SELECTOR_KEYS["succ"]] = np.asarray(ex.pred), np.asarray(ex.succ)
   return out
 
 
@@ -101,9 +143,13 @@ def validate(cfg: DraftConfig, tcfg: TargetConfig, *, path: str = "?"):
     raise ValueError(f"{path}: mask_token_id={cfg.mask_token_id} is outside the target vocab")
 
 
-def load(draft_dir: str, tcfg: TargetConfig) -> tuple[DraftConfig, draft_lib.DraftParams]:
+def load(draft_dir: str, tcfg: TargetConfig, *, variants: tuple[str, ...] = DRAFT_ARCHITECTURES
+         ) -> tuple[DraftConfig, draft_lib.DraftParams]:
   """Read a z-lab draft directory (config.json + model.safetensors) and validate it against tcfg.
 
+  variants: the architectures the caller runs (DraftConfig.from_json); a DFlash-2 draft's
+  codebooks are read under z-lab's names or the `.weight` form transformers' save_pretrained
+  writes.
   Raises FileNotFoundError for missing files, ValueError for a mismatch or a bad tensor.
   """
 
@@ -117,17 +163,20 @@ def load(draft_dir: str, tcfg: TargetConfig) -> tuple[DraftConfig, draft_lib.Dra
       raw = json.load(fh)
   except (ValueError, OSError) as e:   # JSONDecodeError and UnicodeDecodeError are ValueErrors
     raise ValueError(f"{cfg_path}: not a readable JSON file: {e}") from None
-  cfg = DraftConfig.from_json(raw, path=cfg_path)
+  cfg = DraftConfig.from_json(raw, path=cfg_path, variants=variants)
   validate(cfg, tcfg, path=draft_dir)
   try:
     arrays = _load_safetensors(st_path)
   except Exception as e:
     raise ValueError(f"{st_path}: cannot read safetensors (truncated or corrupt?): {e}") from e
+  for key in (SELECTOR_KEYS["pred"], SELECTOR_KEYS["succ"]):
+    if cfg.dflash2 is not None and key not in arrays and key + ".weight" in arrays:
+      arrays[key] = arrays.pop(key + ".weight")
   expected = expected_shapes(cfg, tcfg.d_model)
   unused = sorted(set(arrays) - set(expected))
   if unused:
     raise ValueError(f"{st_path}: tensor {unused[0]!r} is used by no layer of this "
-                     f"{cfg.n_layer}-layer DFlashDraftModel ({len(unused)} such tensors; another "
+                     f"{cfg.n_layer}-layer {cfg.variant} ({len(unused)} such tensors; another "
                      f"draft variant, or more layers than num_hidden_layers?)")
   for key, shape in expected.items():
     if key not in arrays:

@@ -36,9 +36,15 @@ def main():
   for name in ("config.json", "model.safetensors", "reference.npz"):
     shutil.copy(os.path.join(SRC, "dflash_tiny", name), d)
 
-  d2 = os.path.join(DST, "dflash2_tiny")      # the DFlash-2 config only (refused, not loaded)
+  d2 = os.path.join(DST, "dflash2_tiny")      # the DFlash-2 draft and the reference arrays used
   os.makedirs(d2, exist_ok=True)
-  shutil.copy(os.path.join(SRC, "dflash2_tiny", "config.json"), d2)
+  for name in ("config.json", "model.safetensors"):
+    shutil.copy(os.path.join(SRC, "dflash2_tiny", name), d2)
+  ref2 = np.load(os.path.join(SRC, "dflash2_tiny", "reference.npz"))
+  drop = ("trace_target_hidden", "oracle_trace_target_hidden", "trace_draft_logits_first",
+          "draft_logits_raw", "pkg_unpatched_")
+  np.savez_compressed(os.path.join(d2, "reference.npz"),
+                      **{k: ref2[k] for k in ref2.files if not k.startswith(drop)})
 
   s = os.path.join(DST, "smollm2")
   os.makedirs(s, exist_ok=True)

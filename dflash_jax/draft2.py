@@ -1,0 +1,211 @@
+"""z-lab DFlash-2 draft forward and candidate selector (PyPI `dflash` 0.1.0, dflash/model.py:
+`DFlash2DraftModel`, `GroupedDynamicCausalConv`, `CandidateSelector`; algorithm as written in
+tests' fixture README, section 4).
+
+DFlash-2 keeps DFlash-1's one-pass block drafter over `[last token, MASK x (L-1)]` with the
+target features of the committed tokens as context (the same context K/V: `draft.ingest_rows`,
+the same `draft.DraftCache`, ring buffer included), and adds:
+  * grouped dynamic causal convolutions around each layer's attention and MLP: per block row,
+    K taps = static `base_kernel` + a dynamic tap per group of G channels projected from the
+    row's normed input, mixing the row with the K-1 block rows before it (never context rows);
+  * sliding-window attention with the package's causal rule (`DFlash2Fields.causal`);
+  * block embeddings x `input_embedding_scale`, logits x `output_multiplier`, then
+    `cap * tanh(logits / cap)`;
+  * a candidate selector: per row the top-k logits, rescored left to right with a low-rank
+    bigram term between the previously chosen token and each candidate, gated by the row's
+    hidden state; greedy (argmax) or sampled at T > 0 (returning q over the candidates).
+
+The decode loop does not run DFlash-2 drafts yet (api.load_draft refuses them); this module is
+checked against the z-lab package's reference arrays (tests/test_dflash2.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax import layers
+from dflash_jax.config import DraftConfig
+from dflash_jax.draft import ConvParams, DraftCache, DraftParams, _kv, _queries
+from dflash_jax.quants import QuantWeight, take_rows
+from dflash_jax.runtime import Runtime
+
+
+def dynamic_taps(h: jax.Array, conv: ConvParams, cfg: DraftConfig, rt: Runtime) -> jax.Array:
+  """Per-row dynamic taps of a convolution: h [L, D] (the layer's normed input) ->
+  [L, 2, K, D/G] (side, tap, group) = kernel_projection(h) reshaped."""
+  f = cfg.dflash2
+  return layers.linear(h, conv.proj, rt).reshape(h.shape[0], 2, f.conv_kernel,
+                                                 cfg.d_model // f.conv_group)
+
+
+def causal_conv(u: jax.Array, dyn: jax.Array, base: jax.Array) -> jax.Array:
+  """Grouped dynamic causal convolution along the block rows.
+
+  u: [L, D]; dyn: [L, K, D/G] the rows' dynamic taps of one side; base: [K, D] its static taps.
+  out[t, c] = sum_{o<K} (base[o, c] + dyn[t, o, c // G]) * u[t-o, c], u[t-o] = 0 for t < o.
+  Returns [L, D] float32.
+  """
+  n, d = u.shape
+  k = base.shape[0]
+  taps = base[None] + jnp.repeat(dyn, d // dyn.shape[-1], axis=-1)       # [L, K, D]
+  out = jnp.zeros((n, d), jnp.float32)
+  for o in range(k):
+    shifted = jnp.pad(u, ((o, 0), (0, 0)))[:n]
+    out = out + taps[:, o] * shifted
+  return out
+
+
+def block_masks(pos: jax.Array, key_pos: jax.Array, cfg: DraftConfig, layer: int,
+                in_window: Optional[jax.Array]):
+  """(context mask [L, R] or None, block mask [L, L]) of one layer: a key at p_k is visible to
+  a query at p_q iff (not causal or p_k <= p_q) and, on sliding layers with a window W,
+  p_q - p_k < W and (causal or p_k - p_q < W) (the package's rule; context keys always precede
+  the block). in_window: the draft cache's ring-buffer mask [L, R], or None."""
+  f = cfg.dflash2
+  causal, w = f.causal[layer], cfg.sliding_window if cfg.sliding[layer] else 0
+  dq = pos[:, None] - pos[None, :]                    # p_q - p_k inside the block
+  blk = jnp.ones(dq.shape, bool)
+  if causal:
+    blk = blk & (dq >= 0)
+  ctx = in_window
+  if w:
+    blk = blk & (dq < w) & (jnp.bool_(causal) | (-dq < w))
+    near = pos[:, None] - key_pos[None, :] < w
+    ctx = near if ctx is None else ctx & near
+  return ctx, blk
+
+
+def propose_hidden(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, bonus: jax.Array,
+                   start: jax.Array, cache: DraftCache, rt: Runtime, *, trace: bool = False):
+  """The DFlash-2 block forward at positions start..start+L-1 over the context cache (rows of
+  positions < start; `draft.ingest` writes them, as for DFlash-1).
+
+  bonus: [] int32 the last committed token. Returns hidden [L, D] float32 after the final norm
+  (row j+1 proposes position start+1+j), and with trace=True a dict of intermediates
+  (`layer_outputs` [n_layer, L, D], layer 0's `attn_conv_in`, `attn_conv_dynamic`,
+  `attn_prepared`, `attn_out`, `attn_finished`), the fixture's names.
+  """
+  f = cfg.dflash2
+  L = cfg.block_size
+  ids = jnp.concatenate([bonus[None].astype(jnp.int32),
+                         jnp.full((L - 1,), cfg.mask_token_id, jnp.int32)])
+  pos = start + jnp.arange(L, dtype=jnp.int32)
+  x = take_rows(embed, ids).astype(jnp.float32) * f.input_embedding_scale
+  key_pos, n_live = cache.key_positions(start)
+  in_window = None
+  if cache.window:
+    in_window = jnp.broadcast_to(((key_pos >= 0) & (key_pos >= start - cache.window))[None],
+                                 (L, key_pos.shape[0]))
+  aux = {"layer_outputs": []}
+  ex = params.dflash2
+  for i, lay in enumerate(params.layers):
+    h = layers.rms_norm(x, lay.in_norm, cfg.rms_eps)
+    dyn = dynamic_taps(h, ex.attn_conv[i], cfg, rt)
+    a = causal_conv(h, dyn[:, 0], ex.attn_conv[i].base[0])
+    k, v = _kv(a, lay, pos, cfg, rt)
+    ctx_mask, blk_mask = block_masks(pos, key_pos, cfg, i, in_window)
+    o = layers.attention_live(_queries(a, lay, pos, cfg, rt), cache.k, cache.v, i, ctx_mask,
+                              n_live, local=(k, v, blk_mask))
+    ao = layers.linear(o.reshape(L, cfg.n_head * cfg.head_dim), lay.wo, rt)
+    fin = causal_conv(ao, dyn[:, 1], ex.attn_conv[i].base[1])
+    if i == 0 and trace:
+      aux.update(attn_conv_in=h, attn_conv_dynamic=dyn, attn_prepared=a, attn_out=ao,
+                 attn_finished=fin)
+    x = x + fin
+    h = layers.rms_norm(x, lay.post_norm, cfg.rms_eps)
+    dyn = dynamic_taps(h, ex.mlp_conv[i], cfg, rt)
+    m = causal_conv(h, dyn[:, 0], ex.mlp_conv[i].base[0])
+    x = x + causal_conv(layers.swiglu_mlp(m, lay.gate_up, lay.down, rt), dyn[:, 1],
+                        ex.mlp_conv[i].base[1])
+    aux["layer_outputs"].append(x)
+  hidden = layers.rms_norm(x, params.norm, cfg.rms_eps)
+  if trace:
+    aux["layer_outputs"] = jnp.stack(aux["layer_outputs"])
+    return hidden, aux
+  return hidden
+
+
+def draft_logits(hidden: jax.Array, lm_head: QuantWeight, cfg: DraftConfig, rt: Runtime):
+  """Logits the selector sees: hidden [P, D] -> lm_head(hidden) * output_multiplier, then
+  cap * tanh(logits / cap) when `final_logit_softcapping` is set. [P, V] float32."""
+  f = cfg.dflash2
+  z = layers.linear(hidden, lm_head, rt) * f.output_multiplier
+  if f.softcap:
+    z = f.softcap * jnp.tanh(z / f.softcap)
+  return z
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Selection:
+  """A selector's path over P block rows.
+
+  Attributes:
+    tokens: [P] int32 the proposal (row p proposes position start+1+p).
+    candidates: [P, k] int32 each row's top-k tokens (jax.lax.top_k order: logit descending,
+      ties by the lower id).
+    unary: [P, k] float32 their logits.
+    scores: [P, k] float32 unary + pairwise scores along the chosen path.
+    chosen: [P] int32 the chosen column per row.
+    q: [P, k] float32 softmax(scores / T) (T > 0 or teacher forcing), else one-hot of chosen.
+  """
+
+  tokens: jax.Array
+  candidates: jax.Array
+  unary: jax.Array
+  scores: jax.Array
+  chosen: jax.Array
+  q: jax.Array
+
+
+def select(params: DraftParams, cfg: DraftConfig, hidden: jax.Array, logits: jax.Array,
+           anchor: jax.Array, rt: Runtime, *, temperature: float = 0.0,
+           key: Optional[jax.Array] = None, forced: Optional[jax.Array] = None) -> Selection:
+  """The candidate selector (`CandidateSelector.select`): a left-to-right decode of a chain
+  model over each row's top-k candidates.
+
+  hidden: [P, D] the draft's rows 1..P (after the final norm); logits: [P, V] `draft_logits`;
+  anchor: [] int32 the last committed token (the first row's predecessor).
+  score[p, j] = unary[p, j] + sum_r pred[prev, r] * g[p, r] * succ[cand[p, j], r], with
+  g = hidden_projection(hidden), prev the token chosen for row p-1.
+  temperature 0: argmax per row; > 0: a draw from q[p] = softmax(score[p] / T) with `key`;
+  forced: [P] int32 tokens to follow instead (teacher forcing: q of a given path; each must be
+  among its row's candidates). Returns a Selection.
+  """
+  ex = params.dflash2
+  k = cfg.dflash2.selector_top_k
+  unary, cand = jax.lax.top_k(logits, k)
+  g = layers.linear(hidden, ex.sel_proj, rt)                               # [P, R]
+  n = logits.shape[0]
+  if temperature > 0 and forced is None and key is None:
+    raise ValueError("select: temperature > 0 needs a PRNG key (or forced tokens)")
+  keys = jax.random.split(key, n) if key is not None else None
+
+  def row(prev, xs):
+    u, c, gp, p_idx = xs
+    score = u + (ex.pred[prev] * gp) @ ex.succ[c].T                        # [k]
+    if forced is not None:
+      j = jnp.argmax(c == forced[p_idx]).astype(jnp.int32)
+    elif temperature > 0:
+      j = jax.random.categorical(keys[p_idx], score / temperature).astype(jnp.int32)
+    else:
+      j = jnp.argmax(score).astype(jnp.int32)
+    q = (jax.nn.softmax(score / temperature) if temperature > 0
+         else jax.nn.one_hot(j, score.shape[0], dtype=jnp.float32))
+    return c[j], (c[j], score, j, q)
+
+  _, (tokens, scores, chosen, q) = jax.lax.scan(
+      row, anchor.astype(jnp.int32), (unary, cand, g, jnp.arange(n)))
+  return Selection(tokens=tokens, candidates=cand, unary=unary, scores=scores, chosen=chosen, q=q)
+
+
+def scatter_q(sel: Selection, n_vocab: int) -> jax.Array:
+  """The selector's sparse proposal distribution on the vocabulary: [P, V] float32 with q[p]
+  at its candidates' ids (zero elsewhere), the q of the rejection rule and its residual
+  normalize(max(p - q, 0)) (sampling.residual)."""
+  rows = jnp.arange(sel.q.shape[0])[:, None]
+  return jnp.zeros((sel.q.shape[0], n_vocab), jnp.float32).at[rows, sel.candidates].add(sel.q)
