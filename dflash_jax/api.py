@@ -19,7 +19,8 @@ from dflash_jax import draft_io
 from dflash_jax import grammar as grammar_lib
 from dflash_jax import target as target_lib
 from dflash_jax import target_params
-from dflash_jax.config import AUTO, SUPPORTED_ARCHS, DecodeConfig, DraftConfig, TargetConfig
+from dflash_jax.config import (AUTO, DFLASH2, DRAFT_ARCHITECTURES, SUPPORTED_ARCHS, DecodeConfig,
+                               DraftConfig, TargetConfig)
 from dflash_jax.gguf_io import read_gguf
 from dflash_jax.prompt_cache import PromptCache
 from dflash_jax.runtime import Runtime
@@ -171,10 +172,15 @@ def _recommended_sampling(meta, path: str) -> Optional[SamplingConfig]:
     raise ValueError(f"{path}: bad recommended sampling metadata {found}: {e}") from None
 
 
+DRAFT_VARIANTS = (DRAFT_ARCHITECTURES[0], DFLASH2)
+
+
 def load_draft(draft_dir: str, target: Target) -> Draft:
-  """Load a z-lab DFlash draft directory and check it against `target` (hidden size, vocab,
-  target_layer_ids, mask id). Raises FileNotFoundError / ValueError naming the draft."""
-  cfg, params = draft_io.load(draft_dir, target.config)
+  """Load a z-lab draft directory, DFlash-1 (`DFlashDraftModel`) or DFlash-2
+  (`DFlash2DraftModel`: draft2.py, proposing through its candidate selector), and check it
+  against `target` (hidden size, vocab, target_layer_ids, mask id). Raises FileNotFoundError /
+  ValueError naming the draft."""
+  cfg, params = draft_io.load(draft_dir, target.config, variants=DRAFT_VARIANTS)
   kv_cache.check_format(target.runtime.k_format, cfg.head_dim, f"kv_dtype (draft {draft_dir})")
   kv_cache.check_format(target.runtime.v_format, cfg.head_dim, f"kv_dtype_v (draft {draft_dir})")
   return Draft(cfg, jax.device_put(params), draft_dir)

@@ -280,8 +280,8 @@ def _check_variant(cfg: Mapping[str, Any], dfc: Mapping[str, Any], path: str,
     return
   if arch is not None:
     if not isinstance(arch, list) or len(arch) != 1 or arch[0] not in DRAFT_ARCHITECTURES:
-      extra = (" (DFlash-2 drafts: their forward and candidate selector are in "
-               "dflash_jax/draft2.py, but the decode loop does not run them yet)" if "DFlash2DraftModel" in
+      extra = (" (DFlash-2 drafts are read by api.load_draft, which runs them; this caller "
+               "does not)" if "DFlash2DraftModel" in
                (arch if isinstance(arch, list) else [arch]) else "")
       raise ValueError(f"{path}: architectures={arch!r} is not a supported draft variant; "
                        f"supported: {list(DRAFT_ARCHITECTURES)}{extra}")

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax import draft as draft_lib
+from dflash_jax import draft2 as draft2_lib
 from dflash_jax import grammar as grammar_lib
 from dflash_jax import layers
 from dflash_jax import sampling as sampling_lib
@@ -255,7 +256,8 @@ def prefill_chunk(tparams, dparams, state: DecodeState, slot: jax.Array, tokens:
 def dflash_proposer(tparams, dparams, s: DecodeState, *, dcfg: DraftConfig, dec: DecodeConfig,
                     rt: Runtime):
   """The DFlash draft as proposer (one row): draft one block over the context cache (the
-  target features of every committed position were ingested when they were committed).
+  target features of every committed position were ingested when they were committed);
+  DFlash-1 (`draft.propose`) or DFlash-2 through its candidate selector (`draft2.propose`).
 
   Returns (logits [D, V] float32 for positions pos+1..pos+D, new DraftCache), D =
   dec.draft_depth (L-1 for chain; min(budget, L-1) for DDTree). A proposer is any function with
@@ -263,8 +265,9 @@ def dflash_proposer(tparams, dparams, s: DecodeState, *, dcfg: DraftConfig, dec:
   (the loop vmaps it over the batch); chain mode takes the argmax per row, DDTree builds a tree
   from the rows' log-probabilities.
   """
-  return draft_lib.propose(dparams, dcfg, tparams.embed, tparams.lm_head, s.bonus, s.pos, s.draft,
-                           rt, n_logits=dec.draft_depth)
+  propose = draft2_lib.propose if dcfg.dflash2 is not None else draft_lib.propose
+  return propose(dparams, dcfg, tparams.embed, tparams.lm_head, s.bonus, s.pos, s.draft, rt,
+                 n_logits=dec.draft_depth)
 
 
 def _constrained_rows(dlogits, grammar, gstate, sp, key, rejection: bool):
@@ -548,6 +551,7 @@ def decode_loop(tparams, dparams, state: DecodeState, max_steps: jax.Array, eog_
 def draft_once(tparams, dparams, state: DecodeState, slot: jax.Array, *, plan: Plan):
   """Draft logits [L-1, V] for row `slot` right after its prefill (no verify)."""
   row = jax.tree.map(lambda x: x[slot], state)
-  logits, _ = draft_lib.propose(dparams, plan.dcfg, tparams.embed, tparams.lm_head, row.bonus,
-                                row.pos, row.draft, plan.rt)
+  propose = draft2_lib.propose if plan.dcfg.dflash2 is not None else draft_lib.propose
+  logits, _ = propose(dparams, plan.dcfg, tparams.embed, tparams.lm_head, row.bonus, row.pos,
+                      row.draft, plan.rt)
   return logits

@@ -15,8 +15,9 @@ the same `draft.DraftCache`, ring buffer included), and adds:
     bigram term between the previously chosen token and each candidate, gated by the row's
     hidden state; greedy (argmax) or sampled at T > 0 (returning q over the candidates).
 
-The decode loop does not run DFlash-2 drafts yet (api.load_draft refuses them); this module is
-checked against the z-lab package's reference arrays (tests/test_dflash2.py).
+`propose` gives the decode loop the selector's path and scores in DFlash-1's proposal form
+(`decode.dflash_proposer` picks it by the draft config). Checked against the z-lab package's
+reference arrays (tests/test_dflash2.py).
 """
 
 from __future__ import annotations
@@ -209,3 +210,28 @@ def scatter_q(sel: Selection, n_vocab: int) -> jax.Array:
   normalize(max(p - q, 0)) (sampling.residual)."""
   rows = jnp.arange(sel.q.shape[0])[:, None]
   return jnp.zeros((sel.q.shape[0], n_vocab), jnp.float32).at[rows, sel.candidates].add(sel.q)
+
+
+NOT_PROPOSED = -1e30   # log-probability of a token outside a row's candidates
+
+
+def propose(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: QuantWeight,
+            bonus: jax.Array, start: jax.Array, cache: DraftCache, rt: Runtime,
+            n_logits: Optional[int] = None) -> tuple[jax.Array, DraftCache]:
+  """One DFlash-2 block as the decode loop's proposal rows (the DFlash-1 `draft.propose`
+  interface): the selector's greedy path, and per row the log-softmax of its path-dependent
+  scores over its top-k candidates (NOT_PROPOSED elsewhere).
+
+  So a chain takes the selector's proposal (each row's argmax is its chosen candidate), a
+  sampled chain draws from the selector's scores along that path (the rejection rule uses the
+  same q: exact), and DDTree grows a best-first tree over the candidates with the selector's
+  scores (exact for any proposal). Returns (rows [n_logits, V] float32, the cache unchanged).
+  """
+  hidden = propose_hidden(params, cfg, embed, bonus, start, cache, rt)
+  n = cfg.block_size - 1 if n_logits is None else n_logits
+  logits = draft_logits(hidden[1:], lm_head, cfg, rt)
+  sel = select(params, cfg, hidden[1:], logits, bonus, rt)
+  logp = jax.nn.log_softmax(sel.scores, axis=-1)
+  rows = jnp.arange(sel.scores.shape[0])[:, None]
+  out = jnp.full(logits.shape, NOT_PROPOSED, jnp.float32).at[rows, sel.candidates].set(logp)
+  return out[:n], cache

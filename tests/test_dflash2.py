@@ -176,7 +176,46 @@ def test_traced_calls_match_package(qwen_f32, d2, ref2):
     assert checked == len(starts) - skip.sum() and near.sum() <= 3 and checked >= 4
 
 
-def test_load_refuses_dflash2_for_decoding(qwen_f32):
-  """The decode loop does not run DFlash-2 drafts yet: load_draft refuses them by name."""
-  with pytest.raises(ValueError, match="DFlash2DraftModel"):
-    dj.load_draft(D2, qwen_f32)
+@pytest.fixture(scope="module")
+def d2_draft(qwen_f32):
+  return dj.load_draft(D2, qwen_f32)
+
+
+def test_decode_with_dflash2_equals_greedy_and_package(qwen_f32, d2_draft, ref2):
+  """End to end through the compiled loop: chain and DDTree greedy with the DFlash-2 draft ==
+  plain greedy (transformers) on the tiny Qwen3.5 hybrid; the chain's acceptance lengths equal
+  the package's run with exact rollback."""
+  p = ref2["prompt_ids"]
+  greedy = ref2["greedy_output_ids"][len(p):].tolist()
+  ch = dj.generate(qwen_f32, d2_draft, p, max_new_tokens=40, mode="chain", max_ctx=256,
+                   eog_ids=())
+  assert ch.tokens == greedy == ref2["spec_output_ids"][len(p):].tolist()
+  assert ch.accept_lens == ref2["spec_acceptance_lengths"].tolist()
+  tr = dj.generate(qwen_f32, d2_draft, p, max_new_tokens=40, mode="ddtree", max_ctx=256,
+                   eog_ids=(), budget=8)
+  assert tr.tokens == greedy
+  first = dj.first_draft_logits(qwen_f32, d2_draft, p)     # the selector's path, in row form
+  np.testing.assert_array_equal(np.asarray(first).argmax(-1), ref2["draft_tokens"])
+
+
+def test_oracle_acceptance_lengths_of_the_package(qwen_f32, ref2):
+  """The fixture's oracle run (the true continuation with row oracle_pattern[i % 7] wrong):
+  acceptance lengths [4, 1, 8, 16, 2, 6, 2] reproduced exactly, output == greedy."""
+  from test_draft_and_decode import _oracle_run
+  p = ref2["prompt_ids"]
+  truth = ref2["greedy_output_ids"][len(p):]
+  r = _oracle_run(qwen_f32, p, truth, ref2["oracle_pattern"], 256)
+  assert r.tokens == ref2["oracle_output_ids"][len(p):].tolist()
+  assert r.accept_lens == ref2["oracle_acceptance_lengths"].tolist()
+
+
+def test_sampled_chain_with_dflash2_matches_autoregressive(qwen_f32, d2_draft, draft_ref):
+  """Speculative sampling with the DFlash-2 draft (drafts drawn from the selector's scores, the
+  rejection rule with the same q) has the joint distribution of autoregressive sampling
+  (Pearson chi-square over the first tokens of 1000 seeded runs; the rule's negative control is
+  tests/test_sampling.py::test_chi_square_catches_a_wrong_rule)."""
+  import test_sampling as ts
+  prompt, joint, _ = ts._exact_joint(qwen_f32, draft_ref)
+  dec = dj.api.resolve_config(d2_draft, dj.DecodeConfig(mode="chain", **ts.SMALL_CTX))
+  samples = ts._sample_many(qwen_f32, d2_draft, prompt, dec, ts.CFG, ts.N_SAMPLES)
+  assert ts._chi_square_p(samples, joint) > 1e-4

@@ -72,13 +72,13 @@ def test_mismatched_draft(tmp_path, qwen_f32, field, value, match):
 
 
 def test_dflash2_and_unknown_draft_variants_are_refused(tmp_path, qwen_f32):
-  """A DFlash-2 config.json (z-lab's DFlash2DraftModel, the shared fixture's) and each of its
-  fields on a DFlash-1 config are refused naming the file and the field, not loaded as DFlash-1."""
+  """A DFlash-2 config.json (z-lab's DFlash2DraftModel, the shared fixture's) over DFlash-1
+  weights is refused naming a missing DFlash-2 tensor, and each DFlash-2 field on a DFlash-1
+  config is refused naming the file and the field (not silently ignored)."""
   import json
   v2 = json.loads(open(os.path.join(os.path.dirname(DRAFT), "dflash2_tiny", "config.json")).read())
   d = draft_copy(tmp_path / "v2", lambda cfg: v2)
-  with pytest.raises(ValueError, match=r"config\.json: architectures=\['DFlash2DraftModel'\].*"
-                                       r"DFlash-2"):
+  with pytest.raises(ValueError, match=r"model\.safetensors: missing tensor 'layers\.\d\."):
     dj.load_draft(d, qwen_f32)
   cases = [({"architectures": ["EagleDraft"]}, r"architectures=\['EagleDraft'\]"),
            ({"is_causal": True}, r"is_causal=True"),
