@@ -78,7 +78,7 @@ def test_dflash2_and_unknown_draft_variants_are_refused(tmp_path, qwen_f32):
   import json
   v2 = json.loads(open(os.path.join(os.path.dirname(DRAFT), "dflash2_tiny", "config.json")).read())
   d = draft_copy(tmp_path / "v2", lambda cfg: v2)
-  with pytest.raises(ValueError, match=r"model\.safetensors: missing tensor 'layers\.\d\."):
+  with pytest.raises(ValueError, match=r"model\.safetensors: (missing )?tensor '[\w.]+'"):
     dj.load_draft(d, qwen_f32)
   cases = [({"architectures": ["EagleDraft"]}, r"architectures=\['EagleDraft'\]"),
            ({"is_causal": True}, r"is_causal=True"),
