@@ -337,7 +337,8 @@ def resolve_config(draft: Optional[Draft], config: Optional[DecodeConfig] = None
   if dec.block_size is None:
     dec = dataclasses.replace(dec, block_size=draft.config.block_size if draft is not None else 16)
   if dec.draft_window is None:
-    sw = draft.config.sliding_window if draft is not None and any(draft.config.sliding) else 0
+    # Every layer windowed: nothing past its window is read anyway; else the full layers' 4096.
+    sw = draft.config.sliding_window if draft is not None and all(draft.config.sliding) else 0
     dec = dataclasses.replace(dec, draft_window=sw or DEFAULT_DRAFT_WINDOW)
   return dec
 

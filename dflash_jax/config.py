@@ -499,8 +499,8 @@ class DecodeConfig:
       positions only, kept in a ring buffer of draft_window + `draft_margin` rows, so the
       draft's memory and per-step work do not grow with max_ctx (z-lab's drafts are trained on
       4096-token sequences); 0 = every committed position (a buffer of `capacity` rows);
-      None = the draft config's sliding_window when it has sliding layers, else 4096 (resolved
-      by `api.resolve_config`). Positions stay absolute: the draft's RoPE sees only key-query
+      None = the draft config's sliding_window when every layer is a sliding layer, else 4096
+      (resolved by `api.resolve_config`). Positions stay absolute: the draft's RoPE sees only key-query
       offsets, which the window bounds either way.
 
   Raises ValueError naming the field (and the valid choices) for a bad value.

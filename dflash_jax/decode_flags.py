@@ -71,8 +71,8 @@ def define(flag_values: flags.FlagValues = flags.FLAGS, *,
       draft_window=flags.DEFINE_integer(
           "draft_window", None, "The draft attends to the target features of the last "
           "draft_window positions only (a fixed-size ring buffer: its memory does not grow with "
-          "--max_ctx). Default: the draft config's sliding_window, else 4096 (z-lab's training "
-          "length); 0 = every position.", **fv),
+          "--max_ctx). Default: the draft config's sliding_window when all its layers slide, "
+          "else 4096 (z-lab's training length); 0 = every position.", **fv),
       temperature=flags.DEFINE_float("temperature", None, "Sampling temperature; 0 = greedy. "
                                      "Default: the GGUF's general.sampling.temp, else 0.", **fv),
       top_k=flags.DEFINE_integer("top_k", None, "Sampling top-k (0 = off). Default: the GGUF's, "
