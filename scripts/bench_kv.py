@@ -54,6 +54,7 @@ _WINDOWS = flags.DEFINE_list("windows", ["0", "4096", "1024", "256"],
                              "Draft windows of the window part (0 = every position).")
 _WINDOW_PROMPT = flags.DEFINE_integer("window_prompt_tokens", 6144, "Prompt length of the window "
                                       "part (the same text: code to continue).")
+_WINDOW_MODES = flags.DEFINE_list("window_modes", ["chain", "ddtree"], "Modes of the window part.")
 _JSON = flags.DEFINE_string("json_out", None, "Write the results here too.")
 
 GIB = 2 ** 30
@@ -247,11 +248,11 @@ def prefill(target, formats, n_tokens):
   return out
 
 
-def window(target, draft, windows, n_prompt, n_gen=128):
+def window(target, draft, windows, n_prompt, modes, n_gen=128):
   import dflash_jax as dj
   ids = long_text(target.tokenizer, n_prompt)
   out, tokens = [], {}
-  for mode in ("chain", "ddtree"):
+  for mode in modes:
     for w in windows:
       t0 = time.time()
       r = dj.generate(target, draft, ids, max_new_tokens=n_gen, mode=mode, eog_ids=(),
@@ -284,7 +285,8 @@ def main(argv):
   if "prefill" in _PARTS.value:
     res["prefill"] = prefill(target, _PREFILL_FORMATS.value, _PREFILL_TOKENS.value)
   if "window" in _PARTS.value:
-    res["window"] = window(target, draft, [int(w) for w in _WINDOWS.value], _WINDOW_PROMPT.value)
+    res["window"] = window(target, draft, [int(w) for w in _WINDOWS.value], _WINDOW_PROMPT.value,
+                           _WINDOW_MODES.value)
   if "step" in _PARTS.value:
     res["step"] = step(target, formats, [int(c) for c in _STEP_CTX.value],
                        [int(t) for t in _STEP_T.value], _REPEATS.value)
