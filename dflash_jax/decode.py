@@ -265,9 +265,13 @@ def dflash_proposer(tparams, dparams, s: DecodeState, *, dcfg: DraftConfig, dec:
   (the loop vmaps it over the batch); chain mode takes the argmax per row, DDTree builds a tree
   from the rows' log-probabilities.
   """
-  propose = draft2_lib.propose if dcfg.dflash2 is not None else draft_lib.propose
-  return propose(dparams, dcfg, tparams.embed, tparams.lm_head, s.bonus, s.pos, s.draft, rt,
-                 n_logits=dec.draft_depth)
+  return _propose_fn(dcfg)(dparams, dcfg, tparams.embed, tparams.lm_head, s.bonus, s.pos,
+                           s.draft, rt, n_logits=dec.draft_depth)
+
+
+def _propose_fn(dcfg: DraftConfig):
+  """The draft forward of the config's variant: draft2.propose (DFlash-2) or draft.propose."""
+  return draft2_lib.propose if dcfg.dflash2 is not None else draft_lib.propose
 
 
 def _constrained_rows(dlogits, grammar, gstate, sp, key, rejection: bool):
@@ -551,7 +555,6 @@ def decode_loop(tparams, dparams, state: DecodeState, max_steps: jax.Array, eog_
 def draft_once(tparams, dparams, state: DecodeState, slot: jax.Array, *, plan: Plan):
   """Draft logits [L-1, V] for row `slot` right after its prefill (no verify)."""
   row = jax.tree.map(lambda x: x[slot], state)
-  propose = draft2_lib.propose if plan.dcfg.dflash2 is not None else draft_lib.propose
-  logits, _ = propose(dparams, plan.dcfg, tparams.embed, tparams.lm_head, row.bonus, row.pos,
-                      row.draft, plan.rt)
+  logits, _ = _propose_fn(plan.dcfg)(dparams, plan.dcfg, tparams.embed, tparams.lm_head,
+                                     row.bonus, row.pos, row.draft, plan.rt)
   return logits

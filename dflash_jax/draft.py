@@ -92,9 +92,7 @@ class DraftCache:
     start..start+T-1 written at their rows: one dynamic-update-slice per plane at row `start`,
     or, in a ring buffer, a scatter to rows (start + j) % R (in place either way). lead: the
     indices of the leading (batch) axes of a batched cache, with a leading 1 on k / v."""
-    kr, vr = layers.kv_rows(k[0] if lead else k), layers.kv_rows(v[0] if lead else v)
-    if lead:
-      kr, vr = kr[None], vr[None]
+    kr, vr = jnp.swapaxes(k, -3, -2), jnp.swapaxes(v, -3, -2)     # head-major, as stored
     z = jnp.int32(0)
     if not self.window:
       at = tuple(lead) + (z, z, jnp.asarray(start, jnp.int32), z)
@@ -103,15 +101,18 @@ class DraftCache:
     return dataclasses.replace(self, k=self.k.scatter(kr, tuple(lead), rows),
                                v=self.v.scatter(vr, tuple(lead), rows))
 
-  def key_positions(self, start: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(pos [R] int32 the position each row holds for a block at `start`, n_live [] int32 the
-    rows to read): rows < start (R = capacity), or every row of a ring buffer once it wrapped
-    (rows holding positions < 0 or before the window are masked by the caller)."""
+  def context(self, start: jax.Array, n_queries: int):
+    """What a block at `start` reads: (pos [R] int32 the position each row holds, n_live []
+    int32 the rows to read, visible [n_queries, R] bool or None). Without a window: rows <
+    start, all visible (None). A ring buffer: every row once it wrapped, visible when it holds
+    a position in start-window..start-1."""
     r = self.k.shape[-2]
     rows = jnp.arange(r, dtype=jnp.int32)
     if not self.window:
-      return rows, start
-    return start - 1 - jnp.mod(start - 1 - rows, r), jnp.minimum(start, r)
+      return rows, start, None
+    pos = start - 1 - jnp.mod(start - 1 - rows, r)
+    visible = (pos >= 0) & (pos >= start - self.window)
+    return pos, jnp.minimum(start, r), jnp.broadcast_to(visible[None], (n_queries, r))
 
 
 def init_cache(cfg: DraftConfig, capacity: int, rt: Runtime = Runtime(),
@@ -196,11 +197,7 @@ def propose(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: 
                          jnp.full((L - 1,), cfg.mask_token_id, jnp.int32)])
   pos = start + jnp.arange(L, dtype=jnp.int32)
   h = take_rows(embed, ids)
-  key_pos, n_live = cache.key_positions(start)
-  in_window = None
-  if cache.window:
-    in_window = jnp.broadcast_to(((key_pos >= 0) & (key_pos >= start - cache.window))[None],
-                                 (L, key_pos.shape[0]))
+  key_pos, n_live, in_window = cache.context(start, L)
   full_local = jnp.ones((L, L), bool)
   for i, lay in enumerate(params.layers):
     x = layers.rms_norm(h, lay.in_norm, cfg.rms_eps)

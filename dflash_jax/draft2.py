@@ -96,11 +96,7 @@ def propose_hidden(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, bo
                          jnp.full((L - 1,), cfg.mask_token_id, jnp.int32)])
   pos = start + jnp.arange(L, dtype=jnp.int32)
   x = take_rows(embed, ids).astype(jnp.float32) * f.input_embedding_scale
-  key_pos, n_live = cache.key_positions(start)
-  in_window = None
-  if cache.window:
-    in_window = jnp.broadcast_to(((key_pos >= 0) & (key_pos >= start - cache.window))[None],
-                                 (L, key_pos.shape[0]))
+  key_pos, n_live, in_window = cache.context(start, L)
   aux = {"layer_outputs": []}
   ex = params.dflash2
   for i, lay in enumerate(params.layers):

@@ -10,9 +10,11 @@ plane, so the in-place writes of the decode loop and the chunked reads of
 `layers.attention_live` stay what they are for float caches, and the values are quantized on
 write and dequantized per chunk on read (never the whole cache).
 
-Losslessness relative to the same format: a forward attends to its own new rows through
-`roundtrip` (the exact values the cache will return once they are written), so a chain or tree
-verify sees what autoregressive decoding with the same cache format sees.
+Relative to the same format: a forward attends to its own new rows through `roundtrip` (the
+exact values the cache will return once they are written), so a chain or tree verify reads what
+autoregressive decoding with the same cache format reads, up to the last bits in which a
+many-token forward's K/V differ from a one-token forward's; a rounding format can turn those into
+a whole rounding step, so greedy outputs agree up to near ties (README, Limitations).
 """
 
 from __future__ import annotations
@@ -114,9 +116,7 @@ class KVBuffer:
     """rows [..., T, Dh] (float, the buffer's rank) encoded and written at index `at` (one
     dynamic-update-slice per plane: in place on a donated or loop-carried buffer; the last
     axis of `at` must be 0)."""
-    enc = encode(self.fmt, rows)
-    return dataclasses.replace(self, planes=tuple(
-        jax.lax.dynamic_update_slice(p, e.astype(p.dtype), at) for p, e in zip(self.planes, enc)))
+    return self.put(dataclasses.replace(self, planes=encode(self.fmt, rows)), at)
 
   def scatter(self, rows: jax.Array, lead: tuple, at_rows: jax.Array) -> "KVBuffer":
     """rows [(1,) n_layer, Hkv, T, Dh] float encoded and written at rows `at_rows` [T] int32 of
@@ -132,9 +132,7 @@ class KVBuffer:
   def read(self, at: tuple, sizes: tuple) -> jax.Array:
     """The float32 values [*sizes, Dh] of the block at index `at` (one entry per axis, the last
     0) of leading sizes `sizes`: a dynamic slice per plane, then `decode`."""
-    planes = tuple(jax.lax.dynamic_slice(p, at, tuple(sizes) + p.shape[-1:])
-                   for p in self.planes)
-    return decode(self.fmt, planes)
+    return decode(self.fmt, self.cut(at, sizes).planes)
 
   def put(self, other: "KVBuffer", at: tuple) -> "KVBuffer":
     """other's planes (same format, smaller leading axes) written at index `at`, as stored (no

@@ -12,9 +12,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from dflash_jax import kv_cache
+
 KERNEL_CHOICES = ("reference", "pallas", "pallas_interpret")
 COMPUTE_DTYPES = ("float32", "bfloat16")
-KV_DTYPES = ("float32", "bfloat16", "float16", "q8_0", "q4_0")   # kv_cache.FORMATS
+KV_DTYPES = kv_cache.FORMATS
 
 
 @jax.tree_util.register_static

@@ -55,8 +55,9 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> TargetFlags:
           "kv_dtype", "float32", list(KV_DTYPES),
           "KV cache storage format of the target and the draft's context cache: float32, "
           "bfloat16, float16, or llama.cpp's q8_0 (3.8x smaller than float32) / q4_0 (7.1x) "
-          "blocks, dequantized chunk by chunk inside attention. Speculative output is identical "
-          "to autoregressive output with the same format.", flag_values=flag_values),
+          "blocks, dequantized chunk by chunk inside attention. Speculative output equals "
+          "autoregressive output with the same format up to rounding near ties (README, "
+          "Limitations).", flag_values=flag_values),
       kv_dtype_v=flags.DEFINE_enum(
           "kv_dtype_v", None, list(KV_DTYPES),
           "The values' format when it differs from the keys' (llama.cpp -ctv); default: "

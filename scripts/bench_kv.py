@@ -39,7 +39,8 @@ flags.adopt_module_key_flags(target_flags)
 _PARTS = flags.DEFINE_list("parts", ["quality", "memory", "prefill", "window", "step"],
                            "What to measure.")
 _FORMATS = flags.DEFINE_list("formats", ["float32", "bfloat16", "float16", "q8_0", "q4_0"],
-                             "KV formats (--kv_dtype values) to compare.")
+                             "KV formats (--kv_dtype values) to compare; the quality part's "
+                             "KL divergence and top-1 agreement are against the first.")
 _TEXT_TOKENS = flags.DEFINE_integer("text_tokens", 8192, "Tokens of the quality text.")
 _CHUNK = flags.DEFINE_integer("chunk", 512, "Prefill chunk of the quality run.")
 _STEP_CTX = flags.DEFINE_list("step_contexts", ["1024", "16384", "65536"],
@@ -83,7 +84,6 @@ def long_text(tokenizer, n_tokens: int) -> list[int]:
 
 
 def quality(target, formats, n_tokens, chunk):
-  import dataclasses
   import functools
 
   import jax
@@ -129,7 +129,6 @@ def quality(target, formats, n_tokens, chunk):
     out[f] = dict(kld_mean=float(k.mean()), kld_p99=float(np.percentile(k, 99)),
                   kld_max=float(k.max()), top1_agree=float(t1.mean()),
                   ppl=float(np.exp(l.mean())), tokens=int(k.size))
-  del dataclasses
   return out
 
 
@@ -137,13 +136,10 @@ def _bytes_per_token(tcfg, dcfg, rt, dec_kw):
   """(bytes per context token, bytes at max_ctx 0) of the decode state, from two sizes."""
   from dflash_jax import api
   from dflash_jax.config import DecodeConfig
-  sizes = []
-  for ctx in (8192, 16384):
-    dec = DecodeConfig(max_ctx=ctx, **dec_kw)
-    sizes.append(api._state_bytes(tcfg, dcfg, dec, rt))
-  per = (sizes[1] - sizes[0]) / (DecodeConfig(max_ctx=16384, **dec_kw).capacity
-                                 - DecodeConfig(max_ctx=8192, **dec_kw).capacity)
-  return per, sizes[0] - per * DecodeConfig(max_ctx=8192, **dec_kw).capacity
+  small, big = (DecodeConfig(max_ctx=ctx, **dec_kw) for ctx in (8192, 16384))
+  sizes = [api._state_bytes(tcfg, dcfg, dec, rt) for dec in (small, big)]
+  per = (sizes[1] - sizes[0]) / (big.capacity - small.capacity)
+  return per, sizes[0] - per * small.capacity
 
 
 def qwen27b_configs():
@@ -165,6 +161,8 @@ def qwen27b_configs():
 
 
 def memory(target, draft, formats):
+  import jax
+
   from dflash_jax.runtime import Runtime
   t27, d27 = qwen27b_configs()
   w27 = 26.9e9 * 4.89 / 8
@@ -173,7 +171,7 @@ def memory(target, draft, formats):
   models = [("Qwen3.5-27B shapes (Q4_K_M)", t27, d27, w27 + d27_bytes)]
   if target is not None:
     own = target.gguf_tensor_bytes + (0 if draft is None else sum(
-        x.nbytes for x in __import__("jax").tree.leaves(draft.params)))
+        x.nbytes for x in jax.tree.leaves(draft.params)))
     models.insert(0, (target.general_name or target.path, target.config,
                       None if draft is None else draft.config, own))
   for name, tcfg, dcfg, weights in models:
@@ -295,35 +293,36 @@ def main(argv):
     os.makedirs(os.path.dirname(_JSON.value) or ".", exist_ok=True)
     with open(_JSON.value, "w") as fh:
       json.dump(res, fh, indent=1)
+  tables = []
   if "quality" in res:
-    print(f"\n| format | KLD mean | KLD p99 | top-1 agree | PPL |  ({res['quality'][formats[0]]['tokens']} tokens)")
-    print("|---|---|---|---|---|")
-    for f, q in res["quality"].items():
-      print(f"| {f} | {q['kld_mean']:.6f} | {q['kld_p99']:.5f} | {q['top1_agree']:.4f} | {q['ppl']:.4f} |")
+    tables.append((f"({res['quality'][formats[0]]['tokens']} tokens; KL vs {formats[0]})",
+                   ["format", "KLD mean", "KLD p99", "top-1 agree", "PPL"],
+                   [[f, f"{q['kld_mean']:.6f}", f"{q['kld_p99']:.5f}", f"{q['top1_agree']:.4f}",
+                     f"{q['ppl']:.4f}"] for f, q in res["quality"].items()]))
   if "memory" in res:
-    print("\n| model | format | bytes/token | max_ctx in 24 GB | in 80 GB |")
-    print("|---|---|---|---|---|")
-    for r in res["memory"]:
-      print(f"| {r['model']} | {r['format']} | {r['bytes_per_token']:.0f} | {r['max_ctx_24GB']} | "
-            f"{r['max_ctx_80GB']} |")
+    tables.append(("", ["model", "format", "bytes/token", "max_ctx in 24 GB", "in 80 GB"],
+                   [[r["model"], r["format"], f"{r['bytes_per_token']:.0f}", r["max_ctx_24GB"],
+                     r["max_ctx_80GB"]] for r in res["memory"]]))
   if "prefill" in res:
-    print("\n| format | prompt tokens | prefill s | tok/s | decode state GiB | peak RSS GiB |")
-    print("|---|---|---|---|---|---|")
-    for r in res["prefill"]:
-      print(f"| {r['format']} | {r['tokens']} | {r['prefill_s']:.1f} | {r['prefill_tok_s']:.0f} | "
-            f"{r['state_bytes'] / GIB:.2f} | {r['peak_rss_bytes'] / GIB:.2f} |")
+    tables.append(("", ["format", "prompt tokens", "prefill s", "tok/s", "decode state GiB",
+                        "peak RSS GiB"],
+                   [[r["format"], r["tokens"], f"{r['prefill_s']:.1f}", f"{r['prefill_tok_s']:.0f}",
+                     f"{r['state_bytes'] / GIB:.2f}", f"{r['peak_rss_bytes'] / GIB:.2f}"]
+                    for r in res["prefill"]]))
   if "window" in res:
-    print(f"\n| mode | draft_window | acceptance |  (identical outputs: "
-          f"{res['window']['all_outputs_identical']})")
-    print("|---|---|---|")
-    for r in res["window"]["rows"]:
-      print(f"| {r['mode']} | {r['draft_window'] or 'all'} | {r['acceptance']:.2f} |")
+    tables.append((f"(identical outputs: {res['window']['all_outputs_identical']})",
+                   ["mode", "draft_window", "acceptance"],
+                   [[r["mode"], r["draft_window"] or "all", f"{r['acceptance']:.2f}"]
+                    for r in res["window"]["rows"]]))
   if "step" in res:
-    print("\n| format | tokens | live | ms | vs first |")
-    print("|---|---|---|---|---|")
-    for r in res["step"]:
-      print(f"| {r['format']} | {r['tokens']} | {r['live']} | {r['ms']:.1f} | {r['vs_first']:.2f} |")
-
+    tables.append(("", ["format", "tokens", "live", "ms", "vs first"],
+                   [[r["format"], r["tokens"], r["live"], f"{r['ms']:.1f}", f"{r['vs_first']:.2f}"]
+                    for r in res["step"]]))
+  for note, header, rows in tables:
+    print(f"\n| {' | '.join(header)} |  {note}".rstrip())
+    print("|" + "---|" * len(header))
+    for row in rows:
+      print(f"| {' | '.join(str(x) for x in row)} |")
 
 if __name__ == "__main__":
   app.run(main)
