@@ -253,18 +253,33 @@ def prefill_chunk(tparams, dparams, state: DecodeState, slot: jax.Array, tokens:
                                                                 v=put(tv, v)), draft=dc)
 
 
-def dflash_proposer(tparams, dparams, s: DecodeState, *, dcfg: DraftConfig, dec: DecodeConfig,
-                    rt: Runtime):
-  """The DFlash draft as proposer (one row): draft one block over the context cache (the
-  target features of every committed position were ingested when they were committed);
-  DFlash-1 (`draft.propose`) or DFlash-2 through its candidate selector (`draft2.propose`).
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Proposal:
+  """What a proposer hands the verify (one row).
 
-  Returns (logits [D, V] float32 for positions pos+1..pos+D, new DraftCache), D =
-  dec.draft_depth (L-1 for chain; min(budget, L-1) for DDTree). A proposer is any function with
-  this signature (tests pass an oracle; it may return up to L-1 rows); it sees one row's state
-  (the loop vmaps it over the batch); chain mode takes the argmax per row, DDTree builds a tree
-  from the rows' log-probabilities.
+  Attributes:
+    tree: tree_lib.Tree rooted at the row's bonus token: the path [bonus, d_1..d_D] (chain), a
+      best-first tree (DDTree), or the root alone.
+    q: [D, V] float32 log-probabilities of the distribution each chain draft was drawn from,
+      when the speculative rejection rule verifies the chain (a sampled chain row), else None.
+    cache: the draft's context cache (draft.DraftCache) as the proposer leaves it; the loop
+      writes the committed positions' context rows into it after the verify (None: a proposer
+      without a draft cache; the state's cache is kept).
   """
+
+  tree: tree_lib.Tree
+  q: Optional[jax.Array]
+  cache: Optional[draft_lib.DraftCache]
+
+
+def draft_rows(tparams, dparams, s: DecodeState, *, dcfg: DraftConfig, dec: DecodeConfig,
+               rt: Runtime):
+  """The DFlash draft's rows (one row's state): one block over the context cache (the target
+  features of every committed position were ingested when they were committed); DFlash-1
+  (`draft.propose`) or DFlash-2 (`draft2.propose`: the selector's greedy path as log-probs over
+  its candidates). Returns (logits [D, V] float32 for positions pos+1..pos+D, DraftCache),
+  D = dec.draft_depth (L-1 for chain; min(budget, L-1) for DDTree)."""
   return _propose_fn(dcfg)(dparams, dcfg, tparams.embed, tparams.lm_head, s.bonus, s.pos,
                            s.draft, rt, n_logits=dec.draft_depth)
 
@@ -272,6 +287,53 @@ def dflash_proposer(tparams, dparams, s: DecodeState, *, dcfg: DraftConfig, dec:
 def _propose_fn(dcfg: DraftConfig):
   """The draft forward of the config's variant: draft2.propose (DFlash-2) or draft.propose."""
   return draft2_lib.propose if dcfg.dflash2 is not None else draft_lib.propose
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitsProposer:
+  """A proposer from a function giving draft rows, `rows_fn(tparams, dparams, s, *, dcfg, dec,
+  rt) -> (logits [D, V] float32, cache)` (`draft_rows`, or a test's oracle): the tree is DFlash-1's
+  construction from the rows (`build_verify_tree`: the rows' argmax chain, or draws from the
+  processed rows under the rejection rule; DDTree's best-first tree over their log-probs)."""
+
+  rows_fn: object
+
+  def __call__(self, tparams, dparams, s: DecodeState, *, plan: "Plan", key: jax.Array,
+               sampled: bool, grammar=None) -> Proposal:
+    dlogits, cache = self.rows_fn(tparams, dparams, s, dcfg=plan.dcfg, dec=plan.dec, rt=plan.rt)
+    tree, q = build_verify_tree(dlogits, s.bonus, plan.dec, s.samp, key, sampled, grammar,
+                                s.gstate)
+    return Proposal(tree, q, cache)
+
+
+_ROWS_PROPOSER = LogitsProposer(draft_rows)
+
+
+def dflash_proposer(tparams, dparams, s: DecodeState, *, plan: "Plan", key: jax.Array,
+                    sampled: bool, grammar=None) -> Proposal:
+  """The DFlash draft as proposer (one row; the loop vmaps it over the batch). A proposer is
+  any function with this signature returning a `Proposal` (tests pass oracles through
+  `LogitsProposer`).
+
+  DFlash-1: the chain / DDTree construction over the draft's rows (`LogitsProposer`).
+  DFlash-2, chain without a grammar: the candidate selector's own path (`draft2.propose_path`),
+  greedy, or for a row sampled under the rejection rule drawn ancestrally at the row's
+  temperature with q = the selector's softmax over its candidates (the z-lab package's
+  sampling); DDTree and grammar-constrained chains use the selector's rows (its greedy path's
+  scores as log-probs over the candidates) like DFlash-1's.
+  key: [] PRNG key for the draws. grammar: the batch's GrammarTables or None.
+  """
+  dcfg, dec = plan.dcfg, plan.dec
+  if dcfg.dflash2 is None or grammar is not None or dec.mode != "chain":
+    return _ROWS_PROPOSER(tparams, dparams, s, plan=plan, key=key, sampled=sampled,
+                          grammar=grammar)
+  rejection = _uses_rejection(dec, sampled)
+  tokens, q = draft2_lib.propose_path(
+      dparams, dcfg, tparams.embed, tparams.lm_head, s.bonus, s.pos, s.draft, plan.rt,
+      n=dec.draft_depth, temperature=s.samp.temperature if rejection else 0.0,
+      key=key if rejection else None)
+  tree = tree_lib.path_tree(jnp.concatenate([s.bonus[None], tokens]))
+  return Proposal(tree, q if rejection else None, s.draft)
 
 
 def _constrained_rows(dlogits, grammar, gstate, sp, key, rejection: bool):
@@ -393,7 +455,7 @@ def verify_and_commit(tparams, tcfg: TargetConfig, rt: Runtime, tree: tree_lib.T
 @dataclasses.dataclass(frozen=True)
 class _RowStep:
   """One row's step result before the cache writes: the advanced small state (`state`, with the
-  caches as they were), the target commit `update` at rows `start`, and the draft context rows
+  target cache as it was and the draft cache as the proposal left it), the target commit `update` at rows `start`, and the draft context rows
   (k, v [n_layer, P, Hkv, Dh], or None) of the committed positions, also at `start`."""
 
   state: DecodeState
@@ -439,11 +501,11 @@ def _step(tparams, dparams, s: DecodeState, eog_ids, live_bound, rules, grammar,
   verified node is masked under the state of its own path."""
   dec = plan.dec
   k_draft, k_accept = jax.random.split(jax.random.fold_in(s.key, s.n_steps))
-  dlogits = None
   if dec.speculative:
-    dlogits, _ = proposer(tparams, dparams, s, dcfg=plan.dcfg, dec=dec, rt=plan.rt)
-  tree, q_logp = build_verify_tree(dlogits, s.bonus, dec, s.samp, k_draft, sampled, grammar,
-                                   s.gstate)
+    prop = proposer(tparams, dparams, s, plan=plan, key=k_draft, sampled=sampled, grammar=grammar)
+  else:
+    prop = Proposal(tree_lib.path_tree(s.bonus[None]), None, None)
+  tree, q_logp = prop.tree, prop.q
   gnodes = None
   if grammar is not None:
     gnodes = grammar_lib.node_states(grammar, s.gstate, tree.parents, tree.depths, tree.tokens,
@@ -473,6 +535,8 @@ def _step(tparams, dparams, s: DecodeState, eog_ids, live_bound, rules, grammar,
   if plan.uses_draft:
     dk, dv = draft_lib.ingest_rows(dparams, plan.dcfg, c.feats, s.pos, plan.rt)
   new = _advance(s, c.emit, c.n_acc, eog_ids)
+  if prop.cache is not None:
+    new = dataclasses.replace(new, draft=prop.cache)
   if grammar is not None:
     new = dataclasses.replace(new, gstate=grammar_lib.advance(grammar, gnodes[c.path[c.n_acc]],
                                                               c.emit[c.n_acc]))
@@ -501,7 +565,7 @@ def _commit_rows(act: jax.Array, r: _RowStep, old: DecodeState) -> DecodeState:
   # its attention), so XLA could order a write first and then copies the whole cache to keep
   # the read correct; passing the step's outputs (which depend on all reads) and the caches
   # through one barrier orders the writes last, in place.
-  r, caches = jax.lax.optimization_barrier((r, (old.target, old.draft)))
+  r, caches = jax.lax.optimization_barrier((r, (old.target, r.state.draft)))
   old = dataclasses.replace(old, target=caches[0], draft=caches[1])
   small = lambda st: dataclasses.replace(st, target=None, draft=None)
   new = jax.tree.map(pick, small(r.state), small(old))

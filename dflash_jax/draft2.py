@@ -30,33 +30,36 @@ import jax.numpy as jnp
 
 from dflash_jax import layers
 from dflash_jax.config import DraftConfig
-from dflash_jax.draft import ConvParams, DraftCache, DraftParams, _kv, _queries
+from dflash_jax.draft import (ConvParams, DraftCache, DraftParams, _block_attention, _context, _kv,
+                             _queries)
 from dflash_jax.quants import QuantWeight, take_rows
 from dflash_jax.runtime import Runtime
 
 
 def dynamic_taps(h: jax.Array, conv: ConvParams, cfg: DraftConfig, rt: Runtime) -> jax.Array:
-  """Per-row dynamic taps of a convolution: h [L, D] (the layer's normed input) ->
-  [L, 2, K, D/G] (side, tap, group) = kernel_projection(h) reshaped."""
+  """Per-row dynamic taps of a convolution: h [..., L, D] (the layer's normed input) ->
+  [..., L, 2, K, D/G] (side, tap, group) = kernel_projection(h) reshaped."""
   f = cfg.dflash2
-  return layers.linear(h, conv.proj, rt).reshape(h.shape[0], 2, f.conv_kernel,
-                                                 cfg.d_model // f.conv_group)
+  flat = layers.linear(h.reshape(-1, h.shape[-1]), conv.proj, rt)
+  return flat.reshape(h.shape[:-1] + (2, f.conv_kernel, cfg.d_model // f.conv_group))
 
 
 def causal_conv(u: jax.Array, dyn: jax.Array, base: jax.Array) -> jax.Array:
   """Grouped dynamic causal convolution along the block rows.
 
-  u: [L, D]; dyn: [L, K, D/G] the rows' dynamic taps of one side; base: [K, D] its static taps.
+  u: [..., L, D] (leading axes: independent blocks); dyn: [..., L, K, D/G] the rows' dynamic
+  taps of one side; base: [K, D] its static taps.
   out[t, c] = sum_{o<K} (base[o, c] + dyn[t, o, c // G]) * u[t-o, c], u[t-o] = 0 for t < o.
-  Returns [L, D] float32.
+  Returns [..., L, D] float32.
   """
-  n, d = u.shape
+  n, d = u.shape[-2:]
   k = base.shape[0]
-  taps = base[None] + jnp.repeat(dyn, d // dyn.shape[-1], axis=-1)       # [L, K, D]
-  out = jnp.zeros((n, d), jnp.float32)
+  taps = base + jnp.repeat(dyn, d // dyn.shape[-1], axis=-1)             # [..., L, K, D]
+  out = jnp.zeros(u.shape, jnp.float32)
+  lead = [(0, 0)] * (u.ndim - 2)
   for o in range(k):
-    shifted = jnp.pad(u, ((o, 0), (0, 0)))[:n]
-    out = out + taps[:, o] * shifted
+    shifted = jnp.pad(u, lead + [(o, 0), (0, 0)])[..., :n, :]
+    out = out + taps[..., o, :] * shifted
   return out
 
 
@@ -126,11 +129,69 @@ def propose_hidden(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, bo
   return hidden
 
 
+def train_hidden(params: DraftParams, cfg: DraftConfig, feats: jax.Array, block_ids: jax.Array,
+                 anchors: jax.Array, embed: QuantWeight, rt: Runtime = Runtime()) -> jax.Array:
+  """The DFlash-2 forward for many blocks of one sequence at once (training; the math of
+  `propose_hidden` over a cache holding positions 0..anchor-1, checked by tests).
+
+  feats: [T, F*D] target features of positions 0..T-1; block_ids: [A, L] int32 rows
+  [x_anchor, MASK x (L-1)]; anchors: [A] int32 positions of the blocks' first rows. Block a sees
+  context positions < anchors[a] and its own rows (`block_masks`), the convolutions run inside
+  each block. Returns hidden [A, L, D] float32 after the final norm.
+  """
+  f, ex = cfg.dflash2, params.dflash2
+  n_ctx = feats.shape[0]
+  A, L = block_ids.shape
+  H, Hkv, Dh, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.d_model
+  cpos = jnp.arange(n_ctx, dtype=jnp.int32)
+  qpos = anchors[:, None] + jnp.arange(L, dtype=jnp.int32)               # [A, L]
+  before = jnp.broadcast_to(cpos[None, None, :] < anchors[:, None, None], (A, L, n_ctx))
+  c = _context(params, feats, cfg, rt)
+  x = take_rows(embed, block_ids.reshape(-1)).reshape(A, L, D).astype(jnp.float32)
+  x = x * f.input_embedding_scale
+  for i, lay in enumerate(params.layers):
+    kc, vc = _kv(c, lay, cpos, cfg, rt)
+    h = layers.rms_norm(x, lay.in_norm, cfg.rms_eps)
+    dyn = dynamic_taps(h, ex.attn_conv[i], cfg, rt)                      # [A, L, 2, K, D/G]
+    a = causal_conv(h, dyn[:, :, 0], ex.attn_conv[i].base[0]).reshape(A * L, D)
+    q = _queries(a, lay, qpos.reshape(-1), cfg, rt).reshape(A, L, Hkv, H // Hkv, Dh)
+    kb, vb = _kv(a, lay, qpos.reshape(-1), cfg, rt)
+    ctx_mask, blk_mask = jax.vmap(lambda p, m: block_masks(p, cpos, cfg, i, m))(qpos, before)
+    o = _block_attention(q, kc, vc, kb.reshape(A, L, Hkv, Dh), vb.reshape(A, L, Hkv, Dh),
+                         ctx_mask, blk_mask, Dh)
+    ao = layers.linear(o.reshape(A * L, H * Dh), lay.wo, rt).reshape(A, L, D)
+    x = x + causal_conv(ao, dyn[:, :, 1], ex.attn_conv[i].base[1])
+    h = layers.rms_norm(x, lay.post_norm, cfg.rms_eps)
+    dyn = dynamic_taps(h, ex.mlp_conv[i], cfg, rt)
+    m = causal_conv(h, dyn[:, :, 0], ex.mlp_conv[i].base[0]).reshape(A * L, D)
+    y = layers.swiglu_mlp(m, lay.gate_up, lay.down, rt).reshape(A, L, D)
+    x = x + causal_conv(y, dyn[:, :, 1], ex.mlp_conv[i].base[1])
+  return layers.rms_norm(x, params.norm, cfg.rms_eps)
+
+
+def pairwise_scores(params: DraftParams, hidden: jax.Array, prev: jax.Array,
+                    rt: Runtime = Runtime()) -> jax.Array:
+  """The selector's pairwise term for every vocabulary token (training, teacher forcing):
+  hidden [..., D] the rows' draft hidden states, prev [...] int32 each row's predecessor token ->
+  [..., V] float32 sum_r pred[prev, r] * g[r] * succ[v, r], g = hidden_projection(hidden)
+  (`select` adds it to the unary logits of its top-k candidates only)."""
+  ex = params.dflash2
+  g = layers.linear(hidden.reshape(-1, hidden.shape[-1]), ex.sel_proj, rt)
+  g = g.reshape(hidden.shape[:-1] + (-1,))
+  return jnp.einsum("...r,vr->...v", ex.pred[prev] * g, ex.succ,
+                    precision=jax.lax.Precision.HIGHEST)
+
+
 def draft_logits(hidden: jax.Array, lm_head: QuantWeight, cfg: DraftConfig, rt: Runtime):
   """Logits the selector sees: hidden [P, D] -> lm_head(hidden) * output_multiplier, then
   cap * tanh(logits / cap) when `final_logit_softcapping` is set. [P, V] float32."""
+  return cap_logits(layers.linear(hidden, lm_head, rt), cfg)
+
+
+def cap_logits(z: jax.Array, cfg: DraftConfig) -> jax.Array:
+  """z [..., V] float32 raw lm_head outputs -> z * output_multiplier, then soft-capped."""
   f = cfg.dflash2
-  z = layers.linear(hidden, lm_head, rt) * f.output_multiplier
+  z = z * f.output_multiplier
   if f.softcap:
     z = f.softcap * jnp.tanh(z / f.softcap)
   return z
@@ -160,7 +221,7 @@ class Selection:
 
 
 def select(params: DraftParams, cfg: DraftConfig, hidden: jax.Array, logits: jax.Array,
-           anchor: jax.Array, rt: Runtime, *, temperature: float = 0.0,
+           anchor: jax.Array, rt: Runtime, *, temperature=0.0,
            key: Optional[jax.Array] = None, forced: Optional[jax.Array] = None) -> Selection:
   """The candidate selector (`CandidateSelector.select`): a left-to-right decode of a chain
   model over each row's top-k candidates.
@@ -169,30 +230,37 @@ def select(params: DraftParams, cfg: DraftConfig, hidden: jax.Array, logits: jax
   anchor: [] int32 the last committed token (the first row's predecessor).
   score[p, j] = unary[p, j] + sum_r pred[prev, r] * g[p, r] * succ[cand[p, j], r], with
   g = hidden_projection(hidden), prev the token chosen for row p-1.
-  temperature 0: argmax per row; > 0: a draw from q[p] = softmax(score[p] / T) with `key`;
-  forced: [P] int32 tokens to follow instead (teacher forcing: q of a given path; each must be
-  among its row's candidates). Returns a Selection.
+  temperature: a float or a [] float32 array (a decode row's own, traced). With a `key`, a row
+  at temperature T > 0 draws from q[p] = softmax(score[p] / T) (ancestral sampling: each draw is
+  the next row's predecessor); without one, or at T = 0, the argmax. forced: [P] int32 tokens to
+  follow instead (teacher forcing: q of a given path; each must be among its row's candidates).
+  q = softmax(score / T) where T > 0, else one-hot of the chosen column.
+  Raises ValueError for a Python temperature > 0 with neither key nor forced tokens.
+  Returns a Selection.
   """
   ex = params.dflash2
   k = cfg.dflash2.selector_top_k
   unary, cand = jax.lax.top_k(logits, k)
   g = layers.linear(hidden, ex.sel_proj, rt)                               # [P, R]
   n = logits.shape[0]
-  if temperature > 0 and forced is None and key is None:
+  if (isinstance(temperature, (int, float)) and temperature > 0 and forced is None
+      and key is None):
     raise ValueError("select: temperature > 0 needs a PRNG key (or forced tokens)")
+  t = jnp.asarray(temperature, jnp.float32)
+  t_safe = jnp.where(t > 0, t, 1.0)
   keys = jax.random.split(key, n) if key is not None else None
 
   def row(prev, xs):
     u, c, gp, p_idx = xs
     score = u + (ex.pred[prev] * gp) @ ex.succ[c].T                        # [k]
+    j = jnp.argmax(score).astype(jnp.int32)
     if forced is not None:
       j = jnp.argmax(c == forced[p_idx]).astype(jnp.int32)
-    elif temperature > 0:
-      j = jax.random.categorical(keys[p_idx], score / temperature).astype(jnp.int32)
-    else:
-      j = jnp.argmax(score).astype(jnp.int32)
-    q = (jax.nn.softmax(score / temperature) if temperature > 0
-         else jax.nn.one_hot(j, score.shape[0], dtype=jnp.float32))
+    elif keys is not None:
+      drawn = jax.random.categorical(keys[p_idx], score / t_safe).astype(jnp.int32)
+      j = jnp.where(t > 0, drawn, j)
+    q = jnp.where(t > 0, jax.nn.softmax(score / t_safe),
+                  jax.nn.one_hot(j, score.shape[0], dtype=jnp.float32))
     return c[j], (c[j], score, j, q)
 
   _, (tokens, scores, chosen, q) = jax.lax.scan(
@@ -209,6 +277,24 @@ def scatter_q(sel: Selection, n_vocab: int) -> jax.Array:
 
 
 NOT_PROPOSED = -1e30   # log-probability of a token outside a row's candidates
+
+
+def propose_path(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: QuantWeight,
+                 bonus: jax.Array, start: jax.Array, cache: DraftCache, rt: Runtime, *, n: int,
+                 temperature=0.0, key: Optional[jax.Array] = None):
+  """One DFlash-2 block as the selector proposes it (`dflash_generate`'s proposal): the
+  selector's path over the block rows, greedy, or with a key sampled ancestrally at
+  `temperature` ([] float32, a decode row's own; 0 = greedy).
+
+  Returns (tokens [n] int32 for positions start+1..start+n, q_logp [n, V] float32 log of the
+  selector's q scattered onto each row's candidates (-inf elsewhere): the proposal
+  distribution of the speculative rejection rule).
+  """
+  hidden = propose_hidden(params, cfg, embed, bonus, start, cache, rt)
+  logits = draft_logits(hidden[1:], lm_head, cfg, rt)
+  sel = select(params, cfg, hidden[1:], logits, bonus, rt, temperature=temperature, key=key)
+  q = scatter_q(sel, logits.shape[-1])[:n]
+  return sel.tokens[:n], jnp.log(q)
 
 
 def propose(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: QuantWeight,

@@ -6,6 +6,7 @@ The forward is in `draft`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
@@ -225,6 +226,7 @@ def config_for_target(tcfg: TargetConfig, *, n_layer: int = 1, n_features: int =
 def init_params(key: jax.Array, cfg: DraftConfig, d_target: int, *, std: float = 0.02,
                 weight_fmt: str = "bf16", out_norm: Optional[np.ndarray] = None) -> draft_lib.DraftParams:
   """Random draft (matrices N(0, std^2), norms 1): a starting point for training and for tests.
+  DFlash-2 parts as `_dflash2_init` (identity convolutions, a small selector).
 
   out_norm: optional [D] float32 initial final-norm weight; training passes the target's
   `output_norm` so the draft's logits through the shared lm_head start at the target's scale
@@ -236,6 +238,8 @@ def init_params(key: jax.Array, cfg: DraftConfig, d_target: int, *, std: float =
     key, sub = jax.random.split(key)
     arrays[name] = (np.ones(shape, np.float32) if len(shape) == 1
                     else np.asarray(std * jax.random.normal(sub, shape, jnp.float32)))
+  if cfg.dflash2 is not None:
+    arrays.update(_dflash2_init(key, cfg))
   if out_norm is not None:
     out_norm = np.asarray(out_norm, np.float32)
     if out_norm.shape != (cfg.d_model,):
@@ -263,3 +267,66 @@ def save(out_dir: str, params: draft_lib.DraftParams, cfg: DraftConfig, *,
   with open(tmp, "w") as fh:
     json.dump(conf, fh, indent=2)
   os.replace(tmp, os.path.join(out_dir, "config.json"))
+
+
+def _dflash2_init(key: jax.Array, cfg: DraftConfig) -> dict[str, np.ndarray]:
+  """Starting values of a DFlash-2 draft's own tensors: every convolution the identity (static
+  tap 0 = 1, other taps 0, kernel_projection 0: no dynamic taps yet), the selector's
+  hidden_projection 0 and its codebooks N(0, 0.1^2). So a fresh DFlash-2 draft computes exactly
+  what its DFlash-1 weights compute, and every new tensor still gets a gradient (each is one
+  factor of a product whose other factors are nonzero). The z-lab package leaves base_kernel
+  uninitialised (torch.empty) and ships no training code."""
+  f = cfg.dflash2
+  out = {}
+  taps = 2 * f.conv_kernel * cfg.d_model // f.conv_group
+  for i in range(cfg.n_layer):
+    k = _dflash2_keys(i)
+    for side in ("attn", "mlp"):
+      base = np.zeros((2, f.conv_kernel, cfg.d_model), np.float32)
+      base[:, 0] = 1.0
+      out[k[side + "_base"]] = base
+      out[k[side + "_proj"]] = np.zeros((taps, cfg.d_model), np.float32)
+  out[SELECTOR_KEYS["sel_proj"]] = np.zeros((f.selector_rank, cfg.d_model), np.float32)
+  for name, kk in zip(("pred", "succ"), jax.random.split(key)):
+    out[SELECTOR_KEYS[name]] = np.asarray(
+        0.1 * jax.random.normal(kk, (cfg.n_vocab, f.selector_rank), jnp.float32))
+  return out
+
+
+def dflash2_config(cfg: DraftConfig, *, conv_kernel: int = 3, conv_group: int = 64,
+                   selector_rank: int = 32, selector_top_k: int = 8,
+                   output_multiplier: float = 1.0, softcap: float = 0.0,
+                   input_embedding_scale: float = 1.0) -> DraftConfig:
+  """A DFlash-2 config with cfg's shapes (a DFlash-1 config, e.g. config_for_target's or a
+  loaded draft's): the block keeps cfg's masks (causal exactly on its sliding layers, the
+  package's default when `is_causal` is absent). Raises ValueError naming the field when
+  conv_group does not divide hidden_size or a size is out of range."""
+  from dflash_jax.config import DFlash2Fields
+  for name, v, lo, hi in (("conv_kernel", conv_kernel, 1, cfg.block_size),
+                          ("conv_group", conv_group, 1, cfg.d_model),
+                          ("selector_rank", selector_rank, 1, cfg.d_model),
+                          ("selector_top_k", selector_top_k, 1, cfg.n_vocab)):
+    if not lo <= v <= hi:
+      raise ValueError(f"dflash2_config: {name}={v} out of range [{lo}, {hi}]")
+  if cfg.d_model % conv_group:
+    raise ValueError(f"dflash2_config: conv_group={conv_group} must divide hidden_size="
+                     f"{cfg.d_model}")
+  return dataclasses.replace(cfg, dflash2=DFlash2Fields(
+      conv_kernel=conv_kernel, conv_group=conv_group, selector_rank=selector_rank,
+      selector_top_k=selector_top_k, output_multiplier=float(output_multiplier),
+      softcap=float(softcap), input_embedding_scale=float(input_embedding_scale),
+      causal=tuple(cfg.sliding)))
+
+
+def upgrade_to_dflash2(key: jax.Array, params: draft_lib.DraftParams, cfg2: DraftConfig, *,
+                       weight_fmt: str = "f32") -> draft_lib.DraftParams:
+  """DFlash-1 params -> DFlash-2 params for cfg2 (`dflash2_config` of their config): the shared
+  tensors kept, the convolutions and selector from `_dflash2_init` (identity convolutions), so
+  training starts from exactly what the DFlash-1 draft proposes (its logits, and a pairwise
+  term of zero)."""
+  arrays = {k: np.asarray(v, np.float32) for k, v in params_to_arrays(params).items()}
+  arrays.update(_dflash2_init(key, cfg2))
+  missing = set(expected_shapes(cfg2, arrays["fc.weight"].shape[1] // cfg2.n_features)) - set(arrays)
+  if missing:
+    raise ValueError(f"upgrade_to_dflash2: no values for {sorted(missing)[:3]}")
+  return params_from_arrays(arrays, cfg2, weight_fmt=weight_fmt)

