@@ -32,6 +32,10 @@ _TF = target_flags.define()
 flags.adopt_module_key_flags(target_flags)  # list them in --help
 _DRAFT = flags.DEFINE_string("draft", None, "Draft directory; default: the matching checkpoint, "
                              "else 'random' (an untrained 1-layer draft: a lower bound).")
+_COMPARE = flags.DEFINE_list("compare_drafts", [], "More draft directories run side by side with "
+                             "--draft in the same run: every speculative column is repeated for "
+                             "each, labelled mode:<directory name> (e.g. a DFlash-2 draft vs a "
+                             "DFlash-1 draft trained on the same data).")
 _DATASET = flags.DEFINE_enum("dataset", "humaneval", ["humaneval", "chat"], "Prompt set.")
 _N_PROMPTS = flags.DEFINE_integer("n_prompts", 10, "First N prompts of the set.")
 _LLAMA_CPP = flags.DEFINE_boolean("llama_cpp", True, "Also time llama.cpp if llama_cpp is importable.")
@@ -113,9 +117,10 @@ def load_prompts(target):
   return [(tid, cli.build_prompt(target, text, chat=True)) for tid, text in chat_prompts(_N_PROMPTS.value)]
 
 
-def decode_configs():
-  """{column label: (DecodeConfig, SamplingConfig)} for --modes (ddtree: one column per
-  --budgets entry) x --temperatures (label suffix "/T0.7" for sampled columns)."""
+def decode_configs(drafts):
+  """{column label: (DecodeConfig, SamplingConfig, draft)} for --modes (ddtree: one column per
+  --budgets entry) x --temperatures (label suffix "/T0.7" for sampled columns) x drafts
+  ({label suffix: api.Draft}; "" = --draft, else ":name" on the speculative columns)."""
   import dflash_jax as dj
   decs = {}
   for m in _MODES.value:
@@ -129,17 +134,20 @@ def decode_configs():
   for t in (float(x) for x in _TEMPS.value):
     samp = dj.SamplingConfig(temperature=t, top_p=_TOP_P.value if t > 0 else 1.0, seed=_SEED.value)
     for label, dec in decs.items():
-      out[label if t == 0 else f"{label}/T{t:g}"] = (dec, samp)
+      for suffix, draft in drafts.items():
+        if suffix and not dec.speculative:
+          continue
+        out[label + suffix + ("" if t == 0 else f"/T{t:g}")] = (dec, samp, draft)
   return out
 
 
-def measure(target, draft, encoded, configs):
+def measure(target, encoded, configs):
   """Per prompt: every configuration --repeats times (medians), side by side; each
   configuration is compiled first by a warm-up run."""
   import dflash_jax as dj
 
   def run(ids, cfg):
-    dec, samp = cfg
+    dec, samp, draft = cfg
     return dj.generate(target, draft, ids, max_new_tokens=_N_GEN.value, config=dec,
                        sampling=samp, eog_ids=())
 
@@ -211,7 +219,7 @@ def measure_batched(target, draft, encoded, configs, sizes):
   import dflash_jax as dj
   ids = [x for _, x in encoded]
   rows, ref = [], {}
-  for label, (dec, samp) in configs.items():
+  for label, (dec, samp, _) in configs.items():
     if not samp.greedy:
       continue
     for b in sizes:
@@ -250,8 +258,13 @@ def main(argv):
   draft_dir = _DRAFT.value or cli.find_draft_dir(target) or "random"
   draft = random_draft(target) if draft_dir == "random" else dj.load_draft(draft_dir, target)
   encoded = load_prompts(target)
-  configs = decode_configs()
+  drafts = {"": draft}
+  for d in _COMPARE.value:
+    drafts[":" + os.path.basename(os.path.normpath(d))] = dj.load_draft(d, target)
+  configs = decode_configs(drafts)
   if _BATCH_SIZES.value:
+    if _COMPARE.value:
+      raise app.UsageError("--compare_drafts does not apply to the --batch_sizes table")
     rows = measure_batched(target, draft, encoded, configs, [int(b) for b in _BATCH_SIZES.value])
     llama = time_llama_cpp(path, encoded, _N_GEN.value, _REPEATS.value) if _LLAMA_CPP.value else None
     result = {"dataset": _DATASET.value, "target": os.path.basename(path), "draft": draft_dir,
@@ -285,12 +298,12 @@ def main(argv):
       with open(_JSON.value, "w") as fh:
         json.dump(result, fh, indent=1)
     return
-  rows = measure(target, draft, encoded, configs)
+  rows = measure(target, encoded, configs)
   llama = time_llama_cpp(path, encoded, _N_GEN.value, _REPEATS.value) if _LLAMA_CPP.value else None
   summary = summarize(rows, list(configs), llama)
   result = {
       "dataset": _DATASET.value, "target": os.path.basename(path), "draft": draft_dir,
-      "n_prompts": len(rows), "n_gen": _N_GEN.value, "repeats": _REPEATS.value,
+      "compare_drafts": _COMPARE.value, "n_prompts": len(rows), "n_gen": _N_GEN.value, "repeats": _REPEATS.value,
       "weights": target.weights, "compute_dtype": _TF.compute_dtype.value,
       "device": str(jax.devices()[0]),
       "all_outputs_identical": all(r["outputs_identical"] for r in rows),
