@@ -339,3 +339,57 @@ def test_train_save_load_and_decode_a_dflash2_draft(tmp_path, qwen_f32, qwen_ref
     r = dj.generate(qwen_f32, loaded, prompt, max_new_tokens=24, mode=mode, max_ctx=64,
                     eog_ids=(), budget=6)
     assert r.tokens == ar.tokens, mode
+
+
+def test_dflash2_objective_against_float64(qwen_f32, d2):
+  """The DFlash-2 training loss (train.batch_loss) against a float64 numpy recomputation from
+  the draft's hidden states: unary = cap(lm_head(h) x multiplier) (softcap 4, multiplier 4),
+  selector scores = unary + the pairwise term with each row's true predecessor (the anchor, then
+  the labels), loss = CE(scores) + CE(unary) + w x KL(target || scores), offset-weighted; the
+  target's next-token logits from the independent full forward (`forward_logits`). Rel. 1e-4."""
+  from dflash_jax import train
+  cfg, params = d2
+  rng = np.random.default_rng(4)
+  seqs = [train.TokenSeq(rng.integers(0, 1000, 10).astype(np.int32),
+                         rng.integers(0, 1000, 30).astype(np.int32), i) for i in range(2)]
+  batch = train.make_batch(np.random.default_rng(5), seqs, cfg, seq_len=48, n_anchors=6,
+                           mask_token_id=cfg.mask_token_id)
+  tparams, lm = train.frozen_target_tensors(qwen_f32)
+  w = np.asarray(train.loss_weights(cfg.block_size, 7.0), np.float64)
+  loss, m = train.batch_loss(params, cfg, batch, tparams, qwen_f32.config, lm, jnp.asarray(w),
+                             0.6, qwen_f32.runtime)
+  f64 = lambda x: np.asarray(x, np.float64)
+  lsm = lambda z: z - z.max(-1, keepdims=True) - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True))
+  ex, f = params.dflash2, cfg.dflash2
+  sums = dict(ce=0.0, ce_unary=0.0, kl=0.0)
+  den = 0.0
+  for i, s in enumerate(seqs):
+    toks = np.asarray(batch.tokens[i])
+    t_logits, feats = dj.forward_logits(qwen_f32, toks[:int(batch.lengths[i])],
+                                        feature_layers=cfg.target_layer_ids)
+    pad = np.zeros((48, feats.shape[1]), np.float32)
+    pad[:feats.shape[0]] = feats
+    h = f64(draft2.train_hidden(params, cfg, jnp.asarray(pad), jnp.asarray(batch.block_ids[i]),
+                                jnp.asarray(batch.anchors[i]), qwen_f32.params.embed,
+                                qwen_f32.runtime))[:, 1:]                       # [A, L-1, D]
+    unary = h @ f64(lm).T * f.output_multiplier
+    unary = f.softcap * np.tanh(unary / f.softcap)
+    g = h @ f64(ex.sel_proj.data).T
+    for a in range(batch.anchors.shape[1]):
+      for k in range(1, cfg.block_size):
+        if not batch.label_valid[i, a, k - 1]:
+          continue
+        pos = int(batch.anchors[i, a]) + k - 1          # the row's predecessor position
+        prev, label = toks[pos], int(batch.labels[i, a, k - 1])
+        score = unary[a, k - 1] + (f64(ex.pred)[prev] * g[a, k - 1]) @ f64(ex.succ).T
+        lp_t = lsm(f64(t_logits[pos]))
+        lq = lsm(score)
+        sums["ce"] += w[k - 1] * -lq[label]
+        sums["ce_unary"] += w[k - 1] * -lsm(unary[a, k - 1])[label]
+        sums["kl"] += w[k - 1] * np.sum(np.exp(lp_t) * (lp_t - lq))
+        den += w[k - 1]
+  ref = {k: v / den for k, v in sums.items()}
+  for k, v in ref.items():
+    assert abs(float(m[k]) - v) < 1e-4 * max(1.0, abs(v)), (k, float(m[k]), v)
+  total = ref["ce"] + ref["ce_unary"] + 0.6 * ref["kl"]
+  assert abs(float(loss) - total) < 1e-4 * total
