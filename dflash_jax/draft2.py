@@ -83,6 +83,30 @@ def block_masks(pos: jax.Array, key_pos: jax.Array, cfg: DraftConfig, layer: int
   return ctx, blk
 
 
+def _layer(x: jax.Array, params: DraftParams, cfg: DraftConfig, i: int, attend, rt: Runtime):
+  """One DFlash-2 decoder layer over block rows x [..., L, D] (leading axes: independent blocks):
+  the "prepare" convolution, attention (`attend(a [..., L, D]) -> [..., L, H*Dh]` before o_proj:
+  over the draft cache when proposing, over the sequence's features when training), the
+  "finish" convolution with taps from the same normed input, then the MLP between its own two
+  convolutions. Returns (x [..., L, D], the attention part's intermediates under the fixture's
+  names: attn_conv_in, attn_conv_dynamic, attn_prepared, attn_out, attn_finished)."""
+  ex, lay = params.dflash2, params.layers[i]
+  h = layers.rms_norm(x, lay.in_norm, cfg.rms_eps)
+  dyn = dynamic_taps(h, ex.attn_conv[i], cfg, rt)
+  a = causal_conv(h, dyn[..., 0, :, :], ex.attn_conv[i].base[0])
+  o = attend(a)
+  ao = layers.linear(o.reshape(-1, o.shape[-1]), lay.wo, rt).reshape(x.shape)
+  fin = causal_conv(ao, dyn[..., 1, :, :], ex.attn_conv[i].base[1])
+  parts = dict(attn_conv_in=h, attn_conv_dynamic=dyn, attn_prepared=a, attn_out=ao,
+               attn_finished=fin)
+  x = x + fin
+  h = layers.rms_norm(x, lay.post_norm, cfg.rms_eps)
+  dyn = dynamic_taps(h, ex.mlp_conv[i], cfg, rt)
+  m = causal_conv(h, dyn[..., 0, :, :], ex.mlp_conv[i].base[0])
+  y = layers.swiglu_mlp(m.reshape(-1, m.shape[-1]), lay.gate_up, lay.down, rt).reshape(x.shape)
+  return x + causal_conv(y, dyn[..., 1, :, :], ex.mlp_conv[i].base[1]), parts
+
+
 def propose_hidden(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, bonus: jax.Array,
                    start: jax.Array, cache: DraftCache, rt: Runtime, *, trace: bool = False):
   """The DFlash-2 block forward at positions start..start+L-1 over the context cache (rows of
@@ -101,26 +125,18 @@ def propose_hidden(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, bo
   x = take_rows(embed, ids).astype(jnp.float32) * f.input_embedding_scale
   key_pos, n_live, in_window = cache.context(start, L)
   aux = {"layer_outputs": []}
-  ex = params.dflash2
   for i, lay in enumerate(params.layers):
-    h = layers.rms_norm(x, lay.in_norm, cfg.rms_eps)
-    dyn = dynamic_taps(h, ex.attn_conv[i], cfg, rt)
-    a = causal_conv(h, dyn[:, 0], ex.attn_conv[i].base[0])
-    k, v = _kv(a, lay, pos, cfg, rt)
-    ctx_mask, blk_mask = block_masks(pos, key_pos, cfg, i, in_window)
-    o = layers.attention_live(_queries(a, lay, pos, cfg, rt), cache.k, cache.v, i, ctx_mask,
-                              n_live, local=(k, v, blk_mask))
-    ao = layers.linear(o.reshape(L, cfg.n_head * cfg.head_dim), lay.wo, rt)
-    fin = causal_conv(ao, dyn[:, 1], ex.attn_conv[i].base[1])
+
+    def attend(a):
+      k, v = _kv(a, lay, pos, cfg, rt)
+      ctx_mask, blk_mask = block_masks(pos, key_pos, cfg, i, in_window)
+      o = layers.attention_live(_queries(a, lay, pos, cfg, rt), cache.k, cache.v, i, ctx_mask,
+                                n_live, local=(k, v, blk_mask))
+      return o.reshape(L, cfg.n_head * cfg.head_dim)
+
+    x, parts = _layer(x, params, cfg, i, attend, rt)
     if i == 0 and trace:
-      aux.update(attn_conv_in=h, attn_conv_dynamic=dyn, attn_prepared=a, attn_out=ao,
-                 attn_finished=fin)
-    x = x + fin
-    h = layers.rms_norm(x, lay.post_norm, cfg.rms_eps)
-    dyn = dynamic_taps(h, ex.mlp_conv[i], cfg, rt)
-    m = causal_conv(h, dyn[:, 0], ex.mlp_conv[i].base[0])
-    x = x + causal_conv(layers.swiglu_mlp(m, lay.gate_up, lay.down, rt), dyn[:, 1],
-                        ex.mlp_conv[i].base[1])
+      aux.update(parts)
     aux["layer_outputs"].append(x)
   hidden = layers.rms_norm(x, params.norm, cfg.rms_eps)
   if trace:
@@ -139,7 +155,7 @@ def train_hidden(params: DraftParams, cfg: DraftConfig, feats: jax.Array, block_
   context positions < anchors[a] and its own rows (`block_masks`), the convolutions run inside
   each block. Returns hidden [A, L, D] float32 after the final norm.
   """
-  f, ex = cfg.dflash2, params.dflash2
+  f = cfg.dflash2
   n_ctx = feats.shape[0]
   A, L = block_ids.shape
   H, Hkv, Dh, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.d_model
@@ -151,21 +167,17 @@ def train_hidden(params: DraftParams, cfg: DraftConfig, feats: jax.Array, block_
   x = x * f.input_embedding_scale
   for i, lay in enumerate(params.layers):
     kc, vc = _kv(c, lay, cpos, cfg, rt)
-    h = layers.rms_norm(x, lay.in_norm, cfg.rms_eps)
-    dyn = dynamic_taps(h, ex.attn_conv[i], cfg, rt)                      # [A, L, 2, K, D/G]
-    a = causal_conv(h, dyn[:, :, 0], ex.attn_conv[i].base[0]).reshape(A * L, D)
-    q = _queries(a, lay, qpos.reshape(-1), cfg, rt).reshape(A, L, Hkv, H // Hkv, Dh)
-    kb, vb = _kv(a, lay, qpos.reshape(-1), cfg, rt)
-    ctx_mask, blk_mask = jax.vmap(lambda p, m: block_masks(p, cpos, cfg, i, m))(qpos, before)
-    o = _block_attention(q, kc, vc, kb.reshape(A, L, Hkv, Dh), vb.reshape(A, L, Hkv, Dh),
-                         ctx_mask, blk_mask, Dh)
-    ao = layers.linear(o.reshape(A * L, H * Dh), lay.wo, rt).reshape(A, L, D)
-    x = x + causal_conv(ao, dyn[:, :, 1], ex.attn_conv[i].base[1])
-    h = layers.rms_norm(x, lay.post_norm, cfg.rms_eps)
-    dyn = dynamic_taps(h, ex.mlp_conv[i], cfg, rt)
-    m = causal_conv(h, dyn[:, :, 0], ex.mlp_conv[i].base[0]).reshape(A * L, D)
-    y = layers.swiglu_mlp(m, lay.gate_up, lay.down, rt).reshape(A, L, D)
-    x = x + causal_conv(y, dyn[:, :, 1], ex.mlp_conv[i].base[1])
+
+    def attend(a):
+      af = a.reshape(A * L, D)
+      q = _queries(af, lay, qpos.reshape(-1), cfg, rt).reshape(A, L, Hkv, H // Hkv, Dh)
+      kb, vb = _kv(af, lay, qpos.reshape(-1), cfg, rt)
+      ctx_mask, blk_mask = jax.vmap(lambda p, m: block_masks(p, cpos, cfg, i, m))(qpos, before)
+      o = _block_attention(q, kc, vc, kb.reshape(A, L, Hkv, Dh), vb.reshape(A, L, Hkv, Dh),
+                           ctx_mask, blk_mask, Dh)
+      return o.reshape(A, L, H * Dh)
+
+    x = _layer(x, params, cfg, i, attend, rt)[0]
   return layers.rms_norm(x, params.norm, cfg.rms_eps)
 
 
@@ -279,6 +291,15 @@ def scatter_q(sel: Selection, n_vocab: int) -> jax.Array:
 NOT_PROPOSED = -1e30   # log-probability of a token outside a row's candidates
 
 
+def _block_selection(params: DraftParams, cfg: DraftConfig, embed: QuantWeight,
+                     lm_head: QuantWeight, bonus: jax.Array, start: jax.Array, cache: DraftCache,
+                     rt: Runtime, **select_kw) -> Selection:
+  """The selector over one block's rows 1..L-1 (`propose_hidden`, `draft_logits`, `select`)."""
+  hidden = propose_hidden(params, cfg, embed, bonus, start, cache, rt)
+  logits = draft_logits(hidden[1:], lm_head, cfg, rt)
+  return select(params, cfg, hidden[1:], logits, bonus, rt, **select_kw)
+
+
 def propose_path(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: QuantWeight,
                  bonus: jax.Array, start: jax.Array, cache: DraftCache, rt: Runtime, *, n: int,
                  temperature=0.0, key: Optional[jax.Array] = None):
@@ -290,11 +311,9 @@ def propose_path(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_h
   selector's q scattered onto each row's candidates (-inf elsewhere): the proposal
   distribution of the speculative rejection rule).
   """
-  hidden = propose_hidden(params, cfg, embed, bonus, start, cache, rt)
-  logits = draft_logits(hidden[1:], lm_head, cfg, rt)
-  sel = select(params, cfg, hidden[1:], logits, bonus, rt, temperature=temperature, key=key)
-  q = scatter_q(sel, logits.shape[-1])[:n]
-  return sel.tokens[:n], jnp.log(q)
+  sel = _block_selection(params, cfg, embed, lm_head, bonus, start, cache, rt,
+                         temperature=temperature, key=key)
+  return sel.tokens[:n], jnp.log(scatter_q(sel, cfg.n_vocab)[:n])
 
 
 def propose(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: QuantWeight,
@@ -309,11 +328,9 @@ def propose(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: 
   same q: exact), and DDTree grows a best-first tree over the candidates with the selector's
   scores (exact for any proposal). Returns (rows [n_logits, V] float32, the cache unchanged).
   """
-  hidden = propose_hidden(params, cfg, embed, bonus, start, cache, rt)
   n = cfg.block_size - 1 if n_logits is None else n_logits
-  logits = draft_logits(hidden[1:], lm_head, cfg, rt)
-  sel = select(params, cfg, hidden[1:], logits, bonus, rt)
+  sel = _block_selection(params, cfg, embed, lm_head, bonus, start, cache, rt)
   logp = jax.nn.log_softmax(sel.scores, axis=-1)
   rows = jnp.arange(sel.scores.shape[0])[:, None]
-  out = jnp.full(logits.shape, NOT_PROPOSED, jnp.float32).at[rows, sel.candidates].set(logp)
-  return out[:n], cache
+  out = jnp.full((rows.shape[0], cfg.n_vocab), NOT_PROPOSED, jnp.float32)
+  return out.at[rows, sel.candidates].set(logp)[:n], cache
