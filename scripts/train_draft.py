@@ -149,7 +149,7 @@ def main(argv):
   target = dj.load_target(path, weights="f32")
   init = None
   if _INIT.value:
-    cfg, p0 = draft_io.load(_INIT.value, target.config)
+    cfg, p0 = draft_io.load(_INIT.value, target.config, variants=dj.api.DRAFT_VARIANTS)
     init = draft_io.params_from_arrays(draft_io.params_to_arrays(p0), cfg, weight_fmt="f32")
   else:
     cfg = _draft_config(target)
