@@ -455,8 +455,9 @@ def verify_and_commit(tparams, tcfg: TargetConfig, rt: Runtime, tree: tree_lib.T
 @dataclasses.dataclass(frozen=True)
 class _RowStep:
   """One row's step result before the cache writes: the advanced small state (`state`, with the
-  target cache as it was and the draft cache as the proposal left it), the target commit `update` at rows `start`, and the draft context rows
-  (k, v [n_layer, P, Hkv, Dh], or None) of the committed positions, also at `start`."""
+  target cache as it was and the draft cache as the proposal left it), the target commit
+  `update` at rows `start`, and the draft context rows (k, v [n_layer, P, Hkv, Dh], or None) of
+  the committed positions, also at `start`."""
 
   state: DecodeState
   update: target_lib.CacheUpdate
