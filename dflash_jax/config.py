@@ -448,6 +448,7 @@ class DraftConfig:
 MODES = ("ar", "chain", "ddtree")
 AUTO = "auto"   # resolved to one of MODES per platform and batch size (auto_mode.py)
 CHAIN_RULES = ("rejection", "match")
+DRAFT_POSITIONS = ("absolute", "window")
 # Bounds for sizes a user can set (sane limits checked before anything is allocated).
 MAX_BLOCK_SIZE = 64
 MAX_BUDGET = 256
@@ -500,8 +501,14 @@ class DecodeConfig:
       draft's memory and per-step work do not grow with max_ctx (z-lab's drafts are trained on
       4096-token sequences); 0 = every committed position (a buffer of `capacity` rows);
       None = the draft config's sliding_window when every layer is a sliding layer, else 4096
-      (resolved by `api.resolve_config`). Positions stay absolute: the draft's RoPE sees only key-query
-      offsets, which the window bounds either way.
+      (resolved by `api.resolve_config`).
+    draft_positions: the draft's RoPE positions with a ring buffer: "absolute" (the position in
+      the sequence; context keys are stored rotated) or "window" (relative to the window's
+      first position, max(0, pos - draft_window): the block always sits at positions <=
+      draft_window + L, as in training on draft_window-token sequences; keys are stored
+      unrotated and rotated as each chunk is read). RoPE scores depend only on key-query
+      offsets, so the two agree up to float rounding (measured: README "Long context").
+      Without a ring buffer they are the same computation.
 
   Raises ValueError naming the field (and the valid choices) for a bad value.
   """
@@ -516,6 +523,7 @@ class DecodeConfig:
   draft_temp: float = 1.0
   chain_rule: str = "rejection"
   draft_window: int | None = None
+  draft_positions: str = "absolute"
 
   def __post_init__(self):
     if self.mode not in MODES + (AUTO,):
@@ -533,6 +541,9 @@ class DecodeConfig:
     check_number(self, "draft_temp", 0.0, math.inf, lo_open=True)
     if self.draft_window is not None:
       check_int(self, "draft_window", 0, MAX_CTX)
+    if self.draft_positions not in DRAFT_POSITIONS:
+      raise ValueError(f"DecodeConfig.draft_positions={self.draft_positions!r}: expected one of "
+                       f"{DRAFT_POSITIONS}")
 
   @property
   def speculative(self) -> bool:
@@ -582,8 +593,13 @@ class DecodeConfig:
   def draft_rows(self) -> int:
     """Rows of the draft's context cache: draft_window + draft_margin when that is below
     `capacity` (a ring buffer), else capacity (every position, as with draft_window 0)."""
+    return self.draft_window + self.draft_margin if self.draft_ring else self.capacity
+
+  @property
+  def draft_ring(self) -> bool:
+    """True when the draft's context cache is a ring buffer (a window smaller than `capacity`)."""
     w = self.draft_window or 0
-    return w + self.draft_margin if 0 < w and w + self.draft_margin < self.capacity else self.capacity
+    return 0 < w and w + self.draft_margin < self.capacity
 
   @property
   def capacity(self) -> int:

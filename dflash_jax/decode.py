@@ -61,6 +61,12 @@ class Plan:
     return self.dcfg is not None and self.dec.speculative
 
   @property
+  def draft_relative(self) -> bool:
+    """True when the draft's ring buffer uses window-relative positions (its keys are stored
+    before RoPE: DraftCache.relative)."""
+    return self.uses_draft and self.dec.draft_ring and self.dec.draft_positions == "window"
+
+  @property
   def feature_layers(self) -> tuple[int, ...]:
     """Target layer ids whose outputs feed the draft (empty without a draft)."""
     return tuple(self.dcfg.target_layer_ids) if self.uses_draft else ()
@@ -121,7 +127,8 @@ def init_row(plan: Plan) -> DecodeState:
       accept_lens=jnp.zeros((s,), jnp.int32),
       target=target_lib.init_cache(tcfg, s, plan.rt),
       draft=(draft_lib.init_cache(dcfg, dec.draft_rows, plan.rt,
-                                  window=dec.draft_window if dec.draft_rows < s else 0)
+                                  window=dec.draft_window if dec.draft_ring else 0,
+                                  relative=plan.draft_relative)
              if plan.uses_draft else None),
       key=jax.random.key(0), samp=sampling_lib.SamplingConfig().params(),
       finite=jnp.bool_(True), recent=jnp.zeros((sampling_lib.PENALTY_WINDOW,), jnp.int32),
@@ -171,7 +178,8 @@ def _prefill_row(tparams, dparams, row: DecodeState, k_all, v_all, slot, tokens,
                            feature_layers=plan.feature_layers, kv_row=slot)
   dk = dv = None
   if plan.uses_draft:
-    dk, dv = draft_lib.ingest_rows(dparams, plan.dcfg, pre.feats, start, plan.rt)
+    dk, dv = draft_lib.ingest_rows(dparams, plan.dcfg, pre.feats, start, plan.rt,
+                                    rope_keys=not plan.draft_relative)
   last = jax.lax.dynamic_slice_in_dim(pre.hidden, n_valid - 1, 1, axis=0)
   key = jax.random.fold_in(row.key, sampling_lib.PREFILL_STREAM)
   logits = target_lib.logits(tparams, plan.tcfg, last, plan.rt)
@@ -534,7 +542,8 @@ def _step(tparams, dparams, s: DecodeState, eog_ids, live_bound, rules, grammar,
                         live_bound=live_bound)
   dk = dv = None
   if plan.uses_draft:
-    dk, dv = draft_lib.ingest_rows(dparams, plan.dcfg, c.feats, s.pos, plan.rt)
+    dk, dv = draft_lib.ingest_rows(dparams, plan.dcfg, c.feats, s.pos, plan.rt,
+                                    rope_keys=not plan.draft_relative)
   new = _advance(s, c.emit, c.n_acc, eog_ids)
   if prop.cache is not None:
     new = dataclasses.replace(new, draft=prop.cache)

@@ -11,7 +11,7 @@ import dataclasses
 
 from absl import flags
 
-from dflash_jax.config import AUTO, CHAIN_RULES, MODES, DecodeConfig
+from dflash_jax.config import AUTO, CHAIN_RULES, DRAFT_POSITIONS, MODES, DecodeConfig
 from dflash_jax.sampling import SamplingConfig
 
 _DEFAULT = DecodeConfig()
@@ -30,6 +30,7 @@ class DecodeFlags:
   draft_temp: flags.FlagHolder
   chain_rule: flags.FlagHolder
   draft_window: flags.FlagHolder
+  draft_positions: flags.FlagHolder
   temperature: flags.FlagHolder
   top_k: flags.FlagHolder
   top_p: flags.FlagHolder
@@ -44,7 +45,7 @@ class DecodeFlags:
 def define(flag_values: flags.FlagValues = flags.FLAGS, *,
            max_ctx: int = _DEFAULT.max_ctx) -> DecodeFlags:
   """Defines --mode, --block_size, --max_ctx, --budget, --tree_top_k, --chain_seed,
-  --draft_temp, --chain_rule, --draft_window and the sampling flags --temperature, --top_k, --top_p, --min_p,
+  --draft_temp, --chain_rule, --draft_window, --draft_positions and the sampling flags --temperature, --top_k, --top_p, --min_p,
   --seed (unset sampling flags take the GGUF's recommended values, else greedy)."""
   fv = dict(flag_values=flag_values)
   return DecodeFlags(
@@ -73,6 +74,12 @@ def define(flag_values: flags.FlagValues = flags.FLAGS, *,
           "draft_window positions only (a fixed-size ring buffer: its memory does not grow with "
           "--max_ctx). Default: the draft config's sliding_window when all its layers slide, "
           "else 4096 (z-lab's training length); 0 = every position.", **fv),
+      draft_positions=flags.DEFINE_enum(
+          "draft_positions", _DEFAULT.draft_positions, list(DRAFT_POSITIONS), "The draft's RoPE "
+          "positions with a --draft_window ring buffer: 'absolute' (position in the sequence) or "
+          "'window' (relative to the window's first position, as in training on window-length "
+          "sequences). RoPE sees only key-query offsets, so they agree up to float rounding.",
+          **fv),
       temperature=flags.DEFINE_float("temperature", None, "Sampling temperature; 0 = greedy. "
                                      "Default: the GGUF's general.sampling.temp, else 0.", **fv),
       top_k=flags.DEFINE_integer("top_k", None, "Sampling top-k (0 = off). Default: the GGUF's, "
@@ -101,7 +108,8 @@ def config(f: DecodeFlags, **overrides) -> DecodeConfig:
   values = dict(mode=f.mode.value, block_size=f.block_size.value,
                 max_ctx=f.max_ctx.value, budget=f.budget.value, tree_top_k=f.tree_top_k.value,
                 chain_seed=f.chain_seed.value, draft_temp=f.draft_temp.value,
-                chain_rule=f.chain_rule.value, draft_window=f.draft_window.value)
+                chain_rule=f.chain_rule.value, draft_window=f.draft_window.value,
+                draft_positions=f.draft_positions.value)
   values.update(overrides)
   try:
     return DecodeConfig(**values)

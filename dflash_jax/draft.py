@@ -81,11 +81,22 @@ class DraftCache:
   position p lives in row p % R and `propose` attends to positions start-window..start-1 only
   (R >= window + the most rows one write puts past the committed length, DecodeConfig.draft_rows,
   so such rows never land on a row the window still reads).
+  relative: static; with a ring buffer, window-relative RoPE positions
+  (DecodeConfig.draft_positions "window"): k holds keys before RoPE, rotated as they are read
+  at their position minus `base(start)`.
   """
 
   k: kv_cache.KVBuffer
   v: kv_cache.KVBuffer
   window: int = dataclasses.field(default=0, metadata=dict(static=True))
+  relative: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+  def base(self, start: jax.Array) -> jax.Array:
+    """[] int32 the position RoPE counts from for a block at `start`: max(0, start - window)
+    with window-relative positions, else 0."""
+    if not self.relative:
+      return jnp.int32(0)
+    return jnp.maximum(jnp.asarray(start, jnp.int32) - self.window, 0)
 
   def write(self, start: jax.Array, k: jax.Array, v: jax.Array, lead: tuple = ()) -> "DraftCache":
     """Context rows k, v [(1,) n_layer, T, Hkv, Dh] float (token-major; T <= R) for positions
@@ -116,15 +127,18 @@ class DraftCache:
 
 
 def init_cache(cfg: DraftConfig, capacity: int, rt: Runtime = Runtime(),
-               window: int = 0) -> DraftCache:
+               window: int = 0, relative: bool = False) -> DraftCache:
   """Zeroed context cache of `capacity` rows in rt's K / V formats (ValueError from
-  kv_cache.check_format); window > 0: a ring buffer (see DraftCache)."""
+  kv_cache.check_format); window > 0: a ring buffer; relative: window-relative positions (only
+  with a ring buffer; see DraftCache)."""
   lead = (cfg.n_layer, cfg.n_kv_head, capacity)
   return DraftCache(kv_cache.KVBuffer.zeros(rt.k_format, lead, cfg.head_dim),
-                    kv_cache.KVBuffer.zeros(rt.v_format, lead, cfg.head_dim), window)
+                    kv_cache.KVBuffer.zeros(rt.v_format, lead, cfg.head_dim), window,
+                    relative and window > 0)
 
 
 def _kv(x, lay: DraftLayer, pos, cfg: DraftConfig, rt: Runtime):
+  """Context / block K, V [T, Hkv, Dh] of normed rows x [T, D]; pos None: k before RoPE."""
   return layers.context_kv(x, lay.wk, lay.wv, lay.k_norm, pos, n_kv_head=cfg.n_kv_head,
                            head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rms_eps=cfg.rms_eps,
                            rt=rt)
@@ -150,13 +164,15 @@ def _mlp_residual(h, o, lay: DraftLayer, cfg: DraftConfig, rt: Runtime):
 
 
 def ingest_rows(params: DraftParams, cfg: DraftConfig, feats: jax.Array, start: jax.Array,
-                rt: Runtime) -> tuple[jax.Array, jax.Array]:
+                rt: Runtime, rope_keys: bool = True) -> tuple[jax.Array, jax.Array]:
   """Context K/V of target features at positions start..start+W-1, not yet written.
 
   feats: [W, F*D_target]. Context gets fc + hidden_norm only, then per layer
-  k = k_norm(k_proj(c)) with RoPE, v = v_proj(c). Returns (k, v): [n_layer, W, Hkv, Dh] float32.
+  k = k_norm(k_proj(c)) with RoPE (none when rope_keys is False, static: a window-relative
+  cache, DraftCache.relative, rotates keys as it reads them), v = v_proj(c).
+  Returns (k, v): [n_layer, W, Hkv, Dh] float32.
   """
-  pos = start + jnp.arange(feats.shape[0], dtype=jnp.int32)
+  pos = start + jnp.arange(feats.shape[0], dtype=jnp.int32) if rope_keys else None
   c = _context(params, feats, cfg, rt)
   kv = [_kv(c, lay, pos, cfg, rt) for lay in params.layers]
   return jnp.stack([k for k, _ in kv]), jnp.stack([v for _, v in kv])
@@ -170,7 +186,7 @@ def ingest(params: DraftParams, cfg: DraftConfig, feats: jax.Array, start: jax.A
   feats: [W, F*D_target] (rows past the real count are written too; they lie at positions that
   later ingests overwrite and `propose` never reads).
   """
-  k, v = ingest_rows(params, cfg, feats, start, rt)
+  k, v = ingest_rows(params, cfg, feats, start, rt, rope_keys=not cache.relative)
   return cache.write(start, k, v)
 
 
@@ -198,10 +214,11 @@ def propose(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: 
   pos = start + jnp.arange(L, dtype=jnp.int32)
   h = take_rows(embed, ids)
   key_pos, n_live, in_window = cache.context(start, L)
+  rpos, key_fn = context_rope(cache, cfg, start, pos, key_pos)
   full_local = jnp.ones((L, L), bool)
   for i, lay in enumerate(params.layers):
     x = layers.rms_norm(h, lay.in_norm, cfg.rms_eps)
-    k, v = _kv(x, lay, pos, cfg, rt)
+    k, v = _kv(x, lay, rpos, cfg, rt)
     past = in_window
     if cfg.sliding[i]:
       past = pos[:, None] - key_pos[None, :] < cfg.sliding_window
@@ -209,11 +226,33 @@ def propose(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: 
       local = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < cfg.sliding_window)
     else:
       local = full_local
-    o = layers.attention_live(_queries(x, lay, pos, cfg, rt), cache.k, cache.v, i, past, n_live,
-                              local=(k, v, local))
+    o = layers.attention_live(_queries(x, lay, rpos, cfg, rt), cache.k, cache.v, i, past, n_live,
+                              local=(k, v, local), key_fn=key_fn)
     h = _mlp_residual(h, o.reshape(L, cfg.n_head * cfg.head_dim), lay, cfg, rt)
   h = layers.rms_norm(h, params.norm, cfg.rms_eps)
   return layers.linear(h[1:1 + n_logits], lm_head, rt), cache
+
+
+def context_rope(cache: DraftCache, cfg: DraftConfig, start: jax.Array, pos: jax.Array,
+                 key_pos: jax.Array):
+  """RoPE positions of a block at `start` and how its context keys are read.
+
+  pos: [L] int32 the block's absolute positions; key_pos: [R] int32 the position each cache row
+  holds (DraftCache.context). Returns (rope positions [L] int32 for the block's queries and
+  keys, key_fn for layers.attention_live): absolute positions and None (keys are stored
+  rotated), or, for a window-relative cache, pos - base and a function rotating each decoded
+  chunk of stored pre-RoPE keys to its row's position - base (DraftCache.base).
+  """
+  if not cache.relative:
+    return pos, None
+  base = cache.base(start)
+
+  def key_fn(kc, rows):                              # kc: [Hkv, c, Dh]
+    k = layers.rope(jnp.swapaxes(kc, 0, 1), jnp.take(key_pos, rows) - base, rot_dim=cfg.head_dim,
+                    theta=cfg.rope_theta, style="neox")
+    return jnp.swapaxes(k, 0, 1)
+
+  return pos - base, key_fn
 
 
 def block_masks(anchors: jax.Array, n_ctx: int, cfg: DraftConfig, sliding: bool):

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from dflash_jax import layers
 from dflash_jax.config import DraftConfig
 from dflash_jax.draft import (ConvParams, DraftCache, DraftParams, _block_attention, _context, _kv,
-                             _queries)
+                             _queries, context_rope)
 from dflash_jax.quants import QuantWeight, take_rows
 from dflash_jax.runtime import Runtime
 
@@ -124,14 +124,15 @@ def propose_hidden(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, bo
   pos = start + jnp.arange(L, dtype=jnp.int32)
   x = take_rows(embed, ids).astype(jnp.float32) * f.input_embedding_scale
   key_pos, n_live, in_window = cache.context(start, L)
+  rpos, key_fn = context_rope(cache, cfg, start, pos, key_pos)
   aux = {"layer_outputs": []}
   for i, lay in enumerate(params.layers):
 
     def attend(a):
-      k, v = _kv(a, lay, pos, cfg, rt)
+      k, v = _kv(a, lay, rpos, cfg, rt)
       ctx_mask, blk_mask = block_masks(pos, key_pos, cfg, i, in_window)
-      o = layers.attention_live(_queries(a, lay, pos, cfg, rt), cache.k, cache.v, i, ctx_mask,
-                                n_live, local=(k, v, blk_mask))
+      o = layers.attention_live(_queries(a, lay, rpos, cfg, rt), cache.k, cache.v, i, ctx_mask,
+                                n_live, local=(k, v, blk_mask), key_fn=key_fn)
       return o.reshape(L, cfg.n_head * cfg.head_dim)
 
     x, parts = _layer(x, params, cfg, i, attend, rt)

@@ -168,7 +168,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
 
 def attention_live(q: jax.Array, k_all: KVBuffer, v_all: KVBuffer, layer: int,
                    mask, n_live: jax.Array, chunk: int = 128, local=None,
-                   live_bound=None, row=None) -> jax.Array:
+                   live_bound=None, row=None, key_fn=None) -> jax.Array:
   """Softmax attention over the live rows of a stacked KV cache only, chunk by chunk with an
   online softmax (FlashAttention's running max / sum, arXiv:2205.14135): the work is
   proportional to n_live, not to the cache capacity S; optionally plus `local` keys that are not
@@ -184,7 +184,10 @@ def attention_live(q: jax.Array, k_all: KVBuffer, v_all: KVBuffer, layer: int,
   passes the largest n_live of its rows, unbatched, so that under `vmap` every row reads the
   same chunk offsets (plain slices instead of per-row gathers). row: None, or [] int32 with
   k_all / v_all a batch's caches [B, n_layer, Hkv, S, Dh]: this sequence's cache is row `row`,
-  read in place (a prefill never copies its row out of the batch). Returns [T, H, Dv] float32,
+  read in place (a prefill never copies its row out of the batch). key_fn: None, or a function
+  (k [Hkv, c, Dh] float32 a decoded chunk, rows [c] int32 its cache rows) -> the keys to attend
+  to (the draft's window-relative positions rotate stored pre-RoPE keys here, chunk by chunk).
+  Returns [T, H, Dv] float32,
   equal to `attention` over the visible keys up to float rounding (a different summation
   order). Chunks are `chunk` rows (S if smaller); the last one is slid back to end at S and its
   already-seen rows masked, so any S works. A query must see at least one key.
@@ -216,6 +219,8 @@ def attention_live(q: jax.Array, k_all: KVBuffer, v_all: KVBuffer, layer: int,
     kc = k_all.read(at, sizes).reshape(hkv, c, dh)
     vc = v_all.read(at, sizes).reshape(hkv, c, dv)
     cols = c0 + jnp.arange(c, dtype=jnp.int32)
+    if key_fn is not None:
+      kc = key_fn(kc, cols)
     vis = ((cols >= i * c) & (cols < n_live))[None, :]
     if mask is not None:
       vis = vis & jax.lax.dynamic_slice_in_dim(mask, c0, c, axis=1)
@@ -250,9 +255,12 @@ def context_kv(c: jax.Array, wk: QuantWeight, wv: QuantWeight, k_norm: jax.Array
   """K/V of a Qwen3-style attention layer (the DFlash draft's context and block keys, z-lab
   dflash/model.py): k = RoPE(k_norm(wk c)), v = wv c, RoPE "neox" over the whole head.
 
-  c: [T, D] inputs; pos: [T] int32 positions. Returns (k, v): [T, Hkv, Dh] float32.
+  c: [T, D] inputs; pos: [T] int32 positions, or None: k without RoPE (rotated later, at
+  read: the draft's window-relative positions). Returns (k, v): [T, Hkv, Dh] float32.
   """
   t = c.shape[0]
   k = rms_norm(linear(c, wk, rt).reshape(t, n_kv_head, head_dim), k_norm, rms_eps)
   v = linear(c, wv, rt).reshape(t, n_kv_head, head_dim)
+  if pos is None:
+    return k, v
   return rope(k, pos, rot_dim=head_dim, theta=rope_theta, style="neox"), v

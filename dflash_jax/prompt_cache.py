@@ -86,13 +86,16 @@ def restore_rows(state, slot: jax.Array, n: jax.Array, kv, ssm: jax.Array, conv:
 
 def layout(state) -> tuple:
   """What an entry's rows must match to be restored into `state`'s slots: (shape without the
-  slot and row axes, dtype) of every cache array, and the capacity S (rows)."""
+  slot and row axes, dtype) of every cache array, the capacity S (rows), and the draft ring's
+  window and position convention (its stored keys are rotated or not)."""
   bufs = [state.target.k, state.target.v]
+  ring = None
   if state.draft is not None:
     bufs += [state.draft.k, state.draft.v]
+    ring = (state.draft.window, state.draft.relative)
   return (tuple((b.fmt,) + tuple((p.shape[1:3] + p.shape[4:], str(p.dtype)) for p in b.planes)
                 for b in bufs),
-          state.target.k.shape[3], tuple(state.target.ssm.shape[1:]))
+          state.target.k.shape[3], tuple(state.target.ssm.shape[1:]), ring)
 
 
 @dataclasses.dataclass

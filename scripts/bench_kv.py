@@ -14,8 +14,9 @@ side in one run. Prints JSON and tables.
   * prefill: a --prefill_tokens prompt (the same text) prefilled chunk by chunk (generate with one
     new token): seconds, tokens/s and the process's peak resident memory.
   * window: chain and DDTree acceptance length with the shipped draft continuing a
-    --window_prompt_tokens prompt, per --draft_window (0 = the draft sees every position), and
-    whether every window produced the same tokens (it must: the window only changes proposals).
+    --window_prompt_tokens prompt, per --draft_window (0 = the draft sees every position) and
+    --window_positions (absolute or window-relative RoPE positions), and whether every variant
+    produced the same tokens (it must: the window only changes proposals).
   * step: the target's verify forward (AR: 1 token; chain: 16) at --step_contexts live tokens
     vs the first, per format (attention reads the live rows only, chunk by chunk).
 
@@ -56,6 +57,9 @@ _WINDOWS = flags.DEFINE_list("windows", ["0", "4096", "1024", "256"],
 _WINDOW_PROMPT = flags.DEFINE_integer("window_prompt_tokens", 6144, "Prompt length of the window "
                                       "part (the same text: code to continue).")
 _WINDOW_MODES = flags.DEFINE_list("window_modes", ["chain", "ddtree"], "Modes of the window part.")
+_WINDOW_POSITIONS = flags.DEFINE_list("window_positions", ["absolute"], "Window part: the draft's "
+                                      "RoPE positions to compare (DecodeConfig.draft_positions: "
+                                      "absolute, window).")
 _JSON = flags.DEFINE_string("json_out", None, "Write the results here too.")
 
 GIB = 2 ** 30
@@ -246,20 +250,22 @@ def prefill(target, formats, n_tokens):
   return out
 
 
-def window(target, draft, windows, n_prompt, modes, n_gen=128):
+def window(target, draft, windows, n_prompt, modes, positions=("absolute",), n_gen=128):
   import dflash_jax as dj
   ids = long_text(target.tokenizer, n_prompt)
   out, tokens = [], {}
   for mode in modes:
     for w in windows:
-      t0 = time.time()
-      r = dj.generate(target, draft, ids, max_new_tokens=n_gen, mode=mode, eog_ids=(),
-                      max_ctx=n_prompt + n_gen + 64, prefill_chunk=512, draft_window=w)
-      tokens[(mode, w)] = r.tokens
-      acc = sum(r.accept_lens) / len(r.accept_lens)
-      out.append(dict(mode=mode, draft_window=w, acceptance=acc, decode_tok_s=r.decode_tok_s,
-                      prompt_tokens=n_prompt, n_gen=n_gen))
-      _log(f"window {mode} {w}: acceptance {acc:.2f} ({time.time() - t0:.0f} s)")
+      for p in (positions if w else positions[:1]):   # no ring buffer: positions are absolute
+        t0 = time.time()
+        r = dj.generate(target, draft, ids, max_new_tokens=n_gen, mode=mode, eog_ids=(),
+                        max_ctx=n_prompt + n_gen + 64, prefill_chunk=512, draft_window=w,
+                        draft_positions=p)
+        tokens[(mode, w, p)] = r.tokens
+        acc = sum(r.accept_lens) / len(r.accept_lens)
+        out.append(dict(mode=mode, draft_window=w, draft_positions=p, acceptance=acc,
+                        decode_tok_s=r.decode_tok_s, prompt_tokens=n_prompt, n_gen=n_gen))
+        _log(f"window {mode} {w} {p}: acceptance {acc:.3f} ({time.time() - t0:.0f} s)")
   same = len({tuple(t) for t in tokens.values()}) == 1
   return dict(rows=out, all_outputs_identical=same)
 
@@ -284,7 +290,7 @@ def main(argv):
     res["prefill"] = prefill(target, _PREFILL_FORMATS.value, _PREFILL_TOKENS.value)
   if "window" in _PARTS.value:
     res["window"] = window(target, draft, [int(w) for w in _WINDOWS.value], _WINDOW_PROMPT.value,
-                           _WINDOW_MODES.value)
+                           _WINDOW_MODES.value, tuple(_WINDOW_POSITIONS.value))
   if "step" in _PARTS.value:
     res["step"] = step(target, formats, [int(c) for c in _STEP_CTX.value],
                        [int(t) for t in _STEP_T.value], _REPEATS.value)
@@ -311,8 +317,9 @@ def main(argv):
                     for r in res["prefill"]]))
   if "window" in res:
     tables.append((f"(identical outputs: {res['window']['all_outputs_identical']})",
-                   ["mode", "draft_window", "acceptance"],
-                   [[r["mode"], r["draft_window"] or "all", f"{r['acceptance']:.2f}"]
+                   ["mode", "draft_window", "positions", "acceptance"],
+                   [[r["mode"], r["draft_window"] or "all", r["draft_positions"],
+                     f"{r['acceptance']:.3f}"]
                     for r in res["window"]["rows"]]))
   if "step" in res:
     tables.append(("", ["format", "tokens", "live", "ms", "vs first"],

@@ -174,18 +174,82 @@ def test_draft_window_ring_equals_unwrapped_window(qwen_f32, qwen_draft):
   assert np.abs(a - b).max() < 1e-4 and np.abs(a - c).max() > 1e-3
 
 
+def test_window_relative_positions_equal_absolute(qwen_f32, qwen_draft):
+  """Window-relative RoPE positions (DecodeConfig.draft_positions "window"): the ring stores
+  keys before RoPE (so its key plane differs from the absolute ring's) and rotates each chunk
+  as it reads it at position - max(0, start - window); since RoPE scores depend only on
+  key-query offsets, the proposed logits equal the absolute ring's (max abs < 1e-4), and differ
+  (> 1e-2) if the read-time rotation is left out (so the rotation is exercised). A bad value is
+  refused naming the field."""
+  from dflash_jax import draft as draft_lib
+  rng = np.random.default_rng(1)
+  cfg, params, rt = qwen_draft.config, qwen_draft.params, qwen_f32.runtime
+  n_feat = len(cfg.target_layer_ids) * qwen_f32.config.d_model
+  window, margin, total = 48, 40, 300
+  absolute = draft_lib.init_cache(cfg, window + margin, rt, window=window)
+  relative = draft_lib.init_cache(cfg, window + margin, rt, window=window, relative=True)
+  assert relative.relative and not draft_lib.init_cache(cfg, 64, rt, relative=True).relative
+  start = 0
+  while start < total:
+    n = int(rng.integers(5, 41))
+    feats = jnp.asarray(rng.normal(size=(n, n_feat)), jnp.float32)
+    absolute = draft_lib.ingest(params, cfg, feats, jnp.int32(start), absolute, rt)
+    relative = draft_lib.ingest(params, cfg, feats, jnp.int32(start), relative, rt)
+    start += n
+  assert int(relative.base(jnp.int32(start))) == start - window
+  assert np.abs(np.asarray(relative.k.planes[0]) - np.asarray(absolute.k.planes[0])).max() > 1e-2
+  prop = lambda c: np.asarray(draft_lib.propose(params, cfg, qwen_f32.params.embed,
+                                                qwen_f32.params.lm_head, jnp.int32(7),
+                                                jnp.int32(start), c, rt)[0])
+  a, r = prop(absolute), prop(relative)
+  assert np.abs(a - r).max() < 1e-4
+  unrotated = dataclasses.replace(relative, relative=False)    # stored keys read as if rotated
+  assert np.abs(prop(unrotated) - a).max() > 1e-2
+  with pytest.raises(ValueError, match="draft_positions='relative'"):
+    dj.DecodeConfig(draft_positions="relative")
+
+
+def test_window_relative_positions_in_the_decode_loop(qwen_f32, qwen_draft, qwen_ref):
+  """In the compiled loop (prefill chunks and decode steps ingesting into a wrapped 32-row
+  window), window-relative positions give the absolute run's draft logits (max abs < 1e-4)
+  after the prefill and after 20 steps, and the ring is created relative."""
+  from dflash_jax import api, batching
+  from dflash_jax import decode as decode_lib
+  from dflash_jax.sampling import SamplingConfig
+  prompt = np.asarray(qwen_ref["tokens"][1, :40], np.int32)
+  out = {}
+  for positions in ("absolute", "window"):
+    dec = api.resolve_config(qwen_draft, mode="chain", max_ctx=256, prefill_chunk=16,
+                             draft_window=32, draft_positions=positions)
+    b = batching.SlotBatch(qwen_f32, qwen_draft, dec, 1, np.zeros((0,), np.int32))
+    assert b.state.draft.relative == (positions == "window")
+    b.prefill(0, prompt, 60, SamplingConfig())
+    first = np.asarray(decode_lib.draft_once(qwen_f32.params, qwen_draft.params, b.state,
+                                             jnp.int32(0), plan=b.plan))
+    b.run(20)
+    later = np.asarray(decode_lib.draft_once(qwen_f32.params, qwen_draft.params, b.state,
+                                             jnp.int32(0), plan=b.plan))
+    out[positions] = (first, later, b.row(0).tokens)
+  (fa, la, ta), (fw, lw, tw) = out["absolute"], out["window"]
+  assert len(ta) > 20 and ta == tw
+  assert np.abs(fa - fw).max() < 1e-4 and np.abs(la - lw).max() < 1e-4
+
+
 def test_draft_window_decodes_losslessly_in_bounded_memory(qwen_f32, qwen_draft, qwen_ref):
-  """A sequence far longer than a small draft window (32) decodes to the same tokens as AR;
+  """A sequence far longer than a small draft window (32) decodes to the same tokens as AR
+  (absolute and window-relative positions);
   the draft's state bytes do not depend on max_ctx; window 0 (every position) and a window
   whose ring would not be smaller than the cache reproduce each other exactly."""
   from dflash_jax import api
   prompt = qwen_ref["tokens"][1, :40]
   ar = dj.generate(qwen_f32, None, prompt, max_new_tokens=200, mode="ar", max_ctx=512,
                    eog_ids=()).tokens
-  for mode in ("chain", "ddtree"):
+  for mode, positions in (("chain", "absolute"), ("ddtree", "absolute"), ("chain", "window"),
+                         ("ddtree", "window")):
     r = dj.generate(qwen_f32, qwen_draft, prompt, max_new_tokens=200, mode=mode, max_ctx=512,
-                    eog_ids=(), draft_window=32)
+                    eog_ids=(), draft_window=32, draft_positions=positions)
     assert r.tokens == ar
+
   unbounded = dj.generate(qwen_f32, qwen_draft, prompt, max_new_tokens=60, mode="chain",
                           max_ctx=256, eog_ids=(), draft_window=0)
   big = dj.generate(qwen_f32, qwen_draft, prompt, max_new_tokens=60, mode="chain",
