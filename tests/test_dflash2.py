@@ -34,10 +34,10 @@ def ref2():
   return np.load(os.path.join(D2, "reference.npz"))
 
 
-def _ingest(qwen_f32, cfg, params, feats, capacity=128, window=0, chunks=None):
+def _ingest(qwen_f32, cfg, params, feats, capacity=128, window=0, chunks=None, relative=False):
   """A draft context cache holding target features `feats` [C, nF*D] at positions 0..C-1."""
   rt = qwen_f32.runtime
-  cache = draft_lib.init_cache(cfg, capacity, rt, window=window)
+  cache = draft_lib.init_cache(cfg, capacity, rt, window=window, relative=relative)
   start = 0
   for n in (chunks or [feats.shape[0]]):
     cache = draft_lib.ingest(params, cfg, jnp.asarray(feats[start:start + n]), jnp.int32(start),
@@ -103,8 +103,10 @@ def _standalone(qwen_f32, d2, ref2, **cache_kw):
 def test_selector_greedy_matches_package(qwen_f32, d2, ref2):
   """Candidates (lax.top_k order), unary and path scores, chosen columns and the proposal;
   the proposal differs from the plain argmax (the selector acts). A ring-buffer draft cache
-  (window 24, written in chunks of 7) and a cache holding all rows propose the same."""
-  for kw in ({}, dict(capacity=24 + 16, window=24, chunks=[7, 7, 7, 3])):
+  (window 24, written in chunks of 7; also with window-relative positions: keys stored before
+  RoPE and rotated as read) and a cache holding all rows propose the same."""
+  ring = dict(capacity=24 + 16, window=24, chunks=[7, 7, 7, 3])
+  for kw in ({}, ring, dict(ring, relative=True)):
     cfg, params, hidden, logits = _standalone(qwen_f32, d2, ref2, **kw)
     sel = draft2.select(params, cfg, hidden[1:], logits, jnp.int32(ref2["block_ids"][0]),
                         qwen_f32.runtime)
