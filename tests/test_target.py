@@ -215,6 +215,7 @@ def test_fused_projections_match_unfused(qwen_q, qwen_ref, q):
     (600, 23, 560, 128, True, "float16"),
     (384, 16, 300, 128, False, "q8_0"),        # block formats: decoded chunk by chunk
     (600, 23, 560, 128, True, "q4_0"),
+    (9000, 16, 8900, None, False, "q8_0"),     # default chunk: layers.live_chunk(9000) = 256
 ])
 def test_attention_live_matches_full_cache_attention(s_cap, t, start, chunk, tree, kv):
   """layers.attention_live (chunked online softmax over the live rows only, each chunk decoded
@@ -242,6 +243,13 @@ def test_attention_live_matches_full_cache_attention(s_cap, t, start, chunk, tre
   ref = layers.attention(q, k[1].astype(jnp.float32), v[1].astype(jnp.float32), mask)
   out = layers.attention_live(q, kb, vb, 1, mask, jnp.int32(start + t), chunk)
   assert out.shape == ref.shape and float(jnp.max(jnp.abs(out - ref))) < 1e-5
+
+
+def test_live_chunk_grows_with_the_cache():
+  """attention_live's default chunk: 128 rows up to 8K-row caches, capacity / 32 (a power of
+  two) above, at most 2048."""
+  assert [layers.live_chunk(s) for s in (100, 2176, 8191, 8256, 16448, 65600, 1 << 20)] == [
+      128, 128, 128, 256, 512, 2048, 2048]
 
 
 def test_load_progress_in_bytes(qwen_f32_path):
