@@ -166,13 +166,17 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
   return o.reshape(t, h, v.shape[-1])
 
 
-def live_chunk(capacity: int) -> int:
-  """Rows per chunk of `attention_live` for a cache of `capacity` rows: capacity / 32 rounded
-  down to a power of two, within 128..2048. Small caches keep 128-row chunks (little work past
-  the live rows); long ones take fewer, larger chunks, since each chunk is a loop iteration with
-  a fixed cost: on the 2-core CPU, SmolLM2 at 64K live rows, 2048-row chunks take an AR step from
-  569 to 337 ms (float32 cache) and a 16-token verify from 1697 to 1150 ms
-  (bench_out/kv_cpu/attention_chunk.json)."""
+def live_chunk(capacity: int, n_queries: int = 1) -> int:
+  """Rows per chunk of `attention_live` for a cache of `capacity` rows read by `n_queries`
+  queries: for a decode step (<= 32 queries: AR, chain and DDTree verifies) capacity / 32
+  rounded down to a power of two, within 128..2048; 128 for more queries (prefill chunks).
+  Each chunk is a loop iteration with a fixed cost, so long caches want fewer, larger chunks
+  when the step is small: on the 2-core CPU, SmolLM2 at 64K live rows, 2048-row chunks take an
+  AR step from 569 to 337 ms (float32 cache) and a 16-token verify from 1697 to 1150 ms; a
+  512-query prefill chunk at 16K live rows is slower with them (11.2 s at 128 rows, 15.3 s at
+  512) (bench_out/kv_cpu/attention_chunk.json)."""
+  if n_queries > 32:
+    return 128
   return int(min(2048, max(128, 1 << max(capacity // 32, 1).bit_length() - 1)))
 
 
@@ -199,13 +203,13 @@ def attention_live(q: jax.Array, k_all: KVBuffer, v_all: KVBuffer, layer: int,
   to (the draft's window-relative positions rotate stored pre-RoPE keys here, chunk by chunk).
   Returns [T, H, Dv] float32,
   equal to `attention` over the visible keys up to float rounding (a different summation
-  order). Chunks are `chunk` rows (default `live_chunk(S)`; S if smaller); the last one is slid
+  order). Chunks are `chunk` rows (default `live_chunk(S, T)`; S if smaller); the last one is slid
   back to end at S and its already-seen rows masked, so any S works. A query must see at least
   one key.
   """
   t, h, dh = q.shape
   hkv, s_cap, dv = v_all.shape[-3:]
-  c = min(chunk or live_chunk(s_cap), s_cap)
+  c = min(chunk or live_chunk(s_cap, t), s_cap)
   r = h // hkv
   hp = jax.lax.Precision.HIGHEST
   qg = q.reshape(t, hkv, r, dh) * (dh ** -0.5)

@@ -246,10 +246,11 @@ def test_attention_live_matches_full_cache_attention(s_cap, t, start, chunk, tre
 
 
 def test_live_chunk_grows_with_the_cache():
-  """attention_live's default chunk: 128 rows up to 8K-row caches, capacity / 32 (a power of
-  two) above, at most 2048."""
+  """attention_live's default chunk for a decode step: 128 rows up to 8K-row caches, capacity /
+  32 (a power of two) above, at most 2048; always 128 for a prefill chunk (> 32 queries)."""
   assert [layers.live_chunk(s) for s in (100, 2176, 8191, 8256, 16448, 65600, 1 << 20)] == [
       128, 128, 128, 256, 512, 2048, 2048]
+  assert layers.live_chunk(65600, 23) == 2048 and layers.live_chunk(65600, 512) == 128
 
 
 def test_load_progress_in_bytes(qwen_f32_path):
