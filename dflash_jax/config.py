@@ -509,6 +509,15 @@ class DecodeConfig:
       unrotated and rotated as each chunk is read). RoPE scores depend only on key-query
       offsets, so the two agree up to float rounding (measured: README "Long context").
       Without a ring buffer they are the same computation.
+    invariant_rows: 0 (off), or R >= the mode's `verify_len`: batch-invariant decoding. Every
+      decode forward (an autoregressive step, a chain or DDTree verify) runs R rows (the tree
+      padded with nodes nothing descends from) in the tree forms, with
+      `layers.attention_ordered`, so a token's logits, K/V and recurrent states are the same
+      float32 bits whichever mode produced them: with the same R, chain and DDTree greedy output
+      equals autoregressive greedy output token for token in every KV format, where otherwise a
+      quantized cache can round a last-bit difference into a flipped near tie (README
+      "Limitations"). Costs: each autoregressive step computes R rows, and attention is
+      elementwise instead of a dot. Prefill is shared by every mode and unchanged.
 
   Raises ValueError naming the field (and the valid choices) for a bad value.
   """
@@ -524,6 +533,7 @@ class DecodeConfig:
   chain_rule: str = "rejection"
   draft_window: int | None = None
   draft_positions: str = "absolute"
+  invariant_rows: int = 0
 
   def __post_init__(self):
     if self.mode not in MODES + (AUTO,):
@@ -544,6 +554,17 @@ class DecodeConfig:
     if self.draft_positions not in DRAFT_POSITIONS:
       raise ValueError(f"DecodeConfig.draft_positions={self.draft_positions!r}: expected one of "
                        f"{DRAFT_POSITIONS}")
+    check_int(self, "invariant_rows", 0, MAX_BUDGET + 1 + MAX_BLOCK_SIZE)
+    if self.invariant_rows and self.mode != AUTO and (self.mode == "ar"
+                                                      or self.block_size is not None):
+      self.check_invariant_rows()
+
+  def check_invariant_rows(self) -> None:
+    """Raises ValueError when invariant_rows is on but below this mode's verify_len (needs a
+    resolved mode and block size)."""
+    if self.invariant_rows and self.invariant_rows < self.verify_len:
+      raise ValueError(f"DecodeConfig.invariant_rows={self.invariant_rows}: a {self.mode} verify "
+                       f"has {self.verify_len} nodes; use 0 (off) or >= {self.verify_len}")
 
   @property
   def speculative(self) -> bool:

@@ -442,14 +442,15 @@ class Committed:
 def verify_and_commit(tparams, tcfg: TargetConfig, rt: Runtime, tree: tree_lib.Tree,
                       start: jax.Array, cache: target_lib.TargetCache, choose, *,
                       max_ctx: int, feature_layers: tuple[int, ...] = (),
-                      live_bound=None) -> Committed:
+                      live_bound=None, invariant_rows: int = 0) -> Committed:
   """The one verify core (decode step, bench_verify, training data): verify `tree` at position
   `start` in one target forward, let `choose(logits [N, V]) -> (path, n_acc, emit)` pick the
   accepted root path, cap the acceptance so nothing is committed past `max_ctx` (the output then
   ends exactly where autoregressive decoding's does: emit[n_acc] stays a target token), and
-  build the path's commit (`target.path_update`, no replay)."""
+  build the path's commit (`target.path_update`, no replay). invariant_rows: static, see
+  `DecodeConfig.invariant_rows` (0 = off)."""
   ver = target_lib.verify(tparams, tcfg, tree, start, cache, rt, feature_layers=feature_layers,
-                          live_bound=live_bound)
+                          live_bound=live_bound, invariant_rows=invariant_rows)
   path, n_acc, emit = choose(ver.logits)
   n_acc = jnp.minimum(n_acc, max_ctx - 1 - start)
   upd = target_lib.path_update(cache, ver, path, n_acc + 1, rows_in_place=tree.is_path)
@@ -539,7 +540,7 @@ def _step(tparams, dparams, s: DecodeState, eog_ids, live_bound, rules, grammar,
     return path, jnp.minimum(n_acc, _n_emit(s, emit, n_acc, eog_ids)[0] - 1), emit
   c = verify_and_commit(tparams, plan.tcfg, plan.rt, tree, s.pos, s.target, choose,
                         max_ctx=dec.max_ctx, feature_layers=plan.feature_layers,
-                        live_bound=live_bound)
+                        live_bound=live_bound, invariant_rows=dec.invariant_rows)
   dk = dv = None
   if plan.uses_draft:
     dk, dv = draft_lib.ingest_rows(dparams, plan.dcfg, c.feats, s.pos, plan.rt,

@@ -31,6 +31,7 @@ class DecodeFlags:
   chain_rule: flags.FlagHolder
   draft_window: flags.FlagHolder
   draft_positions: flags.FlagHolder
+  invariant_rows: flags.FlagHolder
   temperature: flags.FlagHolder
   top_k: flags.FlagHolder
   top_p: flags.FlagHolder
@@ -45,7 +46,8 @@ class DecodeFlags:
 def define(flag_values: flags.FlagValues = flags.FLAGS, *,
            max_ctx: int = _DEFAULT.max_ctx) -> DecodeFlags:
   """Defines --mode, --block_size, --max_ctx, --budget, --tree_top_k, --chain_seed,
-  --draft_temp, --chain_rule, --draft_window, --draft_positions and the sampling flags --temperature, --top_k, --top_p, --min_p,
+  --draft_temp, --chain_rule, --draft_window, --draft_positions, --invariant_rows and the
+  sampling flags --temperature, --top_k, --top_p, --min_p,
   --seed (unset sampling flags take the GGUF's recommended values, else greedy)."""
   fv = dict(flag_values=flag_values)
   return DecodeFlags(
@@ -80,6 +82,12 @@ def define(flag_values: flags.FlagValues = flags.FLAGS, *,
           "'window' (relative to the window's first position, as in training on window-length "
           "sequences). RoPE sees only key-query offsets, so they agree up to float rounding.",
           **fv),
+      invariant_rows=flags.DEFINE_integer(
+          "invariant_rows", _DEFAULT.invariant_rows, "Batch-invariant decoding: every decode "
+          "forward (AR step, chain / DDTree verify) runs this many rows with position-ordered "
+          "attention, so chain and DDTree output equals AR output bit for bit in every "
+          "--kv_dtype when all use the same value (>= the mode's verify size, e.g. 23 for "
+          "DDTree at budget 22). 0 = off (faster).", **fv),
       temperature=flags.DEFINE_float("temperature", None, "Sampling temperature; 0 = greedy. "
                                      "Default: the GGUF's general.sampling.temp, else 0.", **fv),
       top_k=flags.DEFINE_integer("top_k", None, "Sampling top-k (0 = off). Default: the GGUF's, "
@@ -109,7 +117,8 @@ def config(f: DecodeFlags, **overrides) -> DecodeConfig:
                 max_ctx=f.max_ctx.value, budget=f.budget.value, tree_top_k=f.tree_top_k.value,
                 chain_seed=f.chain_seed.value, draft_temp=f.draft_temp.value,
                 chain_rule=f.chain_rule.value, draft_window=f.draft_window.value,
-                draft_positions=f.draft_positions.value)
+                draft_positions=f.draft_positions.value,
+                invariant_rows=f.invariant_rows.value)
   values.update(overrides)
   try:
     return DecodeConfig(**values)

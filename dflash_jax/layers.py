@@ -254,6 +254,79 @@ def attention_live(q: jax.Array, k_all: KVBuffer, v_all: KVBuffer, layer: int,
   return o.transpose(2, 0, 1, 3).reshape(t, h, dv)
 
 
+def ordered_sum(x: jax.Array, axis: int = -1) -> jax.Array:
+  """Sum over `axis` in a fixed pairwise order (halve, add, repeat; an odd length is padded with
+  one zero), written as elementwise adds: every output is the same sequence of float32 adds
+  whatever the other axes' sizes or the element's index, unlike a reduce or a dot, whose order
+  XLA picks per shape. x: any float32 array. Returns x.sum(axis) up to rounding."""
+  x = jnp.moveaxis(x, axis, -1)
+  while x.shape[-1] > 1:
+    n = x.shape[-1]
+    if n % 2:
+      x = jnp.concatenate([x, jnp.zeros(x.shape[:-1] + (1,), x.dtype)], axis=-1)
+      n += 1
+    x = x[..., :n // 2] + x[..., n // 2:]
+  return x[..., 0]
+
+
+def attention_ordered(q: jax.Array, k_all: KVBuffer, v_all: KVBuffer, layer: int,
+                      start: jax.Array, block_k: jax.Array, block_v: jax.Array,
+                      anc_at_depth: jax.Array, depths: jax.Array, chunk: int | None = None,
+                      live_bound=None) -> jax.Array:
+  """Batch-invariant attention of a verify block (`DecodeConfig.invariant_rows`): each query
+  row reads its keys at their sequence positions, the committed cache rows < start and then its
+  own root path (ancestors in depth order, then itself) at positions start, start + 1, ...,
+  exactly where an autoregressive step would find them in the cache; chunks are aligned at
+  absolute positions and every score, softmax sum and value sum is an `ordered_sum`. So a
+  row's output depends only on its own path and the cache, bit for bit, not on the block's
+  size, its other nodes, or the row's index: a token verified in a chain or a DDTree gets the
+  same float32 bits as in a padded autoregressive step of the same number of rows.
+
+  q: [T, H, Dh] float32 (RoPE at start + depth); k_all / v_all: [n_layer, Hkv, S, Dh|Dv]
+  caches (any format), rows < start committed; layer: static; start: [] int32;
+  block_k / block_v: [T, Hkv, Dh|Dv] float32 this block's rows as the cache will return them
+  (kv_cache.roundtrip); anc_at_depth: [T, T] int32, [t, d] = node t's ancestor at depth d
+  (d <= depths[t]); depths: [T] int32. chunk, live_bound as in `attention_live`.
+  Returns [T, H, Dv] float32, equal to `attention` over the same keys up to rounding.
+  """
+  t, h, dh = q.shape
+  hkv, s_cap, dv = v_all.shape[-3:]
+  c = min(chunk or live_chunk(s_cap, t), s_cap)
+  r = h // hkv
+  qg = q.reshape(t, hkv, r, dh) * (dh ** -0.5)
+  n_chunks = ((start if live_bound is None else live_bound) + t + c - 1) // c
+
+  def body(i, carry):
+    m, l, acc = carry
+    c0 = jnp.minimum(i * c, s_cap - c)
+    z = jnp.int32(0)
+    at, sizes = (jnp.int32(layer), z, c0, z), (1, hkv, c)
+    kc = k_all.read(at, sizes).reshape(hkv, c, dh).transpose(1, 0, 2)     # [c, Hkv, Dh]
+    vc = v_all.read(at, sizes).reshape(hkv, c, dv).transpose(1, 0, 2)
+    cols = c0 + jnp.arange(c, dtype=jnp.int32)
+    fresh = cols >= i * c                                  # the slid-back last chunk's new rows
+    rel = cols - start
+    in_path = fresh[None] & (rel[None] >= 0) & (rel[None] <= depths[:, None])   # [T, c]
+    node = jnp.take_along_axis(anc_at_depth, jnp.broadcast_to(jnp.clip(rel, 0, t - 1), (t, c)),
+                               axis=1)
+    krow = jnp.where(in_path[..., None, None], block_k[node], kc[None])   # [T, c, Hkv, Dh]
+    vrow = jnp.where(in_path[..., None, None], block_v[node], vc[None])
+    vis = in_path | (fresh & (cols < start))[None]
+    sc = ordered_sum(qg[:, :, :, None, :] * krow.transpose(0, 2, 1, 3)[:, :, None], -1)
+    sc = jnp.where(vis[:, None, None, :], sc, -jnp.inf)                  # [T, Hkv, R, c]
+    m_new = jnp.maximum(m, sc.max(-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(sc - m_safe[..., None])
+    corr = jnp.exp(m - m_safe)
+    pv = ordered_sum(p[..., None] * vrow.transpose(0, 2, 1, 3)[:, :, None], -2)
+    return m_new, l * corr + ordered_sum(p, -1), acc * corr[..., None] + pv
+
+  init = (jnp.full((t, hkv, r), -jnp.inf, jnp.float32), jnp.zeros((t, hkv, r), jnp.float32),
+          jnp.zeros((t, hkv, r, dv), jnp.float32))
+  _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+  return (acc / l[..., None]).reshape(t, h, dv)
+
+
 def swiglu_mlp(y: jax.Array, gate_up: Projections, down: QuantWeight, rt: Runtime) -> jax.Array:
   """SwiGLU feed-forward (target FFN, draft MLP): down(silu(gate(y)) * up(y)).
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax import gdn, kv_cache, layers
+from dflash_jax import tree as tree_lib
 from dflash_jax.config import TargetConfig
 from dflash_jax.quants import take_rows
 from dflash_jax.runtime import Runtime
@@ -158,7 +159,7 @@ def logits(params: TargetParams, cfg: TargetConfig, hidden: jax.Array, rt: Runti
 # ----------------------------------------------------------------------------- layers
 
 def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_all, v_all, li: int, start, pos,
-                local_mask, rope_freqs, rt: Runtime, live_bound=None, kv_row=None):
+                local_mask, rope_freqs, rt: Runtime, live_bound=None, kv_row=None, ordered=None):
   """Softmax attention (gated for qwen35). x: [T, D]; k_all/v_all: [n_attn, Hkv, S, Dh] the
   whole KV cache (read only: rows < start are the committed past, all visible); li: this
   layer's row in it; pos: [T] int32 RoPE positions; local_mask: [T, T] bool which of this
@@ -180,9 +181,13 @@ def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_all, v_all, li: int, star
   rope = functools.partial(layers.rope, pos=pos, rot_dim=cfg.rope_dim, theta=cfg.rope_theta,
                            style=cfg.rope_style, freq_factors=rope_freqs)
   q, k = rope(q), rope(k)
-  local = (kv_cache.roundtrip(k_all.fmt, k), kv_cache.roundtrip(v_all.fmt, v), local_mask)
-  o = layers.attention_live(q, k_all, v_all, li, None, start, local=local,
-                            live_bound=live_bound, row=kv_row)
+  kr, vr = kv_cache.roundtrip(k_all.fmt, k), kv_cache.roundtrip(v_all.fmt, v)
+  if ordered is not None:
+    o = layers.attention_ordered(q, k_all, v_all, li, start, kr, vr, *ordered,
+                                 live_bound=live_bound)
+  else:
+    o = layers.attention_live(q, k_all, v_all, li, None, start, local=(kr, vr, local_mask),
+                              live_bound=live_bound, row=kv_row)
   o = o.reshape(t, h * dv)
   if gate is not None:
     o = o * jax.nn.sigmoid(gate)
@@ -195,7 +200,7 @@ GDNMixer = Callable
 
 def _trunk(params: TargetParams, cfg: TargetConfig, x, cache: TargetCache, start, pos,
            local_mask, gdn_mixer: GDNMixer, feature_layers: tuple[int, ...], rt: Runtime,
-           live_bound=None, kv_row=None):
+           live_bound=None, kv_row=None, ordered=None):
   """All layers over x [T, D]: attention reads the cache's committed rows (< start) plus this
   call's own rows (local_mask [T, T]) and returns its K/V rows instead of writing them (the
   caller commits them); each Gated DeltaNet layer runs `gdn_mixer`. Returns (hidden [T, D],
@@ -210,7 +215,7 @@ def _trunk(params: TargetParams, cfg: TargetConfig, x, cache: TargetCache, start
       ig += 1
     else:
       o, k, v = _attn_layer(x, p, cfg, cache.k, cache.v, ia, start, pos, local_mask,
-                            params.rope_freqs, rt, live_bound, kv_row)
+                            params.rope_freqs, rt, live_bound, kv_row, ordered)
       ks.append(k)
       vs.append(v)
       ia += 1
@@ -270,7 +275,7 @@ def _verify_mask(tree: Tree):
 
 def verify(params: TargetParams, cfg: TargetConfig, tree: Tree, start: jax.Array,
            cache: TargetCache, rt: Runtime, *, feature_layers: tuple[int, ...] = (),
-           live_bound=None) -> Verified:
+           live_bound=None, invariant_rows: int = 0) -> Verified:
   """Verify a draft tree in one forward: node i (token tree.tokens[i]) sits at RoPE position
   start + depth, is written to KV row start + i, and sees the committed past plus its
   ancestors; each Gated DeltaNet node continues its parent's SSM state and conv window
@@ -279,7 +284,29 @@ def verify(params: TargetParams, cfg: TargetConfig, tree: Tree, start: jax.Array
 
   tree: tree.Tree of N nodes; start: [] int32 committed length. feature_layers as in `prefill`.
   live_bound: optional [] int32 >= start shared by a vmapped batch (see layers.attention_live).
+  invariant_rows: static; 0, or R >= N: batch-invariant verify (`DecodeConfig.invariant_rows`):
+  the tree is padded to R slots (`tree.pad_tree`) and verified with the tree forms and
+  `layers.attention_ordered`, so each node's logits, K/V and states are the same bits whatever
+  the tree around it (an autoregressive step, a chain, a DDTree) as long as R is the same;
+  outputs are for the N nodes of `tree`. Raises ValueError when R < N.
   """
+  if invariant_rows:
+    n0 = tree.n
+    ptree = tree_lib.pad_tree(tree, invariant_rows)
+    anc = ptree.ancestor_columns(ptree.max_depth)                  # [R, max_depth + 1]
+    d = jnp.arange(invariant_rows, dtype=jnp.int32)
+    anc_at_depth = jnp.take_along_axis(
+        anc, jnp.clip(ptree.depths[:, None] - d[None], 0, ptree.max_depth), axis=1)
+    ver = _verify(params, cfg, ptree, start, cache, rt, feature_layers, live_bound,
+                  (jnp.maximum(anc_at_depth, 0), ptree.depths))
+    return Verified(logits=ver.logits[:n0], feats=None if ver.feats is None else ver.feats[:n0],
+                    k=ver.k[:, :n0], v=ver.v[:, :n0],
+                    steps=GDNSteps(ssm=ver.steps.ssm[:, :n0], xin=ver.steps.xin[:, :n0]))
+  return _verify(params, cfg, tree, start, cache, rt, feature_layers, live_bound, None)
+
+
+def _verify(params, cfg: TargetConfig, tree: Tree, start, cache: TargetCache, rt: Runtime,
+            feature_layers, live_bound, ordered) -> Verified:
   n = tree.n
   pos = start + (jnp.arange(n, dtype=jnp.int32) if tree.is_path else tree.depths)
   mask = _verify_mask(tree)
@@ -291,7 +318,7 @@ def verify(params: TargetParams, cfg: TargetConfig, tree: Tree, start: jax.Array
 
   x = take_rows(params.embed, tree.tokens)
   h, feats, k, v, cache, st = _trunk(params, cfg, x, cache, start, pos, mask, mixer,
-                                     feature_layers, rt, live_bound)
+                                     feature_layers, rt, live_bound, ordered=ordered)
   if st:
     steps = GDNSteps(ssm=jnp.stack([s for s, _ in st]), xin=jnp.stack([xi for _, xi in st]))
   else:

@@ -65,6 +65,20 @@ def path_tree(tokens: jax.Array) -> Tree:
               max_depth=n - 1)
 
 
+def pad_tree(tree: Tree, n: int) -> Tree:
+  """`tree` grown to n node slots with invalid nodes (token 0, parent -1, depth 0: roots that
+  no valid node descends from, so they change no valid node's output), as a general tree
+  (is_path False: the tree forms run even for a chain). Raises ValueError when n < tree.n."""
+  if n < tree.n:
+    raise ValueError(f"pad_tree: {tree.n} nodes do not fit in {n} slots")
+  extra = n - tree.n
+  return Tree(tokens=jnp.pad(tree.tokens, (0, extra)),
+              parents=jnp.pad(tree.parents, (0, extra), constant_values=-1),
+              depths=jnp.pad(tree.depths, (0, extra)), valid=jnp.pad(tree.valid, (0, extra)),
+              scores=jnp.pad(tree.scores, (0, extra), constant_values=-jnp.inf),
+              is_path=False, max_depth=tree.max_depth)
+
+
 def top_k_rows(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   """The k largest entries of each row, by k rounds of argmax (no sort over the vocabulary).
 

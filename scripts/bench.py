@@ -50,6 +50,9 @@ _TEMPS = flags.DEFINE_list("temperatures", ["0"], "Sampling temperatures, one co
 _TOP_P = flags.DEFINE_float("top_p", 0.95, "Top-p of the sampled columns.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the sampled columns.")
 _MAX_CTX = flags.DEFINE_integer("max_ctx", 1024, "Context capacity.")
+_INVARIANT = flags.DEFINE_integer("invariant_rows", 0, "DecodeConfig.invariant_rows of every "
+                                  "column (0 = off): batch-invariant decoding, so every column's "
+                                  "output must equal AR's bit for bit in any --kv_dtype.")
 _JSON = flags.DEFINE_string("json_out", None, "Write results JSON here.")
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", [], "Batched decoding table instead: for each B "
                                  "(e.g. 1,2,4,8,16) and each greedy mode, the --n_prompts prompts "
@@ -127,9 +130,10 @@ def decode_configs(drafts):
     if m == "ddtree":
       for b in _BUDGETS.value:
         decs[f"ddtree@{b}"] = dj.DecodeConfig(mode="ddtree", budget=int(b),
-                                              tree_top_k=_TREE_TOP_K.value, max_ctx=_MAX_CTX.value)
+                                              tree_top_k=_TREE_TOP_K.value, max_ctx=_MAX_CTX.value,
+                                              invariant_rows=_INVARIANT.value)
     else:
-      decs[m] = dj.DecodeConfig(mode=m, max_ctx=_MAX_CTX.value)
+      decs[m] = dj.DecodeConfig(mode=m, max_ctx=_MAX_CTX.value, invariant_rows=_INVARIANT.value)
   out = {}
   for t in (float(x) for x in _TEMPS.value):
     samp = dj.SamplingConfig(temperature=t, top_p=_TOP_P.value if t > 0 else 1.0, seed=_SEED.value)
