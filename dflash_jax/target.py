@@ -293,12 +293,8 @@ def verify(params: TargetParams, cfg: TargetConfig, tree: Tree, start: jax.Array
   if invariant_rows:
     n0 = tree.n
     ptree = tree_lib.pad_tree(tree, invariant_rows)
-    anc = ptree.ancestor_columns(ptree.max_depth)                  # [R, max_depth + 1]
-    d = jnp.arange(invariant_rows, dtype=jnp.int32)
-    anc_at_depth = jnp.take_along_axis(
-        anc, jnp.clip(ptree.depths[:, None] - d[None], 0, ptree.max_depth), axis=1)
     ver = _verify(params, cfg, ptree, start, cache, rt, feature_layers, live_bound,
-                  (jnp.maximum(anc_at_depth, 0), ptree.depths))
+                  (ptree.ancestors_by_depth(), ptree.depths))
     return Verified(logits=ver.logits[:n0], feats=None if ver.feats is None else ver.feats[:n0],
                     k=ver.k[:, :n0], v=ver.v[:, :n0],
                     steps=GDNSteps(ssm=ver.steps.ssm[:, :n0], xin=ver.steps.xin[:, :n0]))

@@ -55,6 +55,14 @@ class Tree:
     """[N, n_back + 1] int32: column j = the j-th ancestor (column 0 = the node), -1 past the root."""
     return ancestors(self.parents, n_back)
 
+  def ancestors_by_depth(self) -> jax.Array:
+    """[N, N] int32: [i, d] = node i's ancestor at depth d (itself at d = depths[i]) for
+    d <= depths[i]; 0 past it (`layers.attention_ordered` masks those)."""
+    anc = self.ancestor_columns(self.max_depth)                      # [N, max_depth + 1]
+    d = jnp.arange(self.n, dtype=jnp.int32)
+    back = jnp.clip(self.depths[:, None] - d[None], 0, self.max_depth)
+    return jnp.maximum(jnp.take_along_axis(anc, back, axis=1), 0)
+
 
 def path_tree(tokens: jax.Array) -> Tree:
   """The chain [t_0, t_1, ...] as a tree: node i's parent is i-1. tokens: [N] int32."""

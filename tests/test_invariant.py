@@ -47,13 +47,6 @@ def _random_tree(rng, n, n_valid):
   return t, np.asarray(parents), np.asarray(depths)
 
 
-def _anc_at_depth(tree):
-  anc = tree.ancestor_columns(tree.max_depth)
-  d = jnp.arange(tree.n, dtype=jnp.int32)
-  a = jnp.take_along_axis(anc, jnp.clip(tree.depths[:, None] - d[None], 0, tree.max_depth), 1)
-  return jnp.maximum(a, 0)
-
-
 def _cache(fmt, rows_k, rows_v, cap):
   """A one-layer cache [1, Hkv, cap, D] holding rows_k / rows_v [n, Hkv, D] at rows 0..n-1."""
   hkv, dh = rows_k.shape[1:]
@@ -82,7 +75,7 @@ def test_attention_ordered_equals_float64_attention(fmt):
   k_all, v_all = _cache(fmt, ck, cv, cap)
   got = np.asarray(layers.attention_ordered(
       jnp.asarray(q), k_all, v_all, 0, jnp.int32(start), jnp.asarray(bk), jnp.asarray(bv),
-      _anc_at_depth(tree), tree.depths, chunk=16))
+      tree.ancestors_by_depth(), tree.depths, chunk=16))
   ck_c = np.asarray(kv_cache.roundtrip(fmt, jnp.asarray(ck)), np.float64)
   cv_c = np.asarray(kv_cache.roundtrip(fmt, jnp.asarray(cv)), np.float64)
   for i in range(t):
@@ -123,13 +116,13 @@ def test_attention_ordered_rows_do_not_depend_on_their_surroundings():
   k_all, v_all = _cache(fmt, ck, cv, cap)
   att = jax.jit(lambda q, k_all, v_all, start, bk, bv, anc, dep: layers.attention_ordered(
       q, k_all, v_all, 0, start, bk, bv, anc, dep))
-  in_tree = np.asarray(att(q, k_all, v_all, jnp.int32(start), bk, bv, _anc_at_depth(tree),
+  in_tree = np.asarray(att(q, k_all, v_all, jnp.int32(start), bk, bv, tree.ancestors_by_depth(),
                            tree.depths))[i]
   # the path as a chain (rows 0..d), padded with other rows to t
   order = path + [n for n in range(t) if n not in path]
   chain = tree_lib.pad_tree(tree_lib.path_tree(jnp.zeros((len(path),), jnp.int32)), t)
   in_chain = np.asarray(att(q[jnp.asarray(order)], k_all, v_all, jnp.int32(start),
-                            bk[jnp.asarray(order)], bv[jnp.asarray(order)], _anc_at_depth(chain),
+                            bk[jnp.asarray(order)], bv[jnp.asarray(order)], chain.ancestors_by_depth(),
                             chain.depths))[len(path) - 1]
   # AR: the ancestors committed to the cache (as stored), the node alone at row 0
   k_ar, v_ar = _cache(fmt, np.concatenate([ck, np.asarray(bk)[path[:-1]]]),
@@ -137,7 +130,7 @@ def test_attention_ordered_rows_do_not_depend_on_their_surroundings():
   root = tree_lib.pad_tree(tree_lib.path_tree(jnp.zeros((1,), jnp.int32)), t)
   rows = jnp.asarray([i] + [n for n in range(t) if n != i])
   alone = np.asarray(att(q[rows], k_ar, v_ar, jnp.int32(start + len(path) - 1), bk[rows], bv[rows],
-                         _anc_at_depth(root), root.depths))[0]
+                         root.ancestors_by_depth(), root.depths))[0]
   assert len(path) >= 3
   np.testing.assert_array_equal(in_tree, in_chain)
   np.testing.assert_array_equal(in_tree, alone)
