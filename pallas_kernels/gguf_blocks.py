@@ -55,12 +55,52 @@ def _nibbles(qs: jax.Array) -> jax.Array:
   return jnp.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
+def unpack_scale_min_k4(s, xp=jnp):
+  """Q4_K/Q5_K 12-byte packed 6-bit scales [..., 12] uint8 -> (sc, m) [..., 8] uint8.
+  xp: the array module (jax.numpy in the forward, numpy when repacking at load)."""
+  d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+  sc = xp.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+  mn = xp.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+  return sc, mn
+
+
 def _scale_min_k4(s: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Q4_K/Q5_K 12-byte packed 6-bit scales [..., 12] uint8 -> (sc, m) [..., 8] float32."""
-  d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
-  sc = jnp.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
-  mn = jnp.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+  sc, mn = unpack_scale_min_k4(s)
   return sc.astype(jnp.float32), mn.astype(jnp.float32)
+
+
+def k_quant_values(d: jax.Array, dmin: jax.Array, sc: jax.Array, mn: jax.Array,
+                   q: jax.Array) -> jax.Array:
+  """Q4_K/Q5_K weights from their fields: d, dmin [...] float32; sc, mn [..., 8] float32
+  sub-block scales and mins; q [..., 8, 32] integer codes. Returns [..., 256] float32,
+  (d * sc) * q - dmin * mn in gguf-py's order."""
+  dsc = (d[..., None] * sc)[..., None]  # [..., 8, 1]
+  dm = (dmin[..., None] * mn)[..., None]
+  return (dsc * q.astype(jnp.float32) - dm).reshape(*q.shape[:-2], QK_K)
+
+
+def q4_k_codes(qs: jax.Array) -> jax.Array:
+  """Q4_K codes [..., 128] uint8 (four 32-byte groups: low nibbles = weights 64j..64j+31,
+  high nibbles = 64j+32..64j+63) -> [..., 8, 32] uint8 in weight order."""
+  lead = qs.shape[:-1]
+  qs = qs.reshape(*lead, 4, 1, 32)
+  return jnp.concatenate([qs & 0x0F, qs >> 4], axis=-2).reshape(*lead, 8, 32)
+
+
+def q6_k_values(d: jax.Array, scales: jax.Array, ql: jax.Array, qh: jax.Array) -> jax.Array:
+  """Q6_K weights from their fields: d [...] float32; scales [..., 16] float32; ql [..., 128]
+  uint8 low nibbles; qh [..., 64] uint8 2-bit high parts. Returns [..., 256] float32,
+  (d * scale) * (q - 32) in gguf-py's order."""
+  lead = ql.shape[:-1]
+  ql = ql.reshape(*lead, 2, 1, 64)
+  qh = qh.reshape(*lead, 2, 1, 32)
+  dsc = (d[..., None] * scales).reshape(*lead, 16, 1)
+  ql = jnp.concatenate([ql & 0x0F, ql >> 4], axis=-2).reshape(*lead, 2, 4, 32)  # [.., half, quarter, 32]
+  qh = ((qh >> jnp.array([0, 2, 4, 6], jnp.uint8)[:, None]) & 3).reshape(*lead, 2, 4, 32)
+  q = (ql | (qh << 4)).astype(jnp.int8) - jnp.int8(32)
+  q = q.reshape(*lead, 16, 16).astype(jnp.float32)
+  return (dsc * q).reshape(*lead, QK_K)
 
 
 def dequantize_blocks(b: jax.Array, fmt: str) -> jax.Array:
@@ -91,33 +131,19 @@ def dequantize_blocks(b: jax.Array, fmt: str) -> jax.Array:
     return d * q.astype(jnp.float32) + _f16(b[..., 2], b[..., 3])[..., None]
   if fmt in ("q4_k", "q5_k"):
     lead = b.shape[:-1]
-    d = _f16(b[..., 0], b[..., 1])[..., None]
-    dmin = _f16(b[..., 2], b[..., 3])[..., None]
     sc, mn = _scale_min_k4(b[..., 4:16])
-    dsc = (d * sc)[..., None]  # [..., 8, 1]
-    dm = (dmin * mn)[..., None]
     if fmt == "q4_k":
-      qs = b[..., 16:144].reshape(*lead, 4, 1, 32)
-      q = jnp.concatenate([qs & 0x0F, qs >> 4], axis=-2).reshape(*lead, 8, 32)
+      q = q4_k_codes(b[..., 16:144])
     else:
       qh = b[..., 16:48].reshape(*lead, 1, 32)
-      qs = b[..., 48:176].reshape(*lead, 4, 1, 32)
-      ql = jnp.concatenate([qs & 0x0F, qs >> 4], axis=-2).reshape(*lead, 8, 32)
+      ql = q4_k_codes(b[..., 48:176])
       hb = (qh >> jnp.arange(8, dtype=jnp.uint8)[:, None]) & 1  # [..., 8, 32]
       q = ql | (hb << 4)
-    return (dsc * q.astype(jnp.float32) - dm).reshape(*lead, QK_K)
+    return k_quant_values(_f16(b[..., 0], b[..., 1]), _f16(b[..., 2], b[..., 3]), sc, mn, q)
   if fmt == "q6_k":
-    lead = b.shape[:-1]
-    ql = b[..., 0:128].reshape(*lead, 2, 1, 64)
-    qh = b[..., 128:192].reshape(*lead, 2, 1, 32)
-    scales = b[..., 192:208].view(jnp.int8).astype(jnp.float32)
-    d = _f16(b[..., 208], b[..., 209])[..., None]
-    dsc = (d * scales).reshape(*lead, 16, 1)
-    ql = jnp.concatenate([ql & 0x0F, ql >> 4], axis=-2).reshape(*lead, 2, 4, 32)  # [.., half, quarter, 32]
-    qh = ((qh >> jnp.array([0, 2, 4, 6], jnp.uint8)[:, None]) & 3).reshape(*lead, 2, 4, 32)
-    q = (ql | (qh << 4)).astype(jnp.int8) - jnp.int8(32)
-    q = q.reshape(*lead, 16, 16).astype(jnp.float32)
-    return (dsc * q).reshape(*lead, QK_K)
+    return q6_k_values(_f16(b[..., 208], b[..., 209]),
+                       b[..., 192:208].view(jnp.int8).astype(jnp.float32),
+                       b[..., 0:128], b[..., 128:192])
   raise ValueError(f"unsupported block format {fmt=}; supported: {SUPPORTED_FORMATS}")
 
 

@@ -23,7 +23,8 @@ computes the same float32 operations, in the same order, as gguf-py's
 bit-identical to it (tests/test_repack.py). Block layouts: ggml/src/ggml-common.h (block_q4_K,
 block_q6_K).
 
-This module stands alone (numpy + jax), like the rest of pallas_kernels.
+The arithmetic is gguf_blocks' (`k_quant_values`, `q6_k_values`), shared with the GGUF-block
+reference; this package imports nothing from dflash_jax.
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-QK_K = 256
+from pallas_kernels.gguf_blocks import (BLOCK_FORMATS, QK_K, k_quant_values, q4_k_codes,
+                                        q6_k_values, unpack_scale_min_k4)
+
 REPACK_FORMATS = ("q4_k", "q6_k")
-_TYPE_SIZE = {"q4_k": 144, "q6_k": 210}
+_TYPE_SIZE = {f: BLOCK_FORMATS[f][1] for f in REPACK_FORMATS}
 
 
 @jax.tree_util.register_dataclass
@@ -96,10 +99,7 @@ def repack(raw: np.ndarray, fmt: str, shape, name: str = "weight") -> Planes:
   if fmt == "q4_k":
     d = b[..., 0:2].copy().view(np.float16)[..., 0]
     dmin = b[..., 2:4].copy().view(np.float16)[..., 0]
-    s = b[..., 4:16]
-    lo, hi, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
-    sc = np.concatenate([lo & 0x3F, (md & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
-    mn = np.concatenate([hi & 0x3F, (md >> 4) | ((hi >> 2) & 0x30)], axis=-1)
+    sc, mn = unpack_scale_min_k4(b[..., 4:16], xp=np)
     return Planes(codes=b[..., 16:144].reshape(n, nb * 128), scales=sc.reshape(n, nb * 8),
                   d=d, mins=mn.reshape(n, nb * 8), dmin=dmin, fmt=fmt, shape=(n, nb * QK_K))
   d = b[..., 208:210].copy().view(np.float16)[..., 0]
@@ -140,19 +140,13 @@ def dequantize_planes(p: Planes, dtype=jnp.float32) -> jax.Array:
   nb = k // QK_K
   d = p.d.astype(jnp.float32)
   if p.fmt == "q4_k":
-    dsc = d[..., None] * p.scales.reshape(n, nb, 8).astype(jnp.float32)      # [N, nb, 8]
-    dm = p.dmin.astype(jnp.float32)[..., None] * p.mins.reshape(n, nb, 8).astype(jnp.float32)
-    qs = p.codes.reshape(n, nb, 4, 1, 32)
-    q = jnp.concatenate([qs & 0x0F, qs >> 4], axis=-2).reshape(n, nb, 8, 32)
-    w = dsc[..., None] * q.astype(jnp.float32) - dm[..., None]
+    w = k_quant_values(d, p.dmin.astype(jnp.float32),
+                       p.scales.reshape(n, nb, 8).astype(jnp.float32),
+                       p.mins.reshape(n, nb, 8).astype(jnp.float32),
+                       q4_k_codes(p.codes.reshape(n, nb, 128)))
   elif p.fmt == "q6_k":
-    ql = p.codes.reshape(n, nb, 2, 1, 64)
-    ql = jnp.concatenate([ql & 0x0F, ql >> 4], axis=-2).reshape(n, nb, 2, 4, 32)
-    qh = p.high.reshape(n, nb, 2, 1, 32)
-    qh = ((qh >> jnp.array([0, 2, 4, 6], jnp.uint8)[:, None]) & 3).reshape(n, nb, 2, 4, 32)
-    q = (ql | (qh << 4)).astype(jnp.int8) - jnp.int8(32)
-    dsc = d[..., None] * p.scales.reshape(n, nb, 16).astype(jnp.float32)    # [N, nb, 16]
-    w = dsc[..., None] * q.reshape(n, nb, 16, 16).astype(jnp.float32)
+    w = q6_k_values(d, p.scales.reshape(n, nb, 16).astype(jnp.float32),
+                    p.codes.reshape(n, nb, 128), p.high.reshape(n, nb, 64))
   else:
     raise ValueError(f"dequantize_planes: unknown planes format {p.fmt!r}")
   return w.reshape(n, k).astype(dtype)
