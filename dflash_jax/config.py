@@ -510,8 +510,9 @@ class DecodeConfig:
       offsets, so the two agree up to float rounding (measured: README "Long context").
       Without a ring buffer they are the same computation.
     invariant_rows: 0 (off), or R >= the mode's `verify_len`: batch-invariant decoding. Every
-      decode forward (an autoregressive step, a chain or DDTree verify) runs R rows (the tree
-      padded with nodes nothing descends from) in the tree forms, with
+      decode forward (an autoregressive step, a chain or DDTree verify) runs R rows rounded up
+      to a multiple of 32 (`target.invariant_slots`; the tree padded with nodes nothing
+      descends from) in the tree forms, with
       `layers.attention_ordered`, so a token's logits, K/V and recurrent states are the same
       float32 bits whichever mode produced them: with the same R, chain and DDTree greedy output
       equals autoregressive greedy output token for token in every KV format, where otherwise a

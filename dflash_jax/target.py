@@ -273,6 +273,19 @@ def _verify_mask(tree: Tree):
   return tree.ancestor_matrix()
 
 
+# XLA:CPU reduces a row-wise reduction (an RMS or L2 norm over [T, H, D]) in tiles of 32
+# flattened rows with a separate code path for the last partial tile, so with T = 23 a node's
+# bits depended on its slot (measured on AVX-512: slots >= 16 of 23 differed from slot 0 in the
+# last bit; on AVX2 they did not). With T a multiple of 32 every tile is full on both.
+INVARIANT_ROW_TILE = 32
+
+
+def invariant_slots(rows: int) -> int:
+  """The node slots a batch-invariant verify of `rows` rows runs: rows rounded up to a
+  multiple of INVARIANT_ROW_TILE (32), so no slot falls in a partial reduction tile."""
+  return -(-rows // INVARIANT_ROW_TILE) * INVARIANT_ROW_TILE
+
+
 def verify(params: TargetParams, cfg: TargetConfig, tree: Tree, start: jax.Array,
            cache: TargetCache, rt: Runtime, *, feature_layers: tuple[int, ...] = (),
            live_bound=None, invariant_rows: int = 0) -> Verified:
@@ -285,14 +298,17 @@ def verify(params: TargetParams, cfg: TargetConfig, tree: Tree, start: jax.Array
   tree: tree.Tree of N nodes; start: [] int32 committed length. feature_layers as in `prefill`.
   live_bound: optional [] int32 >= start shared by a vmapped batch (see layers.attention_live).
   invariant_rows: static; 0, or R >= N: batch-invariant verify (`DecodeConfig.invariant_rows`):
-  the tree is padded to R slots (`tree.pad_tree`) and verified with the tree forms and
-  `layers.attention_ordered`, so each node's logits, K/V and states are the same bits whatever
-  the tree around it (an autoregressive step, a chain, a DDTree) as long as R is the same;
-  outputs are for the N nodes of `tree`. Raises ValueError when R < N.
+  the tree is padded to `invariant_slots(R)` slots (`tree.pad_tree`) and verified with the tree
+  forms and `layers.attention_ordered`, so each node's logits, K/V and states are the same bits
+  whatever the tree around it (an autoregressive step, a chain, a DDTree) and whichever slot it
+  sits in, as long as R is the same; outputs are for the N nodes of `tree`. Raises ValueError
+  when R < N.
   """
   if invariant_rows:
     n0 = tree.n
-    ptree = tree_lib.pad_tree(tree, invariant_rows)
+    if invariant_rows < n0:
+      raise ValueError(f"verify: invariant_rows={invariant_rows} < the tree's {n0} nodes")
+    ptree = tree_lib.pad_tree(tree, invariant_slots(invariant_rows))
     ver = _verify(params, cfg, ptree, start, cache, rt, feature_layers, live_bound,
                   (ptree.ancestors_by_depth(), ptree.depths))
     return Verified(logits=ver.logits[:n0], feats=None if ver.feats is None else ver.feats[:n0],

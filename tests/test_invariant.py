@@ -137,8 +137,11 @@ def test_attention_ordered_rows_do_not_depend_on_their_surroundings():
 
 
 def test_pad_tree_and_config_checks():
-  """pad_tree keeps the nodes and adds invalid roots; invariant_rows below a mode's verify size
-  is refused naming the field (and the flag, from flags)."""
+  """pad_tree keeps the nodes and adds invalid roots; a batch-invariant verify runs its rows
+  rounded up to a multiple of 32 slots; invariant_rows below a mode's verify size is refused
+  naming the field (and the flag, from flags)."""
+  from dflash_jax import target as target_lib
+  assert [target_lib.invariant_slots(r) for r in (1, 16, 23, 32, 33)] == [32, 32, 32, 32, 64]
   t = tree_lib.pad_tree(tree_lib.path_tree(jnp.asarray([5, 6, 7], jnp.int32)), 6)
   assert not t.is_path and t.n == 6 and t.max_depth == 2
   assert np.asarray(t.parents).tolist() == [-1, 0, 1, -1, -1, -1]
@@ -161,7 +164,9 @@ def test_verify_rows_are_bitwise_invariant_tiny_hybrid(qwen_f32, qwen_ref):
   """Tiny Qwen3.5 hybrid, q4_0 cache, invariant_rows 23: 12 tokens verified (a) one at a time,
   each committed before the next (autoregressive), (b) as one chain, (c) as one root path
   inside a 23-node tree whose other nodes are random branches interleaved with it: every path
-  node's logits, K, V and Gated DeltaNet state are the same float32 bits in all three."""
+  node's logits, K, V and Gated DeltaNet state are the same float32 bits in all three.
+  (With exactly 23 slots, not rounded up to 32, (c) failed on an AVX-512 machine for path nodes
+  in slots >= 16: a row-wise norm's partial last tile; passed on AVX2.)"""
   from dflash_jax import target as target_lib
   t = _with_kv(qwen_f32, "q4_0")
   cfg, rt = t.config, t.runtime

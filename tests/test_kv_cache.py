@@ -116,13 +116,19 @@ def test_formats_change_numerics_within_bounds(qwen_f32, qwen_ref):
     assert 0 < np.abs(lg - base).max() and kl < bound, (fmt, kl)
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
-def test_quantized_cache_lossless_smollm2(smol, smol_prompts, fmt):
-  """SmolLM2 with the shipped draft and a q8_0 / q4_0 cache (target and draft context), three
-  prompts: chain and DDTree greedy == autoregressive greedy with the same format up to rounding
-  ties (`same_up_to_ties`; on this machine q8_0 gave 6 of 6 identical over 64 tokens, q4_0 at
-  least 3),
-  and the drafts are accepted."""
+def test_quantized_cache_lossless_smollm2(smol, smol_prompts):
+  """SmolLM2 with the shipped draft and a q8_0 cache (target and draft context), three prompts:
+  chain and DDTree greedy == autoregressive greedy with the same format up to rounding ties
+  (`same_up_to_ties`; 6 of 6 identical over 64 tokens on an AVX2 machine; at least 3 asserted),
+  and the drafts are accepted.
+
+  Not q4_0 here: one q4_0 rounding step is 1/8 of a block's largest value, so after a last-bit
+  difference rounds one value differently, AR's and a chain's logits part by q4_0's noise
+  (measured, HumanEval/2 on an AVX-512 machine: max |AR - chain| logits 0.2 at row 7 of a
+  verify, 1-3.5 by row 31; the first divergence sat 1.45 logits apart in the full forward),
+  which no tie bound separates from a wrong verify. q4_0's exact check is batch-invariant
+  decoding (tests/test_invariant.py::test_invariant_rows_exact_smollm2_q4_0)."""
+  fmt = "q8_0"
   t = _with_kv(smol, fmt)
   draft = dj.load_draft(cli.find_draft_dir(smol), t)
   identical = 0
