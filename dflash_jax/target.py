@@ -276,7 +276,8 @@ def _verify_mask(tree: Tree):
 # XLA:CPU reduces a row-wise reduction (an RMS or L2 norm over [T, H, D]) in tiles of 32
 # flattened rows with a separate code path for the last partial tile, so with T = 23 a node's
 # bits depended on its slot (measured on AVX-512: slots >= 16 of 23 differed from slot 0 in the
-# last bit; on AVX2 they did not). With T a multiple of 32 every tile is full on both.
+# last bit; on the earlier VMs, described as AVX2, they did not). With T a multiple of 32
+# every tile is full.
 INVARIANT_ROW_TILE = 32
 
 

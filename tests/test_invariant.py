@@ -166,7 +166,7 @@ def test_verify_rows_are_bitwise_invariant_tiny_hybrid(qwen_f32, qwen_ref):
   inside a 23-node tree whose other nodes are random branches interleaved with it: every path
   node's logits, K, V and Gated DeltaNet state are the same float32 bits in all three.
   (With exactly 23 slots, not rounded up to 32, (c) failed on an AVX-512 machine for path nodes
-  in slots >= 16: a row-wise norm's partial last tile; passed on AVX2.)"""
+  in slots >= 16: a row-wise norm's partial last tile; it had passed on earlier VMs.)"""
   from dflash_jax import target as target_lib
   t = _with_kv(qwen_f32, "q4_0")
   cfg, rt = t.config, t.runtime
