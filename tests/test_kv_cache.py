@@ -128,8 +128,7 @@ def test_quantized_cache_lossless_smollm2(smol, smol_prompts):
   verify, 1-3.5 by row 31; the first divergence sat 1.45 logits apart in the full forward),
   which no tie bound separates from a wrong verify. q4_0's exact check is batch-invariant
   decoding (tests/test_invariant.py::test_invariant_rows_exact_smollm2_q4_0)."""
-  fmt = "q8_0"
-  t = _with_kv(smol, fmt)
+  t = _with_kv(smol, "q8_0")
   draft = dj.load_draft(cli.find_draft_dir(smol), t)
   identical = 0
   for p in smol_prompts[:3]:

@@ -1,6 +1,6 @@
-"""What batch-invariant decoding (`--invariant_rows 23`, 32 slots since session 23) costs on this CPU, side by side in one
-process: SmolLM2 + the shipped draft, q4_0 KV cache, the first 3 chat prompts of scripts/bench.py,
-64 tokens, greedy, each (mode, invariant_rows) compiled first, then timed 3 times (median decode
+"""What batch-invariant decoding (`--invariant_rows 23`, 32 slots since session 23) costs on this
+CPU, side by side in one process: SmolLM2 + the shipped draft, q4_0 KV cache, the first 3 chat
+prompts of scripts/bench.py, 64 tokens, greedy, each (mode, invariant_rows) compiled first, then timed 3 times (median decode
 tok/s, prefill excluded), plus whether each output equals AR's with the same setting.
 
   python bench_out/kv_cpu/invariant_cost.py > bench_out/kv_cpu/invariant_cost.json
