@@ -62,6 +62,10 @@ _WD = flags.DEFINE_float("weight_decay", 0.01, "AdamW weight decay.")
 _CLIP = flags.DEFINE_float("clip", 1.0, "Global gradient-norm clip.")
 _GAMMA = flags.DEFINE_float("gamma", 7.0, "Loss decay over block offsets: exp(-(k-1)/gamma).")
 _KL = flags.DEFINE_float("kl_weight", 0.5, "Weight of the KL term to the target's distribution.")
+_RESTRICT = flags.DEFINE_bool("restrict_vocab", False, "Run the loss's softmaxes over the token ids "
+                              "that occur in the training data (every label is one) instead of "
+                              "the whole vocabulary: the lm_head matmuls of a step shrink to that "
+                              "fraction (DFlash-1; decoding always uses the whole lm_head).")
 _DTYPE = flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 250, "Steps between held-out evaluations (0: "
                                    "only at the end).")
@@ -154,6 +158,8 @@ def main(argv):
   else:
     cfg = _draft_config(target)
   cfg, init = _as_variant(cfg, init, _SEED.value)
+  if _RESTRICT.value and cfg.dflash2 is not None:
+    raise app.UsageError("--restrict_vocab is for DFlash-1 drafts (--variant=dflash1)")
   for d in _DATA.value:
     if not os.path.exists(os.path.join(d, "manifest.json")):
       raise app.UsageError(f"--data_dirs: {d} holds no token shards (manifest.json); make them "
@@ -170,6 +176,7 @@ def main(argv):
                          seq_len=_SEQ_LEN.value, lr=_LR.value, warmup=_WARMUP.value,
                          weight_decay=_WD.value, clip=_CLIP.value, gamma=_GAMMA.value,
                          kl_weight=_KL.value, seed=_SEED.value, compute_dtype=_DTYPE.value,
+                         restrict_vocab=_RESTRICT.value,
                          length_buckets=tuple(int(x) for x in _BUCKETS.value
                                               if int(x) < _SEQ_LEN.value))
   out_norm = (_INIT_NORM.value * np.asarray(target.params.out_norm, np.float32)

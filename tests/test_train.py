@@ -143,6 +143,64 @@ def test_distillation_term_against_float64(qwen_f32, tiny_data, n_anchors):
   assert abs(float(l1) - float(l0) - 0.7 * kl_ref) < 1e-4 * max(1.0, kl_ref)
 
 
+@pytest.mark.parametrize("n_anchors", [5, 24])
+def test_restricted_vocab_loss_against_float64(qwen_f32, tiny_data, n_anchors):
+  """A restricted loss vocabulary (`data_vocab`: the ids the sequences hold): the CE and the KL
+  equal a float64 numpy computation with both softmaxes renormalised over those N ids (the
+  draft's logits from train_hidden @ lm_head, the target's from the independent full forward
+  `forward_logits`), relative 1e-4; the whole vocabulary as vocab_ids gives the unrestricted
+  loss (1e-5 relative); the restricted loss differs from the unrestricted one (N < V), so neither
+  check passes by ignoring vocab_ids. A DFlash-2 draft refuses it."""
+  cfg = _tiny_cfg(qwen_f32, block_size=4)
+  V = qwen_f32.config.n_vocab
+  params = jax.tree.map(jnp.asarray, draft_io.init_params(jax.random.key(1), cfg, 256,
+                                                          weight_fmt="f32"))
+  batch = train.make_batch(np.random.default_rng(2), tiny_data[:2], cfg, seq_len=64,
+                           n_anchors=n_anchors, mask_token_id=cfg.mask_token_id)
+  vocab = train.data_vocab(tiny_data[:2], V)
+  assert 0 < vocab.size < V and np.all(np.diff(vocab) > 0)
+  assert set(batch.labels[batch.label_valid].tolist()) <= set(vocab.tolist())
+  tparams, lm = train.frozen_target_tensors(qwen_f32)
+  w = jnp.asarray(train.loss_weights(4, 3.0))
+  args = (params, cfg, batch, tparams, qwen_f32.config, lm, w, 0.7, Runtime())
+  l_full, m_full = train.batch_loss(*args)
+  l_all, m_all = train.batch_loss(*args, jnp.arange(V, dtype=jnp.int32))
+  l_r, m_r = train.batch_loss(*args, jnp.asarray(vocab))
+  for k in ("ce", "kl"):
+    assert float(m_all[k]) == pytest.approx(float(m_full[k]), rel=1e-5)
+  assert float(l_all) == pytest.approx(float(l_full), rel=1e-5)
+  ce_num = kl_num = den = 0.0
+  for i, s in enumerate(tiny_data[:2]):
+    t_logits, feats = dj.forward_logits(qwen_f32, s.tokens, feature_layers=cfg.target_layer_ids)
+    pad = np.zeros((64, feats.shape[1]), np.float32)
+    pad[:feats.shape[0]] = feats
+    h = draft_lib.train_hidden(params, cfg, jnp.asarray(pad), jnp.asarray(batch.block_ids[i]),
+                               jnp.asarray(batch.anchors[i]), qwen_f32.params.embed, Runtime())
+    d_logits = np.asarray(h[:, 1:], np.float64) @ np.asarray(lm, np.float64)[vocab].T
+    for a in range(n_anchors):
+      for k in range(1, 4):
+        if not batch.label_valid[i, a, k - 1]:
+          continue
+        tl = np.asarray(t_logits[batch.anchors[i, a] + k - 1], np.float64)[vocab]
+        lp = tl - tl.max() - np.log(np.exp(tl - tl.max()).sum())
+        dl = d_logits[a, k - 1]
+        lq = dl - dl.max() - np.log(np.exp(dl - dl.max()).sum())
+        wk = float(w[k - 1])
+        ce_num -= wk * lq[np.searchsorted(vocab, batch.labels[i, a, k - 1])]
+        kl_num += wk * np.sum(np.exp(lp) * (lp - lq))
+        den += wk
+  ce_ref, kl_ref = ce_num / den, kl_num / den
+  assert float(m_r["ce"]) == pytest.approx(ce_ref, rel=1e-4)
+  assert float(m_r["kl"]) == pytest.approx(kl_ref, rel=1e-4, abs=1e-5)
+  assert float(l_r) == pytest.approx(ce_ref + 0.7 * kl_ref, rel=1e-4)
+  assert abs(float(m_r["ce"]) - float(m_full["ce"])) > 1e-3
+  cfg2 = draft_io.dflash2_config(cfg, conv_kernel=3, conv_group=64, selector_rank=8,
+                                 selector_top_k=4)
+  with pytest.raises(ValueError, match="DFlash-1"):
+    train.batch_loss(None, cfg2, batch, tparams, qwen_f32.config, lm, w, 0.7, Runtime(),
+                     jnp.asarray(vocab))
+
+
 def _train(qwen_f32, tiny_data, steps, cfg, lr=3e-3, kl_weight=0.0):
   params = jax.tree.map(jnp.asarray, draft_io.init_params(jax.random.key(0), cfg, 256,
                                                           weight_fmt="f32"))
@@ -271,11 +329,14 @@ def test_length_buckets(qwen_f32, tiny_data):
   assert losses[0] == pytest.approx(losses[1], rel=1e-6)
 
 
-def test_resume_equals_uninterrupted(tmp_path, qwen_f32, tiny_data):
+@pytest.mark.parametrize("restrict_vocab", [False, True])
+def test_resume_equals_uninterrupted(tmp_path, qwen_f32, tiny_data, restrict_vocab):
   """6 steps in one run give the same params and optimizer state as 3 steps, a save, a load into
-  a fresh state and 3 more steps (a step's batch depends only on the seed and the step)."""
+  a fresh state and 3 more steps (a step's batch depends only on the seed and the step), with the
+  whole vocabulary and with the restricted loss vocabulary."""
   cfg = _tiny_cfg(qwen_f32, block_size=4)
-  tc = train.TrainConfig(steps=6, batch=2, anchors=4, seq_len=64, lr=3e-3, warmup=2, seed=5)
+  tc = train.TrainConfig(steps=6, batch=2, anchors=4, seq_len=64, lr=3e-3, warmup=2, seed=5,
+                         restrict_vocab=restrict_vocab)
   fresh = lambda: train.init_state(draft_io.init_params(jax.random.key(0), cfg, 256,
                                                         weight_fmt="f32"), train.make_optimizer(tc))
   full = train.train(qwen_f32, cfg, tiny_data, tc, fresh())

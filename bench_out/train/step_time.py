@@ -15,7 +15,8 @@ from absl import app, flags
 _STEPS = flags.DEFINE_integer("steps", 6, "Timed steps per configuration.")
 _JSON = flags.DEFINE_string("json_out", None, "Write the rows here too.")
 _CONFIGS = flags.DEFINE_list("configs", ["none:16", "256,512:16", "256,512:48"],
-                             "buckets:anchors per configuration ('none': always seq_len).")
+                             "buckets:anchors[:batch[:r]] per configuration ('none': always "
+                             "seq_len; batch 4 unless given; r: restricted loss vocabulary).")
 
 
 def main(argv):
@@ -31,10 +32,13 @@ def main(argv):
   seqs = train.read_shards(["checkpoints/train_data/smollm2-135m-instruct"], target.config.n_vocab)
   rows = []
   for spec in _CONFIGS.value:
-    b, a = spec.split(":")
+    b, a, *rest = spec.split(":")
     buckets = () if b == "none" else tuple(int(x) for x in b.split(","))
-    tc = train.TrainConfig(steps=10_000, batch=4, anchors=int(a), seq_len=800,
-                           length_buckets=buckets, lr=1e-4)
+    tc = train.TrainConfig(steps=10_000, batch=int(rest[0]) if rest else 4, anchors=int(a),
+                           seq_len=800, length_buckets=buckets, lr=1e-4,
+                           restrict_vocab=rest[1:] == ["r"])
+    vocab = (jax.numpy.asarray(train.data_vocab(seqs, target.config.n_vocab))
+             if tc.restrict_vocab else None)
     st = train.init_state(jax.tree.map(jax.numpy.asarray, params), train.make_optimizer(tc))
     step_fn = train.make_step(target, cfg, tc)
     groups = train.length_groups(tc, seqs)
@@ -43,7 +47,7 @@ def main(argv):
                                cfg, seq_len=size, n_anchors=tc.anchors,
                                mask_token_id=cfg.mask_token_id)
       tp, lm = train.frozen_target_tensors(target)
-      st.params, st.opt_state, m = step_fn(st.params, st.opt_state, batch, tp, lm)
+      st.params, st.opt_state, m = step_fn(st.params, st.opt_state, batch, tp, lm, vocab)
       jax.block_until_ready(m["loss"])
     secs, toks = [], []
     for _ in range(_STEPS.value):
@@ -54,14 +58,17 @@ def main(argv):
       secs.append(time.perf_counter() - t0)
     toks = sum(toks)
     row = {"buckets": list(buckets), "anchors": tc.anchors, "batch": tc.batch,
+           "restrict_vocab": tc.restrict_vocab,
+           "loss_vocab": int(vocab.shape[0]) if vocab is not None else target.config.n_vocab,
            "median_step_s": statistics.median(secs), "real_tokens_per_s": toks / sum(secs),
            "blocks_per_s": tc.batch * tc.anchors * len(secs) / sum(secs),
            "shapes": [s for s, _ in groups]}
     rows.append(row)
     print(json.dumps(row), flush=True)
-  print("\nbuckets        anchors  step s  real tok/s  blocks/s")
+  print("\nbuckets        batch anchors  vocab  step s  real tok/s  blocks/s")
   for r in rows:
-    print(f"{str(r['buckets'] or 'none'):<14} {r['anchors']:>7} {r['median_step_s']:>7.2f} "
+    print(f"{str(r['buckets'] or 'none'):<14} {r['batch']:>5} {r['anchors']:>7} "
+          f"{r['loss_vocab']:>6} {r['median_step_s']:>7.2f} "
           f"{r['real_tokens_per_s']:>11.1f} {r['blocks_per_s']:>9.2f}")
   if _JSON.value:
     with open(_JSON.value, "w") as fh:

@@ -7,15 +7,15 @@ the weighted block loss with online target features and distillation, the train 
 
 from dflash_jax.train.corpus import (GENERAL_TEMPLATES, PACKAGE_CORPUS, Prompt, build_corpus,
                                      package_functions, topic_words)
-from dflash_jax.train.objective import (Batch, batch_loss, distill_kl, frozen_target_tensors,
-                                        loss_weights, make_batch, make_train_step, sample_anchors,
-                                        target_pass)
+from dflash_jax.train.objective import (Batch, batch_loss, data_vocab, distill_kl,
+                                        frozen_target_tensors, loss_weights, make_batch,
+                                        make_train_step, sample_anchors, target_pass)
 from dflash_jax.train.shards import TokenSeq, read_shards
 from dflash_jax.train.trainer import (TrainConfig, TrainState, init_state, length_groups,
                                       make_optimizer, make_step, step_batch, train)
 
 __all__ = ["GENERAL_TEMPLATES", "PACKAGE_CORPUS", "Prompt", "build_corpus", "package_functions",
-           "topic_words", "Batch", "batch_loss", "distill_kl", "frozen_target_tensors",
+           "topic_words", "Batch", "batch_loss", "data_vocab", "distill_kl", "frozen_target_tensors",
            "loss_weights", "make_batch", "make_train_step", "sample_anchors", "target_pass",
            "TokenSeq", "read_shards", "TrainConfig", "TrainState", "init_state", "make_optimizer",
            "make_step", "train", "length_groups", "step_batch"]

@@ -21,6 +21,7 @@ import optax
 
 from dflash_jax import draft as draft_lib
 from dflash_jax import draft2
+from dflash_jax import layers
 from dflash_jax import target as target_lib
 from dflash_jax.config import DraftConfig, TargetConfig
 from dflash_jax.quants import dequantize
@@ -110,6 +111,23 @@ def target_pass(tparams, tcfg: TargetConfig, tokens: jax.Array, length: jax.Arra
   return jax.lax.stop_gradient(pre.feats), jax.lax.stop_gradient(pre.hidden)
 
 
+def data_vocab(seqs, n_vocab: int) -> np.ndarray:
+  """The loss vocabulary of a restricted-vocabulary run: [N] int32, the sorted distinct token ids
+  of `seqs` (objects with `.tokens`), so every label a batch of them can hold is in it. EAGLE-3
+  trains its draft over a reduced vocabulary for the same reason (the lm_head's softmax dominates
+  a small draft's step); here decoding keeps the target's whole lm_head and only the loss's
+  softmax is restricted. Raises ValueError for no tokens or an id outside [0, n_vocab)."""
+  seen = np.zeros(n_vocab, bool)
+  for s in seqs:
+    t = np.asarray(s.tokens)
+    if t.size and (t.min() < 0 or t.max() >= n_vocab):
+      raise ValueError(f"data_vocab: token id outside [0, {n_vocab})")
+    seen[t] = True
+  if not seen.any():
+    raise ValueError("data_vocab: no tokens")
+  return np.flatnonzero(seen).astype(np.int32)
+
+
 def distill_kl(t_logits: jax.Array, d_logits: jax.Array) -> jax.Array:
   """KL(p_target || q_draft) per position: sum_v p (log p - log q), natural log, float32.
   t_logits, d_logits: [..., V]. Returns [...]."""
@@ -119,7 +137,7 @@ def distill_kl(t_logits: jax.Array, d_logits: jax.Array) -> jax.Array:
 
 
 def batch_loss(params, cfg: DraftConfig, batch: Batch, tparams, tcfg: TargetConfig, lm_head_w,
-               weights, kl_weight: float = 0.0, rt: Runtime = Runtime()):
+               weights, kl_weight: float = 0.0, rt: Runtime = Runtime(), vocab_ids=None):
   """Weighted cross-entropy on the target's tokens plus kl_weight x the weighted KL from the
   target's next-token distribution (its logits at position anchor+k-1 predict the label at
   anchor+k), both normalised by the label weights; target features computed online
@@ -131,11 +149,27 @@ def batch_loss(params, cfg: DraftConfig, batch: Batch, tparams, tcfg: TargetConf
   (the anchor, then the labels), over the whole vocabulary. The z-lab package ships no
   objective; this one is ours: loss = CE(scores) + CE(unary) (so the label is among the
   unary top-k the selector rescores at decode time) + kl_weight x KL(target || scores).
+
+  vocab_ids: None (the whole vocabulary) or [N] int32 sorted distinct ids (`data_vocab`): the
+  softmaxes of the cross-entropy and of both sides of the KL run over these N ids only (the
+  target's distribution renormalised over them), so the lm_head matmuls of the draft rows and of
+  the target's KL rows cost N / V of the full ones. Labels must lie in it (`data_vocab` of the
+  sequences guarantees it; a valid label outside it would count as invalid). DFlash-1 only.
   Returns (loss, metrics {"ce", "kl", "acc": top-1 accuracy over valid labels, "acc1": at
   offset 1; DFlash-2 adds "ce_unary"}); ce / kl / acc are the selector's for DFlash-2.
+  Raises ValueError for vocab_ids with a DFlash-2 draft.
   """
   L = cfg.block_size
   two = cfg.dflash2 is not None
+  labels, label_valid = batch.labels, batch.label_valid
+  head = lm_head_w
+  if vocab_ids is not None:
+    if two:
+      raise ValueError("a restricted loss vocabulary (vocab_ids) is for DFlash-1 drafts only")
+    head = lm_head_w[vocab_ids]                                              # [N, D]
+    idx = jnp.clip(jnp.searchsorted(vocab_ids, labels), 0, vocab_ids.shape[0] - 1)
+    label_valid = label_valid & (vocab_ids[idx] == labels)
+    labels = idx.astype(jnp.int32)
 
   def one(tokens, length, block_ids, anchors):
     feats, hidden = target_pass(tparams, tcfg, tokens, length, cfg.target_layer_ids, rt)
@@ -143,7 +177,7 @@ def batch_loss(params, cfg: DraftConfig, batch: Batch, tparams, tcfg: TargetConf
       h = draft2.train_hidden(params, cfg, feats, block_ids, anchors, tparams.embed, rt)
     else:
       h = draft_lib.train_hidden(params, cfg, feats, block_ids, anchors, tparams.embed, rt)
-    d = jnp.einsum("ald,vd->alv", h[:, 1:].astype(rt.cdt), lm_head_w.astype(rt.cdt),
+    d = jnp.einsum("ald,vd->alv", h[:, 1:].astype(rt.cdt), head.astype(rt.cdt),
                    preferred_element_type=jnp.float32)
     rows = jnp.clip(anchors[:, None] + jnp.arange(L - 1), 0, tokens.shape[0] - 1)   # [A, L-1]
     sel = d
@@ -152,26 +186,32 @@ def batch_loss(params, cfg: DraftConfig, batch: Batch, tparams, tcfg: TargetConf
       sel = d + draft2.pairwise_scores(params, h[:, 1:], tokens[rows], rt)
     if not kl_weight:
       return d, sel, jnp.zeros(d.shape[:2], jnp.float32)
+    if vocab_ids is None:
+      t_logits = lambda x: target_lib.logits(tparams, tcfg, x, rt)
+    else:                                # the target's output norm, then its lm_head rows in N
+      t_logits = lambda x: jnp.einsum(
+          "td,vd->tv", layers.rms_norm(x, tparams.out_norm, tcfg.rms_eps).astype(rt.cdt),
+          head.astype(rt.cdt), preferred_element_type=jnp.float32)
     if rows.size >= tokens.shape[0]:     # blocks overlap: every position's logits once, gathered
-      t = target_lib.logits(tparams, tcfg, hidden, rt)[rows.reshape(-1)].reshape(d.shape)
+      t = t_logits(hidden)[rows.reshape(-1)].reshape(d.shape)
     else:
-      t = target_lib.logits(tparams, tcfg, hidden[rows.reshape(-1)], rt).reshape(d.shape)
+      t = t_logits(hidden[rows.reshape(-1)]).reshape(d.shape)
     return d, sel, distill_kl(t, sel)
 
   unary, logits, kl = jax.vmap(one)(batch.tokens, batch.lengths, batch.block_ids, batch.anchors)
-  w = weights[None, None, :] * batch.label_valid
+  w = weights[None, None, :] * label_valid
   norm = jnp.maximum(jnp.sum(w), 1e-6)
 
   def ce_of(z):
     logp = jax.nn.log_softmax(z, axis=-1)
-    nll = -jnp.take_along_axis(logp, batch.labels[..., None], axis=-1)[..., 0]
+    nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
     return jnp.sum(nll * w) / norm
 
   ce = ce_of(logits)
   kl = jnp.sum(kl * w) / norm
-  hit = (jnp.argmax(logits, -1) == batch.labels) & batch.label_valid
-  acc = jnp.sum(hit) / jnp.maximum(jnp.sum(batch.label_valid), 1)
-  acc1 = jnp.sum(hit[..., 0]) / jnp.maximum(jnp.sum(batch.label_valid[..., 0]), 1)
+  hit = (jnp.argmax(logits, -1) == labels) & label_valid
+  acc = jnp.sum(hit) / jnp.maximum(jnp.sum(label_valid), 1)
+  acc1 = jnp.sum(hit[..., 0]) / jnp.maximum(jnp.sum(label_valid[..., 0]), 1)
   metrics = {"ce": ce, "kl": kl, "acc": acc, "acc1": acc1}
   loss = ce + kl_weight * kl
   if two:
@@ -188,22 +228,28 @@ def frozen_target_tensors(target):
 
 def make_train_step(cfg: DraftConfig, tcfg: TargetConfig, optimizer, weights, *,
                     kl_weight: float = 0.0, mesh=None, rt: Runtime = Runtime()):
-  """A jitted train step (params, opt_state, batch, tparams, lm_head_w) -> (params, opt_state,
-  metrics). With a mesh, the batch is sharded over its 'data' axis (data parallel) and params /
+  """A jitted train step (params, opt_state, batch, tparams, lm_head_w, vocab_ids=None) ->
+  (params, opt_state, metrics) (vocab_ids: `batch_loss`'s restricted loss vocabulary). With a mesh, the batch is sharded over its 'data' axis (data parallel) and params /
   optimizer state / target are replicated; XLA inserts the gradient all-reduce."""
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  def step(params, opt_state, batch, tparams, lm_head_w):
+  def step(params, opt_state, batch, tparams, lm_head_w, vocab_ids=None):
     (loss, metrics), grads = jax.value_and_grad(batch_loss, has_aux=True)(
-        params, cfg, batch, tparams, tcfg, lm_head_w, weights, kl_weight, rt)
+        params, cfg, batch, tparams, tcfg, lm_head_w, weights, kl_weight, rt, vocab_ids)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
     return params, opt_state, metrics
 
   if mesh is None:
-    return jax.jit(step, donate_argnums=(0, 1))
-  rep = NamedSharding(mesh, P())
-  data = NamedSharding(mesh, P("data"))
-  return jax.jit(step, donate_argnums=(0, 1),
-                 in_shardings=(rep, rep, data, rep, rep), out_shardings=(rep, rep, rep))
+    jitted = jax.jit(step, donate_argnums=(0, 1))
+  else:
+    rep = NamedSharding(mesh, P())
+    data = NamedSharding(mesh, P("data"))
+    jitted = jax.jit(step, donate_argnums=(0, 1),
+                     in_shardings=(rep, rep, data, rep, rep, rep), out_shardings=(rep, rep, rep))
+
+  def call(params, opt_state, batch, tparams, lm_head_w, vocab_ids=None):
+    return jitted(params, opt_state, batch, tparams, lm_head_w, vocab_ids)
+
+  return call

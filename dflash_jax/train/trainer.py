@@ -33,6 +33,10 @@ class TrainConfig:
   seq_len: a step draws one bucket (with probability proportional to its sequences) and its batch
   from the sequences that fit it, so short sequences are not padded to seq_len (one compiled
   step per bucket; every sequence keeps the same chance of being drawn). Empty: always seq_len.
+  restrict_vocab: the loss's softmaxes over the token ids that occur in the training sequences
+  (`objective.data_vocab`: every label is one) instead of the whole vocabulary; DFlash-1 only.
+  For SmolLM2's data that is ~15k of 49,152 ids, and the lm_head matmuls dominate a small
+  draft's step (bench_out/train/README.md). Decoding always uses the whole lm_head.
   """
 
   steps: int = 1000
@@ -49,6 +53,7 @@ class TrainConfig:
   seed: int = 0
   compute_dtype: str = "float32"
   length_buckets: tuple = ()
+  restrict_vocab: bool = False
 
   def __post_init__(self):
     for name in ("steps", "batch", "anchors", "seq_len"):
@@ -163,13 +168,15 @@ def train(target, cfg: DraftConfig, seqs: Sequence, tc: TrainConfig, state: Trai
   if not seqs:
     raise ValueError("train: no training sequences")
   tparams, lm_head_w = objective.frozen_target_tensors(target)
+  vocab_ids = (jnp.asarray(objective.data_vocab(seqs, target.config.n_vocab))
+               if tc.restrict_vocab else None)
   step_fn = step_fn or make_step(target, cfg, tc, mesh)
   end = tc.steps if until is None else min(until, tc.steps)
   groups = length_groups(tc, seqs)
   while state.step < end:
     batch = step_batch(tc, cfg, seqs, state.step, groups)
     state.params, state.opt_state, m = step_fn(state.params, state.opt_state, batch, tparams,
-                                               lm_head_w)
+                                               lm_head_w, vocab_ids)
     state.step += 1
     if on_metrics is not None:
       on_metrics(state.step - 1, dict({k: float(v) for k, v in m.items()},
