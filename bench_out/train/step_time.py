@@ -14,9 +14,10 @@ from absl import app, flags
 
 _STEPS = flags.DEFINE_integer("steps", 6, "Timed steps per configuration.")
 _JSON = flags.DEFINE_string("json_out", None, "Write the rows here too.")
-_CONFIGS = flags.DEFINE_list("configs", ["none:16", "256,512:16", "256,512:48"],
-                             "buckets:anchors[:batch[:r]] per configuration ('none': always "
-                             "seq_len; batch 4 unless given; r: restricted loss vocabulary).")
+_CONFIGS = flags.DEFINE_list("configs", ["none:16", "256/512:16", "256/512:48"],
+                             "Comma-separated configurations buckets:anchors[:batch[:r]] "
+                             "(buckets '/'-separated, 'none': always seq_len; batch 4 unless "
+                             "given; r: restricted loss vocabulary).")
 
 
 def main(argv):
@@ -33,7 +34,7 @@ def main(argv):
   rows = []
   for spec in _CONFIGS.value:
     b, a, *rest = spec.split(":")
-    buckets = () if b == "none" else tuple(int(x) for x in b.split(","))
+    buckets = () if b == "none" else tuple(int(x) for x in b.split("/"))
     tc = train.TrainConfig(steps=10_000, batch=int(rest[0]) if rest else 4, anchors=int(a),
                            seq_len=800, length_buckets=buckets, lr=1e-4,
                            restrict_vocab=rest[1:] == ["r"])
