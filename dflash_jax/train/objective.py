@@ -229,11 +229,12 @@ def frozen_target_tensors(target):
 def make_train_step(cfg: DraftConfig, tcfg: TargetConfig, optimizer, weights, *,
                     kl_weight: float = 0.0, mesh=None, rt: Runtime = Runtime()):
   """A jitted train step (params, opt_state, batch, tparams, lm_head_w, vocab_ids=None) ->
-  (params, opt_state, metrics) (vocab_ids: `batch_loss`'s restricted loss vocabulary). With a mesh, the batch is sharded over its 'data' axis (data parallel) and params /
-  optimizer state / target are replicated; XLA inserts the gradient all-reduce."""
+  (params, opt_state, metrics) (vocab_ids: `batch_loss`'s restricted loss vocabulary). With a
+  mesh, the batch is sharded over its 'data' axis (data parallel) and params / optimizer state /
+  target are replicated; XLA inserts the gradient all-reduce."""
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  def step(params, opt_state, batch, tparams, lm_head_w, vocab_ids=None):
+  def step(params, opt_state, batch, tparams, lm_head_w, vocab_ids):
     (loss, metrics), grads = jax.value_and_grad(batch_loss, has_aux=True)(
         params, cfg, batch, tparams, tcfg, lm_head_w, weights, kl_weight, rt, vocab_ids)
     updates, opt_state = optimizer.update(grads, opt_state, params)
