@@ -66,6 +66,9 @@ _RESTRICT = flags.DEFINE_bool("restrict_vocab", False, "Run the loss's softmaxes
                               "that occur in the training data (every label is one) instead of "
                               "the whole vocabulary: the lm_head matmuls of a step shrink to that "
                               "fraction (DFlash-1; decoding always uses the whole lm_head).")
+_OFFSETS = flags.DEFINE_integer("loss_offsets", 0, "Block offsets 1..K that carry the loss (0: all "
+                                "block_size - 1); the draft still runs the whole block, only K "
+                                "rows a block go through the lm_head.", lower_bound=0)
 _DTYPE = flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 250, "Steps between held-out evaluations (0: "
                                    "only at the end).")
@@ -176,7 +179,7 @@ def main(argv):
                          seq_len=_SEQ_LEN.value, lr=_LR.value, warmup=_WARMUP.value,
                          weight_decay=_WD.value, clip=_CLIP.value, gamma=_GAMMA.value,
                          kl_weight=_KL.value, seed=_SEED.value, compute_dtype=_DTYPE.value,
-                         restrict_vocab=_RESTRICT.value,
+                         restrict_vocab=_RESTRICT.value, loss_offsets=_OFFSETS.value,
                          length_buckets=tuple(int(x) for x in _BUCKETS.value
                                               if int(x) < _SEQ_LEN.value))
   out_norm = (_INIT_NORM.value * np.asarray(target.params.out_norm, np.float32)

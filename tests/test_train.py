@@ -201,6 +201,42 @@ def test_restricted_vocab_loss_against_float64(qwen_f32, tiny_data, n_anchors):
                      jnp.asarray(vocab))
 
 
+@pytest.mark.parametrize("restrict", [False, True])
+def test_loss_offsets_equal_zero_weights(qwen_f32, tiny_data, restrict):
+  """The loss on the first K offsets only (weights of length K < L-1: the draft's lm_head and the
+  softmaxes run on K rows a block) equals the loss with all L-1 offsets whose weights past K are
+  zero (both normalise by the label weights), CE and KL, with and without a restricted vocabulary;
+  it differs from the all-offset loss with nonzero weights (so the slice is not a no-op), and
+  K < 0 or K > L-1 is refused."""
+  cfg = _tiny_cfg(qwen_f32, block_size=6)
+  params = jax.tree.map(jnp.asarray, draft_io.init_params(jax.random.key(3), cfg, 256,
+                                                          weight_fmt="f32"))
+  batch = train.make_batch(np.random.default_rng(4), tiny_data[:2], cfg, seq_len=64,
+                           n_anchors=7, mask_token_id=cfg.mask_token_id)
+  tparams, lm = train.frozen_target_tensors(qwen_f32)
+  vocab = (jnp.asarray(train.data_vocab(tiny_data[:2], qwen_f32.config.n_vocab))
+           if restrict else None)
+  full = train.loss_weights(6, 3.0)
+  assert full.shape == (5,) and np.array_equal(train.loss_weights(6, 3.0, 5), full)
+  w2 = train.loss_weights(6, 3.0, 2)
+  np.testing.assert_array_equal(w2, full[:2])
+  zeroed = np.concatenate([w2, np.zeros(3, np.float32)])
+  args = (params, cfg, batch, tparams, qwen_f32.config, lm)
+  l_k, m_k = train.batch_loss(*args, jnp.asarray(w2), 0.7, Runtime(), vocab)
+  l_z, m_z = train.batch_loss(*args, jnp.asarray(zeroed), 0.7, Runtime(), vocab)
+  l_f, m_f = train.batch_loss(*args, jnp.asarray(full), 0.7, Runtime(), vocab)
+  for k in ("ce", "kl"):
+    assert float(m_k[k]) == pytest.approx(float(m_z[k]), rel=1e-5)
+  assert float(l_k) == pytest.approx(float(l_z), rel=1e-5)
+  assert float(m_k["acc1"]) == float(m_f["acc1"])
+  assert abs(float(l_k) - float(l_f)) > 1e-3
+  for bad in (-1, 6):
+    with pytest.raises(ValueError, match="loss offsets"):
+      train.loss_weights(6, 3.0, bad)
+  with pytest.raises(ValueError, match="loss_offsets"):
+    train.TrainConfig(loss_offsets=-1)
+
+
 def _train(qwen_f32, tiny_data, steps, cfg, lr=3e-3, kl_weight=0.0):
   params = jax.tree.map(jnp.asarray, draft_io.init_params(jax.random.key(0), cfg, 256,
                                                           weight_fmt="f32"))

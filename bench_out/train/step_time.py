@@ -15,9 +15,10 @@ from absl import app, flags
 _STEPS = flags.DEFINE_integer("steps", 6, "Timed steps per configuration.")
 _JSON = flags.DEFINE_string("json_out", None, "Write the rows here too.")
 _CONFIGS = flags.DEFINE_list("configs", ["none:16", "256/512:16", "256/512:48"],
-                             "Comma-separated configurations buckets:anchors[:batch[:r]] "
+                             "Comma-separated configurations buckets:anchors[:batch[:r|f[:K]]] "
                              "(buckets '/'-separated, 'none': always seq_len; batch 4 unless "
-                             "given; r: restricted loss vocabulary).")
+                             "given; r: restricted loss vocabulary, f: full; K: loss offsets, "
+                             "0 = all).")
 
 
 def main(argv):
@@ -37,7 +38,8 @@ def main(argv):
     buckets = () if b == "none" else tuple(int(x) for x in b.split("/"))
     tc = train.TrainConfig(steps=10_000, batch=int(rest[0]) if rest else 4, anchors=int(a),
                            seq_len=800, length_buckets=buckets, lr=1e-4,
-                           restrict_vocab=rest[1:] == ["r"])
+                           restrict_vocab=rest[1:2] == ["r"],
+                           loss_offsets=int(rest[2]) if len(rest) > 2 else 0)
     vocab = (jax.numpy.asarray(train.data_vocab(seqs, target.config.n_vocab))
              if tc.restrict_vocab else None)
     st = train.init_state(jax.tree.map(jax.numpy.asarray, params), train.make_optimizer(tc))
@@ -60,16 +62,17 @@ def main(argv):
     toks = sum(toks)
     row = {"buckets": list(buckets), "anchors": tc.anchors, "batch": tc.batch,
            "restrict_vocab": tc.restrict_vocab,
+           "loss_offsets": tc.loss_offsets or cfg.block_size - 1,
            "loss_vocab": int(vocab.shape[0]) if vocab is not None else target.config.n_vocab,
            "median_step_s": statistics.median(secs), "real_tokens_per_s": toks / sum(secs),
            "blocks_per_s": tc.batch * tc.anchors * len(secs) / sum(secs),
            "shapes": [s for s, _ in groups]}
     rows.append(row)
     print(json.dumps(row), flush=True)
-  print("\nbuckets        batch anchors  vocab  step s  real tok/s  blocks/s")
+  print("\nbuckets        batch anchors  vocab  K  step s  real tok/s  blocks/s")
   for r in rows:
     print(f"{str(r['buckets'] or 'none'):<14} {r['batch']:>5} {r['anchors']:>7} "
-          f"{r['loss_vocab']:>6} {r['median_step_s']:>7.2f} "
+          f"{r['loss_vocab']:>6} {r['loss_offsets']:>2} {r['median_step_s']:>7.2f} "
           f"{r['real_tokens_per_s']:>11.1f} {r['blocks_per_s']:>9.2f}")
   if _JSON.value:
     with open(_JSON.value, "w") as fh:

@@ -94,9 +94,15 @@ def make_batch(rng: np.random.Generator, seqs, cfg: DraftConfig, *, seq_len: int
                anchors=anchors, labels=labels, label_valid=lvalid)
 
 
-def loss_weights(block_size: int, gamma: float) -> np.ndarray:
-  """[L-1] weights exp(-(k-1)/gamma) for offsets k = 1..L-1 (DFlash's position decay)."""
-  k = np.arange(1, block_size)
+def loss_weights(block_size: int, gamma: float, n_offsets: int = 0) -> np.ndarray:
+  """[K] float32 weights exp(-(k-1)/gamma) for offsets k = 1..K (DFlash's position decay), K =
+  n_offsets, 0 meaning all L-1 = block_size - 1. `batch_loss` computes the loss (and pays the
+  lm_head) on the first K offsets of each block only; the draft still runs the whole block, so
+  decoding sees the block it was trained on. Raises ValueError for K outside [0, L-1]."""
+  if not 0 <= n_offsets <= block_size - 1:
+    raise ValueError(f"loss offsets {n_offsets} outside [1, block_size - 1 = {block_size - 1}] "
+                     "(0: all)")
+  k = np.arange(1, (n_offsets or block_size - 1) + 1)
   return np.exp(-(k - 1) / gamma).astype(np.float32)
 
 
@@ -141,7 +147,10 @@ def batch_loss(params, cfg: DraftConfig, batch: Batch, tparams, tcfg: TargetConf
   """Weighted cross-entropy on the target's tokens plus kl_weight x the weighted KL from the
   target's next-token distribution (its logits at position anchor+k-1 predict the label at
   anchor+k), both normalised by the label weights; target features computed online
-  (`target_pass`). lm_head_w: [V, D] frozen (the target's). kl_weight: static.
+  (`target_pass`). lm_head_w: [V, D] frozen (the target's). kl_weight: static. weights: [K]
+  float32 (`loss_weights`), K <= L-1: the loss covers offsets 1..K of each block (the draft runs
+  the whole block; only K rows per block go through the lm_head), so K = L-1 with zero weights
+  past offset K' gives the same loss as K = K'.
 
   DFlash-2 drafts (cfg.dflash2): the draft's logits are `draft2.cap_logits` of the lm_head
   outputs (the selector's unary term) and the distribution trained is the selector's,
@@ -160,8 +169,11 @@ def batch_loss(params, cfg: DraftConfig, batch: Batch, tparams, tcfg: TargetConf
   Raises ValueError for vocab_ids with a DFlash-2 draft.
   """
   L = cfg.block_size
+  K = weights.shape[0]
+  if not 1 <= K <= L - 1:
+    raise ValueError(f"batch_loss: {K} loss weights for block size {L} (1..{L - 1})")
   two = cfg.dflash2 is not None
-  labels, label_valid = batch.labels, batch.label_valid
+  labels, label_valid = batch.labels[..., :K], batch.label_valid[..., :K]
   head = lm_head_w
   if vocab_ids is not None:
     if two:
@@ -177,13 +189,13 @@ def batch_loss(params, cfg: DraftConfig, batch: Batch, tparams, tcfg: TargetConf
       h = draft2.train_hidden(params, cfg, feats, block_ids, anchors, tparams.embed, rt)
     else:
       h = draft_lib.train_hidden(params, cfg, feats, block_ids, anchors, tparams.embed, rt)
-    d = jnp.einsum("ald,vd->alv", h[:, 1:].astype(rt.cdt), head.astype(rt.cdt),
+    d = jnp.einsum("ald,vd->alv", h[:, 1:K + 1].astype(rt.cdt), head.astype(rt.cdt),
                    preferred_element_type=jnp.float32)
-    rows = jnp.clip(anchors[:, None] + jnp.arange(L - 1), 0, tokens.shape[0] - 1)   # [A, L-1]
+    rows = jnp.clip(anchors[:, None] + jnp.arange(K), 0, tokens.shape[0] - 1)       # [A, K]
     sel = d
     if two:
       d = draft2.cap_logits(d, cfg)
-      sel = d + draft2.pairwise_scores(params, h[:, 1:], tokens[rows], rt)
+      sel = d + draft2.pairwise_scores(params, h[:, 1:K + 1], tokens[rows], rt)
     if not kl_weight:
       return d, sel, jnp.zeros(d.shape[:2], jnp.float32)
     if vocab_ids is None:

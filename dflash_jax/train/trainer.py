@@ -37,6 +37,10 @@ class TrainConfig:
   (`objective.data_vocab`: every label is one) instead of the whole vocabulary; DFlash-1 only.
   For SmolLM2's 22 shards that is 17,191 of 49,152 ids, and the lm_head matmuls dominate a small
   draft's step (bench_out/train/README.md). Decoding always uses the whole lm_head.
+  loss_offsets: K, the block offsets 1..K that carry the loss (0: all L-1). The draft still runs
+  the whole block; only K rows per block go through the lm_head and the softmaxes. At an
+  acceptance length of ~1.5, offsets past ~5 add nothing to decoding, so K ~ 6 puts the step's
+  time and the gradient where acceptance is decided.
   """
 
   steps: int = 1000
@@ -54,6 +58,7 @@ class TrainConfig:
   compute_dtype: str = "float32"
   length_buckets: tuple = ()
   restrict_vocab: bool = False
+  loss_offsets: int = 0
 
   def __post_init__(self):
     for name in ("steps", "batch", "anchors", "seq_len"):
@@ -64,6 +69,8 @@ class TrainConfig:
       raise ValueError(f"TrainConfig.length_buckets={b}: ascending, distinct, in [2, seq_len="
                        f"{self.seq_len}]")
     object.__setattr__(self, "length_buckets", b)
+    if self.loss_offsets < 0:
+      raise ValueError(f"TrainConfig.loss_offsets={self.loss_offsets} must be >= 0 (0: all)")
     if self.lr <= 0 or self.kl_weight < 0 or self.gamma <= 0:
       raise ValueError("TrainConfig: lr and gamma must be > 0, kl_weight >= 0")
 
@@ -150,7 +157,8 @@ def make_step(target, cfg: DraftConfig, tc: TrainConfig, mesh=None):
   with the TrainConfig's optimizer, loss weights, kl_weight and compute dtype)."""
   return objective.make_train_step(
       cfg, target.config, make_optimizer(tc),
-      jnp.asarray(objective.loss_weights(cfg.block_size, tc.gamma)), kl_weight=tc.kl_weight,
+      jnp.asarray(objective.loss_weights(cfg.block_size, tc.gamma, tc.loss_offsets)),
+      kl_weight=tc.kl_weight,
       mesh=mesh, rt=Runtime(compute_dtype=tc.compute_dtype))
 
 
