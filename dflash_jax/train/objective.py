@@ -100,7 +100,7 @@ def loss_weights(block_size: int, gamma: float, n_offsets: int = 0) -> np.ndarra
   lm_head) on the first K offsets of each block only; the draft still runs the whole block, so
   decoding sees the block it was trained on. Raises ValueError for K outside [0, L-1]."""
   if not 0 <= n_offsets <= block_size - 1:
-    raise ValueError(f"loss offsets {n_offsets} outside [1, block_size - 1 = {block_size - 1}] "
+    raise ValueError(f"loss offsets {n_offsets} outside [0, block_size - 1 = {block_size - 1}] "
                      "(0: all)")
   k = np.arange(1, (n_offsets or block_size - 1) + 1)
   return np.exp(-(k - 1) / gamma).astype(np.float32)
