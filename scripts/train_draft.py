@@ -75,6 +75,12 @@ _EVAL_EVERY = flags.DEFINE_integer("eval_every", 250, "Steps between held-out ev
 _N_EVAL = flags.DEFINE_integer("n_eval", 4, "Held-out prompts of each kind (HumanEval, chat).")
 _SAVE_EVERY = flags.DEFINE_integer("save_every", 100, "Steps between checkpoints.")
 _MINUTES = flags.DEFINE_float("minutes", None, "Stop (saving) after this long; rerun to continue.")
+_FIT = flags.DEFINE_boolean(
+    "fit_schedule", False,
+    "With --minutes: after 20 steps past the first (compiling) ones, end the cosine schedule, and "
+    "the run, at the step that the measured step time reaches by the deadline (at most --steps), "
+    "so the learning rate decays before the time is up instead of being cut off at its peak. "
+    "Resuming keeps the fitted end.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed (init, batches, anchors).")
 
 
@@ -237,12 +243,28 @@ def main(argv):
     if _EVAL_EVERY.value and s.step % _EVAL_EVERY.value == 0:
       evaluate()
 
+  if _FIT.value and deadline is None:
+    raise app.UsageError("--fit_schedule needs --minutes")
   step_fn = train.make_step(target, cfg, tc, mesh)
-  while st.step < tc.steps:
+  fit_from = None                       # (step, time) after the first, compiling, chunk
+  while st.step < (st.total or tc.steps):
     st = train.train(target, cfg, seqs, tc, st, until=st.step + 10, mesh=mesh, step_fn=step_fn,
                      on_metrics=on_metrics, on_step=on_step)
-    if deadline is not None and time.perf_counter() > deadline:
+    now = time.perf_counter()
+    if deadline is not None and now > deadline:
       break
+    if _FIT.value and st.total is None:
+      if fit_from is None:
+        fit_from = (st.step, now)
+      elif st.step - fit_from[0] >= 20:
+        per_step = (now - fit_from[1]) / (st.step - fit_from[0])
+        # 5 % of the time left is kept for the last save and evaluation.
+        fits = st.step + int(0.95 * (deadline - now) / per_step)
+        st.total = max(st.step + 1, min(tc.steps, fits))
+        log["fitted_total_steps"] = st.total
+        bar.total = st.total
+        tqdm.write(f"[train] {per_step:.3f} s/step: the schedule ends at step {st.total}",
+                   file=sys.stderr)
   bar.close()
   save()
   if not log["evals"] or log["evals"][-1]["step"] != st.step:

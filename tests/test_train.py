@@ -378,9 +378,10 @@ def test_resume_equals_uninterrupted(tmp_path, qwen_f32, tiny_data, restrict_voc
   full = train.train(qwen_f32, cfg, tiny_data, tc, fresh())
   half = train.train(qwen_f32, cfg, tiny_data, tc, fresh(), until=3)
   path = str(tmp_path / "state.npz")
+  half.total = 6                                  # a fitted schedule end survives the resume
   half.save(path)
   resumed = train.TrainState.load(path, fresh())
-  assert resumed.step == 3
+  assert resumed.step == 3 and resumed.total == 6
   resumed = train.train(qwen_f32, cfg, tiny_data, tc, resumed)
   assert resumed.step == full.step == 6
   for a, b in zip(jax.tree.leaves((full.params, full.opt_state)),
@@ -391,6 +392,33 @@ def test_resume_equals_uninterrupted(tmp_path, qwen_f32, tiny_data, restrict_voc
     train.TrainState.load(path, train.init_state(
         draft_io.init_params(jax.random.key(0), other, 256, weight_fmt="f32"),
         train.make_optimizer(tc)))
+
+
+def test_lr_schedule_matches_optax_and_is_applied(qwen_f32, tiny_data):
+  """lr_at (the host-side schedule) equals optax.warmup_cosine_decay_schedule at every step, for
+  TrainConfig.steps and for a fitted end (TrainState.total); train() puts it into the optimizer
+  state before each step (step 0's learning rate 0 leaves the params unchanged, step 1's moves
+  them) and stops at the fitted end."""
+  import optax
+  tc = train.TrainConfig(steps=40, batch=2, anchors=4, seq_len=64, lr=2e-3, warmup=5, seed=1)
+  for total in (40, 12, 3):
+    ref = optax.warmup_cosine_decay_schedule(0.0, tc.lr, min(5, total - 1), total,
+                                             end_value=tc.lr * tc.final_lr_fraction)
+    for s in range(45):
+      assert train.lr_at(tc, s, total) == pytest.approx(float(ref(s)), rel=1e-5, abs=1e-12), (
+          total, s)
+  cfg = _tiny_cfg(qwen_f32, block_size=4)
+  st = train.init_state(draft_io.init_params(jax.random.key(0), cfg, 256, weight_fmt="f32"),
+                        train.make_optimizer(tc))
+  p0 = [np.asarray(x).copy() for x in jax.tree.leaves(st.params)]
+  st = train.train(qwen_f32, cfg, tiny_data, tc, st, until=1)
+  assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(p0, jax.tree.leaves(st.params)))
+  st.total = 3
+  st = train.train(qwen_f32, cfg, tiny_data, tc, st)
+  assert st.step == 3
+  assert not all(np.array_equal(a, np.asarray(b)) for a, b in zip(p0, jax.tree.leaves(st.params)))
+  assert float(st.opt_state[1].hyperparams["learning_rate"]) == pytest.approx(
+      train.lr_at(tc, 2, 3), rel=1e-6)
 
 
 def test_recipe_smoke(tmp_path, qwen_f32, qwen_ref):

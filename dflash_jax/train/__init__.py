@@ -12,10 +12,11 @@ from dflash_jax.train.objective import (Batch, batch_loss, data_vocab, distill_k
                                         make_train_step, sample_anchors, target_pass)
 from dflash_jax.train.shards import TokenSeq, read_shards
 from dflash_jax.train.trainer import (TrainConfig, TrainState, init_state, length_groups,
-                                      make_optimizer, make_step, step_batch, train)
+                                      lr_at, make_optimizer, make_step, step_batch, train,
+                                      with_lr)
 
 __all__ = ["GENERAL_TEMPLATES", "PACKAGE_CORPUS", "Prompt", "build_corpus", "package_functions",
            "topic_words", "Batch", "batch_loss", "data_vocab", "distill_kl", "frozen_target_tensors",
            "loss_weights", "make_batch", "make_train_step", "sample_anchors", "target_pass",
            "TokenSeq", "read_shards", "TrainConfig", "TrainState", "init_state", "make_optimizer",
-           "make_step", "train", "length_groups", "step_batch"]
+           "make_step", "train", "length_groups", "step_batch", "lr_at", "with_lr"]

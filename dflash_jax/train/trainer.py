@@ -7,6 +7,7 @@ resumes exactly where it stopped (a step's batch depends only on the seed and th
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Callable, Optional, Sequence
 
@@ -75,28 +76,54 @@ class TrainConfig:
       raise ValueError("TrainConfig: lr and gamma must be > 0, kl_weight >= 0")
 
 
+def lr_at(tc: TrainConfig, step: int, total: Optional[int] = None) -> float:
+  """Learning rate of optimizer step `step` (0-based): linear warm-up from 0 to tc.lr over
+  tc.warmup steps, then cosine decay to tc.lr * tc.final_lr_fraction at step `total` (default
+  tc.steps), flat after it: optax.warmup_cosine_decay_schedule's formula, evaluated on the host so
+  that the schedule's length can be fitted to a time budget after the step has compiled
+  (`TrainState.total`, scripts/train_draft.py --fit_schedule) without recompiling it."""
+  total = tc.steps if total is None else int(total)
+  warmup = min(tc.warmup, max(total - 1, 0))
+  if step < warmup:
+    return tc.lr * step / warmup
+  decay = max(total, warmup + 1) - warmup
+  t = min(step - warmup, decay) / decay
+  alpha = tc.final_lr_fraction
+  return tc.lr * ((1.0 - alpha) * 0.5 * (1.0 + math.cos(math.pi * t)) + alpha)
+
+
 def make_optimizer(tc: TrainConfig):
-  """clip_by_global_norm + AdamW on a warm-up + cosine schedule."""
-  warmup = min(tc.warmup, max(tc.steps - 1, 0))
-  sched = optax.warmup_cosine_decay_schedule(0.0, tc.lr, warmup, max(tc.steps, warmup + 1),
-                                             end_value=tc.lr * tc.final_lr_fraction)
+  """clip_by_global_norm + AdamW whose learning rate is a value in the optimizer state
+  (optax.inject_hyperparams), set by `train` before every step from `lr_at` (warm-up + cosine)."""
   return optax.chain(optax.clip_by_global_norm(tc.clip),
-                     optax.adamw(sched, weight_decay=tc.weight_decay))
+                     optax.inject_hyperparams(optax.adamw)(learning_rate=lr_at(tc, 0),
+                                                           weight_decay=tc.weight_decay))
+
+
+def with_lr(opt_state, lr: float):
+  """`opt_state` (of `make_optimizer`) with its learning rate set to lr (float)."""
+  clip_state, adam_state = opt_state
+  hp = dict(adam_state.hyperparams, learning_rate=jnp.asarray(lr, jnp.float32))
+  return (clip_state, adam_state._replace(hyperparams=hp))
 
 
 @dataclasses.dataclass
 class TrainState:
-  """params (draft pytree), opt_state (optax), step (optimizer steps done)."""
+  """params (draft pytree), opt_state (optax), step (optimizer steps done), total (the step at
+  which the cosine schedule ends and the run stops, when fitted to a time budget; None:
+  TrainConfig.steps)."""
 
   params: object
   opt_state: object
   step: int = 0
+  total: Optional[int] = None
 
   def save(self, path: str):
     """Write the state to `path` (npz, atomically: a temporary file renamed)."""
     leaves = jax.tree.leaves((self.params, self.opt_state))
     tmp = path + ".tmp.npz"
-    np.savez(tmp, step=self.step, **{f"leaf_{i}": np.asarray(x) for i, x in enumerate(leaves)})
+    np.savez(tmp, step=self.step, total=-1 if self.total is None else self.total,
+             **{f"leaf_{i}": np.asarray(x) for i, x in enumerate(leaves)})
     os.replace(tmp, path)
 
   @classmethod
@@ -111,11 +138,12 @@ class TrainState:
         raise ValueError(f"{path}: {n} arrays, this draft and optimizer have {len(want)}")
       leaves = [z[f"leaf_{i}"] for i in range(n)]
       step = int(z["step"])
+      total = int(z["total"]) if "total" in z.files else -1
     for i, (a, b) in enumerate(zip(leaves, want)):
       if a.shape != np.shape(b):
         raise ValueError(f"{path}: array {i} has shape {a.shape}, expected {np.shape(b)}")
     params, opt_state = jax.tree.unflatten(treedef, [jnp.asarray(x) for x in leaves])
-    return cls(params, opt_state, step)
+    return cls(params, opt_state, step, None if total < 0 else total)
 
 
 def init_state(params, optimizer) -> TrainState:
@@ -166,7 +194,8 @@ def train(target, cfg: DraftConfig, seqs: Sequence, tc: TrainConfig, state: Trai
           until: Optional[int] = None, mesh=None, step_fn=None,
           on_metrics: Optional[Callable[[int, dict], None]] = None,
           on_step: Optional[Callable[[TrainState], None]] = None) -> TrainState:
-  """Run optimizer steps state.step .. min(until, tc.steps) - 1 on `seqs` (shards.TokenSeq or
+  """Run optimizer steps state.step .. min(until, state.total or tc.steps) - 1 on `seqs`
+  (shards.TokenSeq or
   anything with .tokens / .prompt_len) with target features computed online from `target`.
   on_metrics(step, {loss, ce, kl, acc, acc1, grad_norm} floats, tokens: the batch's real
   tokens) after every step; on_step(state)
@@ -179,10 +208,12 @@ def train(target, cfg: DraftConfig, seqs: Sequence, tc: TrainConfig, state: Trai
   vocab_ids = (jnp.asarray(objective.data_vocab(seqs, target.config.n_vocab))
                if tc.restrict_vocab else None)
   step_fn = step_fn or make_step(target, cfg, tc, mesh)
-  end = tc.steps if until is None else min(until, tc.steps)
+  last = tc.steps if state.total is None else min(state.total, tc.steps)
+  end = last if until is None else min(until, last)
   groups = length_groups(tc, seqs)
   while state.step < end:
     batch = step_batch(tc, cfg, seqs, state.step, groups)
+    state.opt_state = with_lr(state.opt_state, lr_at(tc, state.step, state.total))
     state.params, state.opt_state, m = step_fn(state.params, state.opt_state, batch, tparams,
                                                lm_head_w, vocab_ids)
     state.step += 1
