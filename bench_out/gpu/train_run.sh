@@ -39,7 +39,8 @@ while kill -0 "$pid" 2> /dev/null && [ $((SECONDS - T0)) -lt "$WAIT" ]; do
     mkdir -p /tmp/mid && cp /tmp/ck/config.json /tmp/ck/model.safetensors /tmp/mid/ && mid_done=1
   fi
 done
-tr '\r' '\n' < /tmp/run.log | grep -v "it/s\]$\|s/step\]$" | tail -c 12000 > "$OUT/run.log"
+{ tr '\r' '\n' < /tmp/run.log | grep -v "^training: "; tr '\r' '\n' < /tmp/run.log | grep "^training: " |
+  awk 'NR % 50 == 0'; } | tail -c 12000 > "$OUT/run.log"     # the log's lines, every 50th progress line
 tr '\r' '\n' < /tmp/run.log | tail -n 3
 cp /tmp/ck/config.json /tmp/ck/train_log.json "$OUT/" 2> /dev/null
 [ -f /tmp/ck/model.safetensors ] && split -b 12M -d /tmp/ck/model.safetensors "$OUT/model.part."
