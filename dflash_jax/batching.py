@@ -22,11 +22,11 @@ from dflash_jax import grammar as grammar_lib
 from dflash_jax import prompt_cache as pc
 from dflash_jax.sampling import SamplingConfig
 
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def bucket(n: int) -> int:
-  """The smallest batch bucket >= n (n <= 64); ValueError above the largest bucket."""
+  """The smallest batch bucket >= n (n <= 256); ValueError above the largest bucket."""
   for b in BATCH_BUCKETS:
     if n <= b:
       return b

@@ -2,6 +2,8 @@
 
   python scripts/gen_data.py --data_dir data/smollm2-135m-instruct --temperature 0 --minutes 60
   python scripts/gen_data.py --data_dir data/smollm2-135m-instruct --temperature 0.8 --seed 1
+  python scripts/gen_data.py --export_prompts /tmp/p.npz --start_prompt 5571  # for another machine
+  python scripts/gen_data.py --data_dir D --prompts_file /tmp/p.npz --batch_size 256 ...
 
 The prompt corpus (dflash_jax.train.corpus: standard-library and installed-package functions to
 complete, chat about Python topics and functions, general-assistant templates; never HumanEval
@@ -24,7 +26,7 @@ from dflash_jax import target_flags
 
 _TF = target_flags.define()
 flags.adopt_module_key_flags(target_flags)
-_DATA = flags.DEFINE_string("data_dir", None, "Shard directory (created; resumed).", required=True)
+_DATA = flags.DEFINE_string("data_dir", None, "Shard directory (created; resumed).")
 _TEMP = flags.DEFINE_float("temperature", 0.0, "0 = greedy; > 0 samples (with --top_p).")
 _TOP_P = flags.DEFINE_float("top_p", 0.95, "Top-p of sampled responses.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed (row of corpus index i uses seed + i).")
@@ -38,6 +40,14 @@ _SHARD = flags.DEFINE_integer("shard_prompts", 256, "Prompts per shard.")
 _MINUTES = flags.DEFINE_float("minutes", None, "Stop starting new shards after this long.")
 _MAX_TOKENS = flags.DEFINE_integer("max_response_tokens", None, "Stop once the directory holds "
                                    "this many response tokens.")
+_PROMPTS_FILE = flags.DEFINE_string(
+    "prompts_file", None, "Answer the encoded prompts in this file (written by --export_prompts) "
+    "in place of building the corpus here: the corpus is built from the installed standard "
+    "library and packages, so another machine (e.g. a lent GPU) answers the same prompts only "
+    "through such a file.")
+_EXPORT = flags.DEFINE_string("export_prompts", None, "Write the encoded corpus prompts from "
+                              "--start_prompt on (at most --export_count) to this file and exit.")
+_EXPORT_N = flags.DEFINE_integer("export_count", 20000, "Prompts written by --export_prompts.")
 _START = flags.DEFINE_integer("start_prompt", 0, "Skip corpus prompts before this index (e.g. "
                               "sampled runs over another part of the corpus).")
 
@@ -59,16 +69,37 @@ def main(argv):
                          f"{_MAX_PROMPT.value + _MAX_NEW.value}")
   deadline = time.time() + 60 * _MINUTES.value if _MINUTES.value else None
   target = target_flags.load(_TF)
-  words = train.topic_words(target.tokenizer.tokens)
-  corpus = train.build_corpus(n_code=1900, n_chat=100_000, n_general=_N_GENERAL.value,
-                              words=words, n_package_code=100_000, seed=_CORPUS_SEED.value)
-  prompts = [p for p in datagen.encode_corpus(target, corpus, _MAX_PROMPT.value,
-                                              exclude=cli.CHAT_PROMPTS) if p[0] >= _START.value]
-  logging.info("corpus: %d prompts (%d within %d tokens)", len(corpus), len(prompts),
-               _MAX_PROMPT.value)
   meta = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
           "target": os.path.basename(target.path), "target_sha256": _sha256(target.path),
           "corpus_seed": _CORPUS_SEED.value, "n_general": _N_GENERAL.value}
+  if _PROMPTS_FILE.value:
+    prompts, pmeta = datagen.load_prompts(_PROMPTS_FILE.value, target.config.n_vocab)
+    if pmeta.get("target_sha256") != meta["target_sha256"]:
+      raise app.UsageError(f"--prompts_file={_PROMPTS_FILE.value} was encoded for target "
+                           f"{pmeta.get('target')} (sha256 {pmeta.get('target_sha256')}), not "
+                           f"{meta['target']}")
+    prompts = [p for p in prompts if p[0] >= _START.value and len(p[1]) <= _MAX_PROMPT.value]
+    meta.update(corpus_seed=pmeta["corpus_seed"], n_general=pmeta["n_general"],
+                prompts_file=os.path.basename(_PROMPTS_FILE.value),
+                prompts_sha256=_sha256(_PROMPTS_FILE.value))
+    logging.info("%s: %d prompts", _PROMPTS_FILE.value, len(prompts))
+  else:
+    words = train.topic_words(target.tokenizer.tokens)
+    corpus = train.build_corpus(n_code=1900, n_chat=100_000, n_general=_N_GENERAL.value,
+                                words=words, n_package_code=100_000, seed=_CORPUS_SEED.value)
+    prompts = [p for p in datagen.encode_corpus(target, corpus, _MAX_PROMPT.value,
+                                                exclude=cli.CHAT_PROMPTS)
+               if p[0] >= _START.value]
+    logging.info("corpus: %d prompts (%d within %d tokens)", len(corpus), len(prompts),
+                 _MAX_PROMPT.value)
+  if _EXPORT.value:
+    digest = datagen.save_prompts(_EXPORT.value, prompts[:_EXPORT_N.value],
+                                  dict(meta, max_prompt=_MAX_PROMPT.value))
+    print(f"{_EXPORT.value}: {min(len(prompts), _EXPORT_N.value)} prompts from corpus index "
+          f"{prompts[0][0] if prompts else None}, sha256 {digest}")
+    return
+  if not _DATA.value:
+    raise app.UsageError("--data_dir is required (unless --export_prompts)")
   s = datagen.generate_shards(target, prompts, _DATA.value, max_new_tokens=_MAX_NEW.value,
                               temperature=_TEMP.value, seed=_SEED.value, batch_size=_BATCH.value,
                               max_ctx=_MAX_CTX.value, shard_prompts=_SHARD.value, meta=meta,

@@ -62,6 +62,32 @@ def test_corrupt_shards_are_clear_errors(tmp_path):
     shards_lib.read_shards(d, 1000)
 
 
+def test_prompt_file_round_trip_and_errors(tmp_path):
+  """Encoded prompts written for another machine (gen_data.py --export_prompts) come back
+  exactly, meta included; a file with a flipped id, an id outside the vocabulary, indices out of
+  order or garbage is a ValueError naming the file."""
+  rng = np.random.default_rng(7)
+  prompts = [(3 * i + 2, rng.integers(0, 1000, 1 + i % 5).tolist()) for i in range(9)]
+  path = str(tmp_path / "p.npz")
+  datagen.save_prompts(path, prompts, {"target_sha256": "ab", "corpus_seed": 0})
+  back, meta = datagen.load_prompts(path, 1000)
+  assert back == prompts and meta == {"target_sha256": "ab", "corpus_seed": 0}
+  with pytest.raises(ValueError, match=r"p.npz: token id \d+ outside the vocabulary \[0, 10\)"):
+    datagen.load_prompts(path, 10)
+  z = dict(np.load(path))
+  z["ids"] = z["ids"].copy()
+  z["ids"][3] += 1
+  np.savez(str(tmp_path / "flip.npz"), **z)
+  with pytest.raises(ValueError, match="flip.npz: sha256 of the prompt arrays does not match"):
+    datagen.load_prompts(str(tmp_path / "flip.npz"), 1000)
+  datagen.save_prompts(str(tmp_path / "order.npz"), prompts[::-1], {})
+  with pytest.raises(ValueError, match="order.npz: corpus indices are not increasing"):
+    datagen.load_prompts(str(tmp_path / "order.npz"), 1000)
+  open(tmp_path / "junk.npz", "wb").write(b"PK\x03\x04 not a zip")
+  with pytest.raises(ValueError, match="junk.npz: not a readable prompt file"):
+    datagen.load_prompts(str(tmp_path / "junk.npz"), 1000)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_generated_shards_match_generate_and_resume(qwen_f32, tmp_path, temperature):
   """Batched generation (B = 4 rows, 7 prompts of different lengths, 3 shards) gives per prompt

@@ -1,52 +1,71 @@
 #!/bin/bash
-# The GPU draft-training run of issue 24 (bench_out/gpu/TRAIN_RUN.md), one device call:
-#   bash bench_out/gpu/train_run.sh MINUTES WAIT_S
-# from the repository root on the device machine, once /tmp/smol.gguf has been assembled there
-# (carry: .whl, .gpu/smolB, .gpu/smol.sha256, checkpoints/smollm2-135m-instruct-dflash).
-# Trains from the shipped draft on the committed token shards for MINUTES (the cosine schedule
-# fitted to them, --fit_schedule), detached (setsid), waits for it at most WAIT_S seconds, then
-# copies what exists to $OUT: the checkpoint split in 12 MB pieces ($OUT takes files <= 16 MiB),
-# its config and log, and the checkpoint as it was after ~half the run (mid_*).
-# A second call with MINUTES=0 only waits and copies.
+# The GPU data + draft-training run of issue 24 (bench_out/gpu/TRAIN_RUN.md), over device calls:
+#   bash bench_out/gpu/train_run.sh GEN_MIN END_S WAIT_S [GEN_BATCH SHARD MAX_NEW TRAIN_BATCH]
+# from the repository root on the device machine, once /tmp/smol.gguf holds the GGUF's first piece
+# (carry: .whl, .gpu/smolB, .gpu/smol.sha256, .gpu/prompts.npz, the shipped draft).
+# Launches, detached (setsid), one pipeline:
+#   1. the target answers the carried prompts (.gpu/prompts.npz, written here by gen_data.py
+#      --export_prompts, so the GPU answers the same corpus indices as this machine) greedily from
+#      the first prompt no committed shard answered, with GEN_BATCH rows at once, for GEN_MIN
+#      minutes, then (if time is left) sampled at temperature 0.8 (seed 1) from prompt 0, as new
+#      shards in a copy of the committed data directory;
+#   2. trains from the shipped draft on all of it (committed + new shards) until END_S seconds
+#      after the launch (--fit_schedule ends the cosine schedule there).
+# Waits at most WAIT_S seconds (or until the training ends), then copies to $OUT what exists: the
+# data directory (data.tgz), the checkpoint in 12 MB pieces ($OUT takes files <= 16 MiB), its
+# config and log, run.log and status.txt. A later call with GEN_MIN=-1 only waits and copies.
 set -u
-MIN=${1:-8}
-WAIT=${2:-540}
+GEN_MIN=${1:-4}
+END_S=${2:-760}
+WAIT=${3:-560}
+GB=${4:-256}
+SHARD=${5:-1024}
+MAXNEW=${6:-512}
+TB=${7:-32}
+FIRST_NEW=5571        # the first corpus index after the committed shards (shard_00023: 5570)
 T0=$SECONDS
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:/tmp/repo PYTHONUNBUFFERED=1
-if [ "$MIN" != 0 ]; then
+if [ "$GEN_MIN" != -1 ]; then
   [ -f .gpu/smolB ] && cat .gpu/smolB >> /tmp/smol.gguf
   echo "$(cat .gpu/smol.sha256)  /tmp/smol.gguf" | sha256sum -c || exit 1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  rm -rf /tmp/repo && mkdir /tmp/repo && cp -r dflash_jax pallas_kernels scripts checkpoints /tmp/repo/
-  cd /tmp/repo || exit 1
-  setsid nohup python3 scripts/train_draft.py --target /tmp/smol.gguf --out_dir /tmp/ck \
-    --init_checkpoint checkpoints/smollm2-135m-instruct-dflash \
-    --data_dirs checkpoints/train_data/smollm2-135m-instruct \
-    --steps 4000 --batch 32 --anchors 96 --seq_len 800 --length_buckets= --restrict_vocab \
-    --lr 3e-4 --warmup 50 --gamma 7 --kl_weight 0.5 --eval_every 0 --save_every 100 --n_eval 0 \
-    --compute_dtype float32 --seed 26 --minutes "$MIN" --fit_schedule > /tmp/run.log 2>&1 &
-  echo $! > /tmp/run.pid
-  cd - > /dev/null
+  rm -rf /tmp/repo /tmp/data /tmp/ck /tmp/gen.done /tmp/train.done && mkdir /tmp/repo
+  cp -r dflash_jax pallas_kernels scripts checkpoints .gpu/prompts.npz /tmp/repo/
+  cp -r checkpoints/train_data/smollm2-135m-instruct /tmp/data
+  END_EPOCH=$(( $(date +%s) + END_S ))
+  GEN_END=$(python3 -c "import time; print(int(time.time() + 60 * $GEN_MIN))")
+  cat > /tmp/pipe.sh << EOF
+cd /tmp/repo || exit 1
+G="python3 scripts/gen_data.py --target /tmp/smol.gguf --weights f32 --data_dir /tmp/data
+   --prompts_file prompts.npz --batch_size $GB --max_new_tokens $MAXNEW --max_ctx 800
+   --shard_prompts $SHARD"
+\$G --start_prompt $FIRST_NEW --temperature 0 --minutes $GEN_MIN
+REM=\$(( $GEN_END - \$(date +%s) ))
+if [ \$REM -gt 30 ]; then
+  \$G --start_prompt 0 --temperature 0.8 --seed 1 --minutes \$(python3 -c "print(\$REM / 60)")
 fi
-pid=$(cat /tmp/run.pid)
-mid_done=0
-while kill -0 "$pid" 2> /dev/null && [ $((SECONDS - T0)) -lt "$WAIT" ]; do
+touch /tmp/gen.done
+TMIN=\$(python3 -c "print(max(1.5, ($END_EPOCH - \$(date +%s)) / 60))")
+python3 scripts/train_draft.py --target /tmp/smol.gguf --out_dir /tmp/ck \
+  --init_checkpoint checkpoints/smollm2-135m-instruct-dflash --data_dirs /tmp/data \
+  --steps 4000 --batch $TB --anchors 96 --seq_len 800 --length_buckets= --restrict_vocab \
+  --lr 3e-4 --warmup 50 --gamma 7 --kl_weight 0.5 --eval_every 0 --save_every 100 --n_eval 0 \
+  --compute_dtype float32 --seed 27 --minutes \$TMIN --fit_schedule
+touch /tmp/train.done
+EOF
+  setsid nohup bash /tmp/pipe.sh > /tmp/run.log 2>&1 &
+fi
+while [ ! -f /tmp/train.done ] && [ $((SECONDS - T0)) -lt "$WAIT" ]; do
   sleep 5
-  if [ $mid_done = 0 ] && [ "$MIN" != 0 ] && [ $((SECONDS - T0)) -gt $((MIN * 30)) ] &&
-     [ -f /tmp/ck/model.safetensors ]; then
-    mkdir -p /tmp/mid && cp /tmp/ck/config.json /tmp/ck/model.safetensors /tmp/mid/ && mid_done=1
-  fi
 done
 { tr '\r' '\n' < /tmp/run.log | grep -v "^training: "; tr '\r' '\n' < /tmp/run.log | grep "^training: " |
-  awk 'NR % 50 == 0'; } | tail -c 12000 > "$OUT/run.log"     # the log's lines, every 50th progress line
+  awk 'NR % 50 == 0'; } | tail -c 14000 > "$OUT/run.log"     # the log's lines, every 50th progress line
 tr '\r' '\n' < /tmp/run.log | tail -n 3
+{ echo "elapsed_s $((SECONDS - T0))"; ls /tmp/gen.done /tmp/train.done 2> /dev/null; } > "$OUT/status.txt"
+[ -f /tmp/gen.done ] && tar czf "$OUT/data.tgz" -C /tmp data
 cp /tmp/ck/config.json /tmp/ck/train_log.json "$OUT/" 2> /dev/null
 [ -f /tmp/ck/model.safetensors ] && split -b 12M -d /tmp/ck/model.safetensors "$OUT/model.part."
-if [ -f /tmp/mid/model.safetensors ]; then
-  cp /tmp/mid/config.json "$OUT/mid_config.json"
-  split -b 12M -d /tmp/mid/model.safetensors "$OUT/mid_model.part."
-fi
 ls -l "$OUT"
-kill -0 "$pid" 2> /dev/null && echo "STILL RUNNING" || echo "FINISHED"
+[ -f /tmp/train.done ] && echo "FINISHED" || echo "STILL RUNNING"
