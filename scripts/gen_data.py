@@ -62,6 +62,7 @@ def _sha256(path: str) -> str:
 
 def main(argv):
   del argv
+  import jax
   from dflash_jax import cli, train
   from dflash_jax.train import datagen
   if _MAX_CTX.value < _MAX_PROMPT.value + _MAX_NEW.value:
@@ -71,7 +72,8 @@ def main(argv):
   target = target_flags.load(_TF)
   meta = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
           "target": os.path.basename(target.path), "target_sha256": _sha256(target.path),
-          "corpus_seed": _CORPUS_SEED.value, "n_general": _N_GENERAL.value}
+          "corpus_seed": _CORPUS_SEED.value, "n_general": _N_GENERAL.value,
+          "device": f"{jax.devices()[0].device_kind} (JAX {jax.__version__})"}
   if _PROMPTS_FILE.value:
     prompts, pmeta = datagen.load_prompts(_PROMPTS_FILE.value, target.config.n_vocab)
     if pmeta.get("target_sha256") != meta["target_sha256"]:
