@@ -247,7 +247,7 @@ def main(argv):
     raise app.UsageError("--fit_schedule needs --minutes")
   step_fn = train.make_step(target, cfg, tc, mesh)
   fit_from = None                       # (step, time) after the first, compiling, chunk
-  while st.step < (st.total or tc.steps):
+  while st.step < st.last_step(tc):
     st = train.train(target, cfg, seqs, tc, st, until=st.step + 10, mesh=mesh, step_fn=step_fn,
                      on_metrics=on_metrics, on_step=on_step)
     now = time.perf_counter()

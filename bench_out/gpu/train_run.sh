@@ -6,14 +6,14 @@
 # Launches, detached (setsid), one pipeline:
 #   1. the target answers the carried prompts (.gpu/prompts.npz, written here by gen_data.py
 #      --export_prompts, so the GPU answers the same corpus indices as this machine) greedily from
-#      the first prompt no committed shard answered, with GEN_BATCH rows at once, for GEN_MIN
-#      minutes, then (if time is left) sampled at temperature 0.8 (seed 1) from prompt 0, as new
+#      the first prompt no committed greedy shard answered (gen_data resumes from the manifest), with GEN_BATCH rows at once, for GEN_MIN
+#      minutes, then (if the prompts ran out first) sampled at temperature 0.8 (seed 1000, as the committed sampled shards), as new
 #      shards in a copy of the committed data directory;
 #   2. trains from the shipped draft on all of it (committed + new shards) until END_S seconds
 #      after the launch (--fit_schedule ends the cosine schedule there).
 # Waits at most WAIT_S seconds (or until the training ends), then copies to $OUT what exists: the
 # data directory (data.tgz), the checkpoint in 12 MB pieces ($OUT takes files <= 16 MiB), its
-# config and log, run.log and status.txt. A later call with GEN_MIN=-1 only waits and copies.
+# config and log, run.log, status.txt and (once the training ended) XLA's compilation cache. A later call with GEN_MIN=-1 only waits and copies.
 set -u
 GEN_MIN=${1:-4}
 END_S=${2:-760}
@@ -22,7 +22,6 @@ GB=${4:-256}
 SHARD=${5:-1024}
 MAXNEW=${6:-512}
 TB=${7:-32}
-FIRST_NEW=5571        # the first corpus index after the committed shards (shard_00023: 5570)
 T0=$SECONDS
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
@@ -34,17 +33,19 @@ if [ "$GEN_MIN" != -1 ]; then
   rm -rf /tmp/repo /tmp/data /tmp/ck /tmp/gen.done /tmp/train.done && mkdir /tmp/repo
   cp -r dflash_jax pallas_kernels scripts checkpoints .gpu/prompts.npz /tmp/repo/
   cp -r checkpoints/train_data/smollm2-135m-instruct /tmp/data
+  [ -f .gpu/jcache.tgz ] && tar xzf .gpu/jcache.tgz -C /tmp     # a carried compilation cache
+  SEED=$(( $(date +%s) % 100000 ))      # the batch order; recorded in train_log.json
   END_EPOCH=$(( $(date +%s) + END_S ))
   GEN_END=$(python3 -c "import time; print(int(time.time() + 60 * $GEN_MIN))")
   cat > /tmp/pipe.sh << EOF
 cd /tmp/repo || exit 1
 G="python3 scripts/gen_data.py --target /tmp/smol.gguf --weights f32 --data_dir /tmp/data
    --prompts_file prompts.npz --batch_size $GB --max_new_tokens $MAXNEW --max_ctx 800
-   --shard_prompts $SHARD"
-\$G --start_prompt $FIRST_NEW --temperature 0 --minutes $GEN_MIN
+   --shard_prompts $SHARD --jax_compilation_cache_dir /tmp/jcache"
+\$G --temperature 0 --minutes $GEN_MIN     # resumes after the last greedy prompt answered
 REM=\$(( $GEN_END - \$(date +%s) ))
 if [ \$REM -gt 30 ]; then
-  \$G --start_prompt 0 --temperature 0.8 --seed 1 --minutes \$(python3 -c "print(\$REM / 60)")
+  \$G --temperature 0.8 --seed 1000 --minutes \$(python3 -c "print(\$REM / 60)")
 fi
 touch /tmp/gen.done
 TMIN=\$(python3 -c "print(max(1.5, ($END_EPOCH - \$(date +%s)) / 60))")
@@ -52,7 +53,8 @@ python3 scripts/train_draft.py --target /tmp/smol.gguf --out_dir /tmp/ck \
   --init_checkpoint checkpoints/smollm2-135m-instruct-dflash --data_dirs /tmp/data \
   --steps 4000 --batch $TB --anchors 96 --seq_len 800 --length_buckets= --restrict_vocab \
   --lr 3e-4 --warmup 50 --gamma 7 --kl_weight 0.5 --eval_every 0 --save_every 100 --n_eval 0 \
-  --compute_dtype float32 --seed 27 --minutes \$TMIN --fit_schedule
+  --compute_dtype float32 --seed $SEED --minutes \$TMIN --fit_schedule \
+  --jax_compilation_cache_dir /tmp/jcache
 touch /tmp/train.done
 EOF
   setsid nohup bash /tmp/pipe.sh > /tmp/run.log 2>&1 &
@@ -66,6 +68,10 @@ tr '\r' '\n' < /tmp/run.log | tail -n 3
 { echo "elapsed_s $((SECONDS - T0))"; ls /tmp/gen.done /tmp/train.done 2> /dev/null; } > "$OUT/status.txt"
 [ -f /tmp/gen.done ] && tar czf "$OUT/data.tgz" -C /tmp data
 cp /tmp/ck/config.json /tmp/ck/train_log.json "$OUT/" 2> /dev/null
+# XLA's compiled programs (generation and the training step; ~3.5 min of compiling in session 27): a
+# later session with the same code, JAX and GPU kind may carry them back (--jax_compilation_cache_dir).
+[ -f /tmp/train.done ] && tar czf /tmp/jcache.tgz -C /tmp jcache 2> /dev/null &&
+  [ "$(stat -c %s /tmp/jcache.tgz)" -lt 16000000 ] && cp /tmp/jcache.tgz "$OUT/"
 [ -f /tmp/ck/model.safetensors ] && split -b 12M -d /tmp/ck/model.safetensors "$OUT/model.part."
 ls -l "$OUT"
 [ -f /tmp/train.done ] && echo "FINISHED" || echo "STILL RUNNING"

@@ -7,7 +7,6 @@ resumes exactly where it stopped (a step's batch depends only on the seed and th
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from typing import Callable, Optional, Sequence
 
@@ -79,17 +78,14 @@ class TrainConfig:
 def lr_at(tc: TrainConfig, step: int, total: Optional[int] = None) -> float:
   """Learning rate of optimizer step `step` (0-based): linear warm-up from 0 to tc.lr over
   tc.warmup steps, then cosine decay to tc.lr * tc.final_lr_fraction at step `total` (default
-  tc.steps), flat after it: optax.warmup_cosine_decay_schedule's formula, evaluated on the host so
-  that the schedule's length can be fitted to a time budget after the step has compiled
+  tc.steps), flat after it (optax.warmup_cosine_decay_schedule), evaluated on the host so that
+  the schedule's length can be fitted to a time budget after the step has compiled
   (`TrainState.total`, scripts/train_draft.py --fit_schedule) without recompiling it."""
   total = tc.steps if total is None else int(total)
   warmup = min(tc.warmup, max(total - 1, 0))
-  if step < warmup:
-    return tc.lr * step / warmup
-  decay = max(total, warmup + 1) - warmup
-  t = min(step - warmup, decay) / decay
-  alpha = tc.final_lr_fraction
-  return tc.lr * ((1.0 - alpha) * 0.5 * (1.0 + math.cos(math.pi * t)) + alpha)
+  sched = optax.warmup_cosine_decay_schedule(0.0, tc.lr, warmup, max(total, warmup + 1),
+                                             end_value=tc.lr * tc.final_lr_fraction)
+  return float(sched(step))
 
 
 def make_optimizer(tc: TrainConfig):
@@ -117,6 +113,10 @@ class TrainState:
   opt_state: object
   step: int = 0
   total: Optional[int] = None
+
+  def last_step(self, tc: TrainConfig) -> int:
+    """The step count at which the run stops: tc.steps, or the fitted `total` if earlier."""
+    return tc.steps if self.total is None else min(self.total, tc.steps)
 
   def save(self, path: str):
     """Write the state to `path` (npz, atomically: a temporary file renamed)."""
@@ -208,7 +208,7 @@ def train(target, cfg: DraftConfig, seqs: Sequence, tc: TrainConfig, state: Trai
   vocab_ids = (jnp.asarray(objective.data_vocab(seqs, target.config.n_vocab))
                if tc.restrict_vocab else None)
   step_fn = step_fn or make_step(target, cfg, tc, mesh)
-  last = tc.steps if state.total is None else min(state.total, tc.steps)
+  last = state.last_step(tc)
   end = last if until is None else min(until, last)
   groups = length_groups(tc, seqs)
   while state.step < end:
