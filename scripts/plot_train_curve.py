@@ -4,7 +4,7 @@
       --out bench_out/train/curve.png
 
 Each log's `evals` (HumanEval and chat prompts, chain, greedy) become one line per prompt kind;
-`--labels` names the runs. Also prints the points as JSON and a table.
+`--labels` names the runs (one colour per run; HumanEval solid, chat dashed). Also prints the points as JSON and a table.
 """
 
 import json
@@ -27,23 +27,26 @@ def main(argv):
                              for p in _LOGS.value]
   if len(labels) != len(_LOGS.value):
     raise app.UsageError(f"--labels: {len(labels)} labels for {len(_LOGS.value)} logs")
-  fig, ax = plt.subplots(figsize=(7, 4.2))
+  fig, ax = plt.subplots(figsize=(11, 4.6))
   points = []
-  for path, label in zip(_LOGS.value, labels):
+  colors = plt.cm.tab10.colors
+  styles = {"humaneval": "-", "chat": "--"}
+  for r, (path, label) in enumerate(zip(_LOGS.value, labels)):
     with open(path) as fh:
       evals = json.load(fh)["evals"]
     kinds = sorted({k for e in evals for k in e if k not in ("step", "train_tokens")})
     for kind in kinds:
       xs = [e["train_tokens"] / 1e6 for e in evals if kind in e]
       ys = [e[kind] for e in evals if kind in e]
-      ax.plot(xs, ys, marker="o", label=f"{label}: {kind}")
+      ax.plot(xs, ys, marker="o", color=colors[r % len(colors)],
+              linestyle=styles.get(kind, ":"), label=f"{label}: {kind}")
     for e in evals:
       points.append({"run": label, **e})
       print(json.dumps(points[-1]))
   ax.set_xlabel("training tokens seen (millions; real tokens; online1 (session 13): sequences x seq_len)")
   ax.set_ylabel("held-out mean acceptance length (chain)")
   ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
+  ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
   fig.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
   fig.savefig(_OUT.value, dpi=110)
