@@ -7,6 +7,7 @@ name. Kept out of `cli` so importing the library defines no flags.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 from absl import flags
 
@@ -86,18 +87,24 @@ def target_path(f: TargetFlags) -> str:
 
 
 def setup_compile_cache(f: TargetFlags):
-  """Turn the persistent compile cache on (in --compile_cache_dir) or off, as the flags say.
+  """Turn the persistent compile cache on (in --compile_cache_dir) or off, as the flags say
+  (`setup_compile_cache_as`)."""
+  setup_compile_cache_as(f.compile_cache.value, f.compile_cache_dir.value)
+
+
+def setup_compile_cache_as(on: bool, cache_dir: Optional[str]):
+  """Turn the persistent compile cache on (in cache_dir, None: the default directory) or off.
   Raises ValueError naming --compile_cache_dir when the directory given cannot be used; when the
   default one cannot, warns and runs without a cache."""
   from absl import logging
   from dflash_jax import compile_cache
-  if not f.compile_cache.value:
+  if not on:
     compile_cache.disable()
     return
   try:
-    compile_cache.enable(f.compile_cache_dir.value)
+    compile_cache.enable(cache_dir)
   except ValueError as e:
-    if f.compile_cache_dir.value:
+    if cache_dir:
       raise ValueError(f"--compile_cache_dir: {e}") from None
     logging.warning("%s; running without a compile cache", e)
     compile_cache.disable()

@@ -111,6 +111,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  import jax
-  jax.config.config_with_absl()       # JAX's own flags, e.g. --jax_compilation_cache_dir
   app.run(main)

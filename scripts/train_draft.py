@@ -74,6 +74,11 @@ _EVAL_EVERY = flags.DEFINE_integer("eval_every", 250, "Steps between held-out ev
                                    "only at the end).")
 _N_EVAL = flags.DEFINE_integer("n_eval", 4, "Held-out prompts of each kind (HumanEval, chat).")
 _SAVE_EVERY = flags.DEFINE_integer("save_every", 100, "Steps between checkpoints.")
+_CACHE = flags.DEFINE_boolean("compile_cache", True, "Keep the compiled training step (and the "
+                              "evaluation's decode programs) in a persistent cache on disk, so "
+                              "the next run reads them back (--nocompile_cache: off).")
+_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "Directory of the compile cache "
+                                 "(default ~/.cache/dflash_jax/xla, as the other scripts).")
 _MINUTES = flags.DEFINE_float("minutes", None, "Stop (saving) after this long; rerun to continue.")
 _FIT = flags.DEFINE_boolean(
     "fit_schedule", False,
@@ -154,9 +159,10 @@ def main(argv):
   import numpy as np
   from tqdm import tqdm
   import dflash_jax as dj
-  from dflash_jax import cli, draft_io, train
+  from dflash_jax import cli, draft_io, target_flags, train
 
   t_start = time.perf_counter()
+  target_flags.setup_compile_cache_as(_CACHE.value, _CACHE_DIR.value)
   deadline = t_start + 60 * _MINUTES.value if _MINUTES.value else None
   path = _TARGET.value or cli.default_target_path()
   target = dj.load_target(path, weights="f32")

@@ -41,7 +41,7 @@ if [ "$GEN_MIN" != -1 ]; then
 cd /tmp/repo || exit 1
 G="python3 scripts/gen_data.py --target /tmp/smol.gguf --weights f32 --data_dir /tmp/data
    --prompts_file prompts.npz --batch_size $GB --max_new_tokens $MAXNEW --max_ctx 800
-   --shard_prompts $SHARD --jax_compilation_cache_dir /tmp/jcache"
+   --shard_prompts $SHARD --compile_cache_dir /tmp/jcache"
 \$G --temperature 0 --minutes $GEN_MIN     # resumes after the last greedy prompt answered
 REM=\$(( $GEN_END - \$(date +%s) ))
 if [ \$REM -gt 30 ]; then
@@ -54,7 +54,7 @@ python3 scripts/train_draft.py --target /tmp/smol.gguf --out_dir /tmp/ck \
   --steps 4000 --batch $TB --anchors 96 --seq_len 800 --length_buckets= --restrict_vocab \
   --lr 3e-4 --warmup 50 --gamma 7 --kl_weight 0.5 --eval_every 0 --save_every 100 --n_eval 0 \
   --compute_dtype float32 --seed $SEED --minutes \$TMIN --fit_schedule \
-  --jax_compilation_cache_dir /tmp/jcache
+  --compile_cache_dir /tmp/jcache
 touch /tmp/train.done
 EOF
   setsid nohup bash /tmp/pipe.sh > /tmp/run.log 2>&1 &
