@@ -15,7 +15,6 @@ with how it was made (command, seed, temperature, target sha256, tokens, minutes
 the same --temperature / --seed continues after the last prompt answered.
 """
 
-import hashlib
 import os
 import sys
 import time
@@ -52,26 +51,19 @@ _START = flags.DEFINE_integer("start_prompt", 0, "Skip corpus prompts before thi
                               "sampled runs over another part of the corpus).")
 
 
-def _sha256(path: str) -> str:
-  h = hashlib.sha256()
-  with open(path, "rb") as fh:
-    for b in iter(lambda: fh.read(1 << 20), b""):
-      h.update(b)
-  return h.hexdigest()
-
-
 def main(argv):
   del argv
   import jax
   from dflash_jax import cli, train
-  from dflash_jax.train import datagen
+  from dflash_jax.train import datagen, shards
   if _MAX_CTX.value < _MAX_PROMPT.value + _MAX_NEW.value:
     raise app.UsageError(f"--max_ctx={_MAX_CTX.value} < --max_prompt + --max_new_tokens = "
                          f"{_MAX_PROMPT.value + _MAX_NEW.value}")
   deadline = time.time() + 60 * _MINUTES.value if _MINUTES.value else None
   target = target_flags.load(_TF)
   meta = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-          "target": os.path.basename(target.path), "target_sha256": _sha256(target.path),
+          "target": os.path.basename(target.path),
+          "target_sha256": shards.sha256_file(target.path),
           "corpus_seed": _CORPUS_SEED.value, "n_general": _N_GENERAL.value,
           "device": f"{jax.devices()[0].device_kind} (JAX {jax.__version__})"}
   if _PROMPTS_FILE.value:
@@ -83,7 +75,7 @@ def main(argv):
     prompts = [p for p in prompts if p[0] >= _START.value and len(p[1]) <= _MAX_PROMPT.value]
     meta.update(corpus_seed=pmeta["corpus_seed"], n_general=pmeta["n_general"],
                 prompts_file=os.path.basename(_PROMPTS_FILE.value),
-                prompts_sha256=_sha256(_PROMPTS_FILE.value))
+                prompts_sha256=shards.sha256_file(_PROMPTS_FILE.value))
     logging.info("%s: %d prompts", _PROMPTS_FILE.value, len(prompts))
   else:
     words = train.topic_words(target.tokenizer.tokens)

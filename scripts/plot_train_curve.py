@@ -4,7 +4,8 @@
       --out bench_out/train/curve.png
 
 Each log's `evals` (HumanEval and chat prompts, chain, greedy) become one line per prompt kind;
-`--labels` names the runs (one colour per run; HumanEval solid, chat dashed). Also prints the points as JSON and a table.
+`--labels` names the runs (one colour per run; HumanEval solid, chat dashed). Also prints the
+points as JSON and a table.
 """
 
 import json

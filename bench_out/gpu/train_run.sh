@@ -6,14 +6,16 @@
 # Launches, detached (setsid), one pipeline:
 #   1. the target answers the carried prompts (.gpu/prompts.npz, written here by gen_data.py
 #      --export_prompts, so the GPU answers the same corpus indices as this machine) greedily from
-#      the first prompt no committed greedy shard answered (gen_data resumes from the manifest), with GEN_BATCH rows at once, for GEN_MIN
-#      minutes, then (if the prompts ran out first) sampled at temperature 0.8 (seed 1000, as the committed sampled shards), as new
-#      shards in a copy of the committed data directory;
+#      the first prompt no committed greedy shard answered (gen_data resumes from the manifest),
+#      with GEN_BATCH rows at once, for GEN_MIN minutes, then (if the prompts ran out first)
+#      sampled at temperature 0.8 (seed 1000, as the committed sampled shards), as new shards in a
+#      copy of the committed data directory;
 #   2. trains from the shipped draft on all of it (committed + new shards) until END_S seconds
 #      after the launch (--fit_schedule ends the cosine schedule there).
 # Waits at most WAIT_S seconds (or until the training ends), then copies to $OUT what exists: the
 # data directory (data.tgz), the checkpoint in 12 MB pieces ($OUT takes files <= 16 MiB), its
-# config and log, run.log, status.txt and (once the training ended) XLA's compilation cache. A later call with GEN_MIN=-1 only waits and copies.
+# config and log, run.log, status.txt and (once the training ended) the compile cache.
+# A later call with GEN_MIN=-1 only waits and copies.
 set -u
 GEN_MIN=${1:-4}
 END_S=${2:-760}
@@ -69,7 +71,7 @@ tr '\r' '\n' < /tmp/run.log | tail -n 3
 [ -f /tmp/gen.done ] && tar czf "$OUT/data.tgz" -C /tmp data
 cp /tmp/ck/config.json /tmp/ck/train_log.json "$OUT/" 2> /dev/null
 # XLA's compiled programs (generation and the training step; ~3.5 min of compiling in session 27): a
-# later session with the same code, JAX and GPU kind may carry them back (--jax_compilation_cache_dir).
+# later session with the same code, JAX and GPU kind may carry them back (.gpu/jcache.tgz).
 [ -f /tmp/train.done ] && tar czf /tmp/jcache.tgz -C /tmp jcache 2> /dev/null &&
   [ "$(stat -c %s /tmp/jcache.tgz)" -lt 16000000 ] && cp /tmp/jcache.tgz "$OUT/"
 [ -f /tmp/ck/model.safetensors ] && split -b 12M -d /tmp/ck/model.safetensors "$OUT/model.part."

@@ -32,6 +32,13 @@ def encode_corpus(target, corpus: Sequence[Prompt], max_prompt: int,
   return out
 
 
+def _prompts_digest(index: np.ndarray, lens: np.ndarray, ids: np.ndarray) -> str:
+  """sha256 of a prompt file's arrays (index int64, lens int32, ids int32 bytes)."""
+  import hashlib
+  return hashlib.sha256(index.astype(np.int64).tobytes() + lens.astype(np.int32).tobytes() +
+                        ids.astype(np.int32).tobytes()).hexdigest()
+
+
 def save_prompts(path: str, prompts: Sequence[tuple[int, Sequence[int]]], meta: dict) -> str:
   """Write encoded prompts ((corpus index, ids) pairs) to a compressed npz, so another machine
   answers exactly these prompts whatever its Python and packages (the corpus is built from the
@@ -39,13 +46,12 @@ def save_prompts(path: str, prompts: Sequence[tuple[int, Sequence[int]]], meta: 
 
   Layout: index [n] int64, lens [n] int32, ids [sum lens] int32, meta (a JSON string: how the
   corpus was built and encoded), sha256 of the three arrays. Returns the sha256."""
-  import hashlib
   import json
   index = np.asarray([i for i, _ in prompts], np.int64)
   lens = np.asarray([len(p) for _, p in prompts], np.int32)
   ids = np.concatenate([np.asarray(p, np.int32) for _, p in prompts]) if prompts else \
       np.zeros(0, np.int32)
-  digest = hashlib.sha256(index.tobytes() + lens.tobytes() + ids.tobytes()).hexdigest()
+  digest = _prompts_digest(index, lens, ids)
   tmp = path + ".tmp.npz"
   np.savez_compressed(tmp, index=index, lens=lens, ids=ids, meta=json.dumps(meta),
                       sha256=digest)
@@ -57,7 +63,6 @@ def load_prompts(path: str, n_vocab: int) -> tuple[list[tuple[int, list[int]]], 
   """The (corpus index, ids) pairs and meta written by `save_prompts`.
   Raises ValueError naming the file if it is unreadable, its arrays disagree, its hash does not
   match, an id is >= n_vocab, or the indices are not increasing."""
-  import hashlib
   import json
   try:
     with np.load(path) as z:
@@ -68,8 +73,7 @@ def load_prompts(path: str, n_vocab: int) -> tuple[list[tuple[int, list[int]]], 
   if index.shape != lens.shape or int(lens.sum()) != ids.size or (lens <= 0).any():
     raise ValueError(f"{path}: {index.size} indices, {lens.size} lengths summing to "
                      f"{int(lens.sum())} and {ids.size} ids do not agree")
-  if hashlib.sha256(index.astype(np.int64).tobytes() + lens.astype(np.int32).tobytes() +
-                    ids.astype(np.int32).tobytes()).hexdigest() != digest:
+  if _prompts_digest(index, lens, ids) != digest:
     raise ValueError(f"{path}: sha256 of the prompt arrays does not match the one stored")
   if ids.size and (ids.min() < 0 or ids.max() >= n_vocab):
     raise ValueError(f"{path}: token id {int(ids.max())} outside the vocabulary [0, {n_vocab})")
