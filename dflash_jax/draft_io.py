@@ -269,6 +269,33 @@ def save(out_dir: str, params: draft_lib.DraftParams, cfg: DraftConfig, *,
   os.replace(tmp, os.path.join(out_dir, "config.json"))
 
 
+def resize_depth(params: draft_lib.DraftParams, cfg: DraftConfig, n_layer: int, *,
+                 weight_fmt: str = "f32") -> tuple[DraftConfig, draft_lib.DraftParams]:
+  """A DFlash-1 draft with n_layer layers made from a trained one (for a depth study, or to
+  grow a draft without starting over). Fewer layers keep the first n_layer (the final norm and
+  fc unchanged); more append copies of the last layer whose output projections
+  (self_attn.o_proj, mlp.down_proj) are zero, so each new layer starts as the identity on the
+  residual stream and the grown draft computes exactly what the trained one did (depth
+  up-scaling; the copies' other weights give the new layers' gradients a trained start).
+  Returns (cfg, params) with matrices in weight_fmt. Raises ValueError for n_layer < 1, a
+  DFlash-2 draft, or a draft whose layers do not all share one attention type."""
+  if n_layer < 1:
+    raise ValueError(f"resize_depth: n_layer={n_layer} must be >= 1")
+  if cfg.dflash2 is not None:
+    raise ValueError("resize_depth: DFlash-1 drafts only")
+  if len(set(cfg.sliding)) > 1:
+    raise ValueError(f"resize_depth: mixed layer types {cfg.sliding}: which type a new layer "
+                     "takes is ambiguous")
+  arrays = params_to_arrays(params)
+  last = _layer_keys(cfg.n_layer - 1)
+  for i in range(cfg.n_layer, n_layer):
+    for n, key in _layer_keys(i).items():
+      a = np.asarray(arrays[last[n]])
+      arrays[key] = np.zeros_like(a) if n in ("wo", "down") else a.copy()
+  cfg = dataclasses.replace(cfg, n_layer=n_layer, sliding=(cfg.sliding[0],) * n_layer)
+  return cfg, params_from_arrays(arrays, cfg, weight_fmt=weight_fmt)
+
+
 def _dflash2_init(key: jax.Array, cfg: DraftConfig) -> dict[str, np.ndarray]:
   """Starting values of a DFlash-2 draft's own tensors: every convolution the identity (static
   tap 0 = 1, other taps 0, kernel_projection 0: no dynamic taps yet), the selector's

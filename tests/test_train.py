@@ -230,6 +230,12 @@ def test_loss_offsets_equal_zero_weights(qwen_f32, tiny_data, restrict):
   assert float(l_k) == pytest.approx(float(l_z), rel=1e-5)
   assert float(m_k["acc1"]) == float(m_f["acc1"])
   assert abs(float(l_k) - float(l_f)) > 1e-3
+  # the target's prefill computed once (batch_targets) for drafts sharing a batch: same loss
+  tg = train.batch_targets(tparams, qwen_f32.config, batch, cfg.target_layer_ids, Runtime())
+  assert tg[0].shape == (2, 64, 3 * 256) and tg[1].shape == (2, 64, 256)
+  l_t, m_t = train.batch_loss(*args, jnp.asarray(w2), 0.7, Runtime(), vocab, tg)
+  assert float(l_t) == pytest.approx(float(l_k), rel=1e-6)
+  assert float(m_t["kl"]) == pytest.approx(float(m_k["kl"]), rel=1e-6)
   for bad in (-1, 6):
     with pytest.raises(ValueError, match="loss offsets"):
       train.loss_weights(6, 3.0, bad)
@@ -293,6 +299,73 @@ def test_checkpoint_round_trip_and_lossless(tmp_path, qwen_f32, tiny_data, qwen_
   ch = dj.generate(qwen_f32, loaded, prompt, max_new_tokens=30, mode="chain", max_ctx=128,
                    eog_ids=())
   assert ch.tokens == ar.tokens
+
+
+def test_heldout_walk_equals_chain_decode(qwen_f32, tiny_data):
+  """The teacher-forced walk (train/heldout.py) reproduces a real greedy chain decode's
+  accept_lens step for step, for an untrained draft (mostly 1s) and one fitted to the data (long
+  accepted runs), and its summary adds up (chain_al = the decodes' mean accept_len)."""
+  from dflash_jax.train import heldout
+  cfg = _tiny_cfg(qwen_f32, block_size=8)
+  fitted, _ = _train(qwen_f32, tiny_data, 40, cfg)
+  init = jax.tree.map(jnp.asarray, draft_io.init_params(jax.random.key(0), cfg, 256,
+                                                        weight_fmt="f32"))
+  longest = 0
+  for params in (init, fitted):
+    d = dj.Draft(cfg, params, "mem")
+    per_seq = []
+    for s in tiny_data:
+      prompt = s.prompt.tolist()
+      ar = dj.generate(qwen_f32, None, prompt, max_new_tokens=40, mode="ar", max_ctx=128,
+                       eog_ids=())
+      ch = dj.generate(qwen_f32, d, prompt, max_new_tokens=40, mode="chain", max_ctx=128,
+                       eog_ids=())
+      assert ch.tokens == ar.tokens
+      m, ok = heldout.chain_matches(params, cfg, qwen_f32, np.array(prompt + ar.tokens),
+                                    len(prompt), chunk=8)
+      assert m.shape == (len(ar.tokens) - 1,) and ok.shape == (m.size, cfg.block_size - 1)
+      assert np.array_equal(m, np.sum(np.cumprod(ok, 1), 1))
+      assert heldout.walk_chain(m, len(ar.tokens)) == ch.accept_lens
+      per_seq.append(ch.mean_accept_len)
+      longest = max(longest, max(ch.accept_lens))
+    seqs = [train.TokenSeq(s.prompt, np.array(dj.generate(
+        qwen_f32, None, s.prompt.tolist(), max_new_tokens=40, mode="ar", max_ctx=128,
+        eog_ids=()).tokens, np.int32), 0) for s in tiny_data]
+    summ = heldout.heldout_accept(params, cfg, qwen_f32, seqs)
+    assert abs(summ["chain_al"] - np.mean(per_seq)) < 1e-9
+    assert summ["n_anchors"] == sum(s.response.size - 1 for s in seqs)
+    assert 0 <= min(summ["p_offset"]) and max(summ["p_offset"]) <= 1
+  assert longest >= 4          # the fitted draft's runs: the comparison is not all 1s
+  with pytest.raises(ValueError, match="start=0"):
+    heldout.chain_matches(init, cfg, qwen_f32, np.arange(10), 0)
+
+
+def test_resize_depth(qwen_f32, draft_ref):
+  """draft_io.resize_depth: a grown draft computes exactly what the trained one did (new layers
+  are identity at init), a truncated one keeps the first layers' weights, and bad requests are
+  refused."""
+  cfg = _tiny_cfg(qwen_f32, block_size=4, n_layer=2)
+  params = draft_io.params_from_arrays(draft_io.params_to_arrays(draft_io.init_params(
+      jax.random.key(5), cfg, 256, weight_fmt="f32")), cfg, weight_fmt="f32")
+  seq = draft_ref["greedy_output_ids"][:40]
+  _, feats = dj.forward_logits(qwen_f32, seq, feature_layers=cfg.target_layer_ids)
+  anchors = np.array([5, 20, 33], np.int32)
+  bids = np.full((3, 4), cfg.mask_token_id, np.int32)
+  bids[:, 0] = seq[anchors]
+  hid = lambda p, c: np.asarray(draft_lib.train_hidden(
+      p, c, jnp.asarray(feats), jnp.asarray(bids), jnp.asarray(anchors), qwen_f32.params.embed))
+  cfg4, p4 = draft_io.resize_depth(params, cfg, 4)
+  assert cfg4.n_layer == 4 and len(p4.layers) == 4 and cfg4.sliding == (False,) * 4
+  np.testing.assert_array_equal(hid(p4, cfg4), hid(params, cfg))
+  assert not np.any(np.asarray(p4.layers[3].wo.data)) and np.any(np.asarray(p4.layers[3].wq.data))
+  cfg1, p1 = draft_io.resize_depth(p4, cfg4, 1)
+  a1, a0 = draft_io.params_to_arrays(p1), draft_io.params_to_arrays(params)
+  assert set(a1) == set(draft_io.expected_shapes(cfg1, 256))
+  for k, v in a1.items():
+    np.testing.assert_array_equal(v, a0[k])
+  assert np.abs(hid(p1, cfg1) - hid(params, cfg)).max() > 1e-3
+  with pytest.raises(ValueError, match="n_layer=0"):
+    draft_io.resize_depth(params, cfg, 0)
 
 
 _DP_SCRIPT = r"""

@@ -1,13 +1,14 @@
 """DFlash draft training in JAX: `corpus` (prompts), `datagen` + `shards` (the target's responses
 as token-id shards, made with the batched decoding loop), `objective` (anchors, typed batches,
 the weighted block loss with online target features and distillation, the train step),
-`trainer` (the loop, AdamW schedule, resumable state). Checkpoints are written by
+`trainer` (the loop, AdamW schedule, resumable state), `heldout` (chain acceptance on held-out
+greedy sequences in one teacher-forced pass). Checkpoints are written by
 `dflash_jax.draft_io.save` (z-lab format).
 """
 
 from dflash_jax.train.corpus import (GENERAL_TEMPLATES, PACKAGE_CORPUS, Prompt, build_corpus,
                                      package_functions, topic_words)
-from dflash_jax.train.objective import (Batch, batch_loss, data_vocab, distill_kl,
+from dflash_jax.train.objective import (Batch, batch_loss, batch_targets, data_vocab, distill_kl,
                                         frozen_target_tensors, loss_weights, make_batch,
                                         make_train_step, sample_anchors, target_pass)
 from dflash_jax.train.shards import TokenSeq, read_shards
@@ -16,7 +17,7 @@ from dflash_jax.train.trainer import (TrainConfig, TrainState, init_state, lengt
                                       with_lr)
 
 __all__ = ["GENERAL_TEMPLATES", "PACKAGE_CORPUS", "Prompt", "build_corpus", "package_functions",
-           "topic_words", "Batch", "batch_loss", "data_vocab", "distill_kl", "frozen_target_tensors",
+           "topic_words", "Batch", "batch_loss", "batch_targets", "data_vocab", "distill_kl", "frozen_target_tensors",
            "loss_weights", "make_batch", "make_train_step", "sample_anchors", "target_pass",
            "TokenSeq", "read_shards", "TrainConfig", "TrainState", "init_state", "make_optimizer",
            "make_step", "train", "length_groups", "step_batch", "lr_at", "with_lr"]

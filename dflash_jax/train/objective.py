@@ -117,6 +117,15 @@ def target_pass(tparams, tcfg: TargetConfig, tokens: jax.Array, length: jax.Arra
   return jax.lax.stop_gradient(pre.feats), jax.lax.stop_gradient(pre.hidden)
 
 
+def batch_targets(tparams, tcfg: TargetConfig, batch: Batch, feature_layers: tuple[int, ...],
+                  rt: Runtime = Runtime()):
+  """`target_pass` over every row of a batch: (features [B, T, F*D], hidden [B, T, D]) float32,
+  to pass as `batch_loss(targets=...)` when several drafts with the same target_layer_ids train
+  on one batch (the target's prefill, most of a small draft's step, is then paid once)."""
+  return jax.vmap(lambda t, n: target_pass(tparams, tcfg, t, n, feature_layers, rt))(
+      batch.tokens, batch.lengths)
+
+
 def data_vocab(seqs, n_vocab: int) -> np.ndarray:
   """The loss vocabulary of a restricted-vocabulary run: [N] int32, the sorted distinct token ids
   of `seqs` (objects with `.tokens`), so every label a batch of them can hold is in it. EAGLE-3
@@ -143,7 +152,8 @@ def distill_kl(t_logits: jax.Array, d_logits: jax.Array) -> jax.Array:
 
 
 def batch_loss(params, cfg: DraftConfig, batch: Batch, tparams, tcfg: TargetConfig, lm_head_w,
-               weights, kl_weight: float = 0.0, rt: Runtime = Runtime(), vocab_ids=None):
+               weights, kl_weight: float = 0.0, rt: Runtime = Runtime(), vocab_ids=None,
+               targets=None):
   """Weighted cross-entropy on the target's tokens plus kl_weight x the weighted KL from the
   target's next-token distribution (its logits at position anchor+k-1 predict the label at
   anchor+k), both normalised by the label weights; target features computed online
@@ -164,6 +174,8 @@ def batch_loss(params, cfg: DraftConfig, batch: Batch, tparams, tcfg: TargetConf
   target's distribution renormalised over them), so the lm_head matmuls of the draft rows and of
   the target's KL rows cost N / V of the full ones. Labels must lie in it (`data_vocab` of the
   sequences guarantees it; a valid label outside it would count as invalid). DFlash-1 only.
+  targets: None (the target's prefill runs here) or `batch_targets` of this batch for
+  cfg.target_layer_ids (computed once for several drafts).
   Returns (loss, metrics {"ce", "kl", "acc": top-1 accuracy over valid labels, "acc1": at
   offset 1; DFlash-2 adds "ce_unary"}); ce / kl / acc are the selector's for DFlash-2.
   Raises ValueError for vocab_ids with a DFlash-2 draft.
@@ -183,8 +195,9 @@ def batch_loss(params, cfg: DraftConfig, batch: Batch, tparams, tcfg: TargetConf
     label_valid = label_valid & (vocab_ids[idx] == labels)
     labels = idx.astype(jnp.int32)
 
-  def one(tokens, length, block_ids, anchors):
-    feats, hidden = target_pass(tparams, tcfg, tokens, length, cfg.target_layer_ids, rt)
+  def one(tokens, length, block_ids, anchors, tgt):
+    feats, hidden = tgt if tgt is not None else target_pass(tparams, tcfg, tokens, length,
+                                                            cfg.target_layer_ids, rt)
     if two:
       h = draft2.train_hidden(params, cfg, feats, block_ids, anchors, tparams.embed, rt)
     else:
@@ -210,7 +223,8 @@ def batch_loss(params, cfg: DraftConfig, batch: Batch, tparams, tcfg: TargetConf
       t = t_logits(hidden[rows.reshape(-1)]).reshape(d.shape)
     return d, sel, distill_kl(t, sel)
 
-  unary, logits, kl = jax.vmap(one)(batch.tokens, batch.lengths, batch.block_ids, batch.anchors)
+  unary, logits, kl = jax.vmap(one)(batch.tokens, batch.lengths, batch.block_ids, batch.anchors,
+                                    targets)
   w = weights[None, None, :] * label_valid
   norm = jnp.maximum(jnp.sum(w), 1e-6)
 
@@ -240,15 +254,16 @@ def frozen_target_tensors(target):
 
 def make_train_step(cfg: DraftConfig, tcfg: TargetConfig, optimizer, weights, *,
                     kl_weight: float = 0.0, mesh=None, rt: Runtime = Runtime()):
-  """A jitted train step (params, opt_state, batch, tparams, lm_head_w, vocab_ids=None) ->
-  (params, opt_state, metrics) (vocab_ids: `batch_loss`'s restricted loss vocabulary). With a
+  """A jitted train step (params, opt_state, batch, tparams, lm_head_w, vocab_ids=None,
+  targets=None) -> (params, opt_state, metrics) (vocab_ids: `batch_loss`'s restricted loss
+  vocabulary; targets: `batch_targets` of the batch, computed once for several drafts). With a
   mesh, the batch is sharded over its 'data' axis (data parallel) and params / optimizer state /
   target are replicated; XLA inserts the gradient all-reduce."""
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  def step(params, opt_state, batch, tparams, lm_head_w, vocab_ids):
+  def step(params, opt_state, batch, tparams, lm_head_w, vocab_ids, targets):
     (loss, metrics), grads = jax.value_and_grad(batch_loss, has_aux=True)(
-        params, cfg, batch, tparams, tcfg, lm_head_w, weights, kl_weight, rt, vocab_ids)
+        params, cfg, batch, tparams, tcfg, lm_head_w, weights, kl_weight, rt, vocab_ids, targets)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
@@ -260,9 +275,10 @@ def make_train_step(cfg: DraftConfig, tcfg: TargetConfig, optimizer, weights, *,
     rep = NamedSharding(mesh, P())
     data = NamedSharding(mesh, P("data"))
     jitted = jax.jit(step, donate_argnums=(0, 1),
-                     in_shardings=(rep, rep, data, rep, rep, rep), out_shardings=(rep, rep, rep))
+                     in_shardings=(rep, rep, data, rep, rep, rep, data),
+                     out_shardings=(rep, rep, rep))
 
-  def call(params, opt_state, batch, tparams, lm_head_w, vocab_ids=None):
-    return jitted(params, opt_state, batch, tparams, lm_head_w, vocab_ids)
+  def call(params, opt_state, batch, tparams, lm_head_w, vocab_ids=None, targets=None):
+    return jitted(params, opt_state, batch, tparams, lm_head_w, vocab_ids, targets)
 
   return call

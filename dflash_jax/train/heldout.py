@@ -1,0 +1,135 @@
+"""Held-out chain acceptance in one teacher-forced pass, no decoding loop.
+
+Greedy chain decoding (DFlash, arXiv:2602.06036) is deterministic given the target's greedy
+continuation: a step anchored at position p (the bonus token x_p, target features of 0..p-1)
+commits m(p) + 1 tokens, where m(p) is the number of leading block offsets k = 1, 2, .. whose
+draft argmax equals x_{p+k}, and the next step is anchored at p + m(p) + 1. So the acceptance
+lengths of a greedy chain decode over a stored greedy sequence follow from m(p) at every
+response position, and m(p) for all p comes from one target prefill over the sequence plus the
+draft's training forward over all anchors at once (`draft.train_hidden`): `chain_matches`, then
+`walk_chain` replays the decode's anchors. The walk equals a real chain decode's `accept_lens`
+up to float ties (tests/test_train.py::test_heldout_walk_equals_chain_decode) at a fraction of
+its cost, and `chain_matches` over every position gives the acceptance profile by block offset
+(where acceptance is lost) that a decode never visits.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax import draft as draft_lib
+from dflash_jax.config import DraftConfig, TargetConfig
+from dflash_jax.runtime import Runtime
+from dflash_jax.train import objective
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "tcfg", "chunk", "rt"))
+def _matches(params, cfg: DraftConfig, tparams, tcfg: TargetConfig, lm_head_w, tokens, length,
+             anchors, chunk: int, rt: Runtime):
+  feats, _ = objective.target_pass(tparams, tcfg, tokens, length, cfg.target_layer_ids, rt)
+  L = cfg.block_size
+
+  def one_chunk(a):                                               # a: [chunk] int32
+    bids = jnp.full((a.shape[0], L), cfg.mask_token_id, jnp.int32).at[:, 0].set(tokens[a])
+    h = draft_lib.train_hidden(params, cfg, feats, bids, a, tparams.embed, rt)
+    logits = jnp.einsum("ald,vd->alv", h[:, 1:], lm_head_w.astype(jnp.float32),
+                        precision=jax.lax.Precision.HIGHEST)      # [chunk, L-1, V]
+    pred = jnp.argmax(logits, -1)
+    pos = a[:, None] + jnp.arange(1, L)
+    ok = (pred == tokens[jnp.clip(pos, 0, tokens.shape[0] - 1)]) & (pos < length)
+    return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1), ok
+
+  m, ok = jax.lax.map(one_chunk, anchors.reshape(-1, chunk))
+  return m.reshape(-1), ok.reshape(-1, L - 1)
+
+
+def chain_matches(params, cfg: DraftConfig, target, tokens: np.ndarray, start: int, *,
+                  lm_head_w=None, chunk: int = 32, pad_to: int = 64,
+                  rt: Runtime = Runtime()) -> tuple[np.ndarray, np.ndarray]:
+  """m(p) for every anchor p in [start, len(tokens) - 2] of one greedy sequence.
+
+  params / cfg: a DFlash-1 draft (f32 or bf16 arrays, `draft_io.params_from_arrays`); target: a
+  loaded `dj.Target`; tokens: [T] int prompt + greedy response ids; start: the first anchor (the
+  prompt length: x_start is the first generated token). lm_head_w: [V, D] float32 (default: the
+  target's, dequantized; `objective.frozen_target_tensors`). The sequence is padded to a
+  multiple of pad_to and the anchors to a multiple of chunk (fewer compiled shapes).
+  Returns (m [A] int32 leading draft-argmax matches per anchor, ok [A, L-1] bool per offset),
+  A = len(tokens) - 1 - start. Raises ValueError for a DFlash-2 draft or start outside
+  [1, len(tokens) - 2].
+  """
+  if cfg.dflash2 is not None:
+    raise ValueError("chain_matches: DFlash-1 drafts only (a DFlash-2 draft's selector is not "
+                     "in the training forward)")
+  tokens = np.asarray(tokens, np.int32)
+  T = tokens.size
+  if not 1 <= start <= T - 2:
+    raise ValueError(f"chain_matches: start={start} outside [1, {T - 2}] for {T} tokens")
+  if lm_head_w is None:
+    lm_head_w = objective.frozen_target_tensors(target)[1]
+  Tp = -(-T // pad_to) * pad_to
+  tok = np.zeros(Tp, np.int32)
+  tok[:T] = tokens
+  anchors = np.arange(start, T - 1, dtype=np.int32)
+  A = anchors.size
+  ap = np.full(-(-A // chunk) * chunk, start, np.int32)
+  ap[:A] = anchors
+  m, ok = _matches(params, cfg, target.params, target.config, lm_head_w, jnp.asarray(tok),
+                   jnp.int32(T), jnp.asarray(ap), chunk, rt)
+  return np.asarray(m)[:A], np.asarray(ok)[:A]
+
+
+def walk_chain(m: np.ndarray, n_new: int) -> list[int]:
+  """The accept lengths of a greedy chain decode that generates n_new tokens (the first from
+  prefill) over the sequence `m` was measured on: m [A] int, m[i] the matches of the anchor at
+  the i-th generated token. Each step commits min(m + 1, tokens left) tokens."""
+  out, i = [], 0
+  while i < n_new - 1:
+    a = min(int(m[i]) + 1, n_new - 1 - i)
+    out.append(a)
+    i += a
+  return out
+
+
+def heldout_accept(params, cfg: DraftConfig, target, seqs: Sequence, *, max_new: int = 0,
+                   rt: Runtime = Runtime()) -> dict:
+  """Chain acceptance of a draft on held-out greedy sequences (objects with `.tokens` [T] int and
+  `.prompt_len`, e.g. `shards.TokenSeq`; the responses must be the target's greedy ones).
+  max_new > 0 cuts each response to its first max_new tokens.
+
+  Returns {"chain_al": mean over sequences of the walked chain acceptance length (as
+  scripts/bench.py's mean_accept_len), "chain_al_tokens": committed tokens / steps over all
+  sequences, "anchor_al": 1 + mean m(p) over every response position, "p_offset": [L-1] the
+  acceptance rate at offset k given offsets < k accepted (over every position), "n_seqs",
+  "n_anchors", "n_steps"}. Raises ValueError when no sequence has >= 2 response tokens.
+  """
+  lm = objective.frozen_target_tensors(target)[1]
+  per_seq, steps, committed, all_m, all_ok = [], 0, 0, [], []
+  for s in seqs:
+    t = np.asarray(s.tokens, np.int32)
+    p = int(s.prompt_len)
+    if max_new:
+      t = t[:p + max_new]
+    if t.size - p < 2:
+      continue
+    m, ok = chain_matches(params, cfg, target, t, p, lm_head_w=lm, rt=rt)
+    acc = walk_chain(m, t.size - p)
+    per_seq.append(float(np.mean(acc)))
+    steps += len(acc)
+    committed += int(np.sum(acc))
+    all_m.append(m)
+    all_ok.append(ok)
+  if not per_seq:
+    raise ValueError("heldout_accept: no sequence with >= 2 response tokens")
+  ok = np.concatenate(all_ok)
+  prefix = np.cumprod(ok, axis=1)
+  reached = np.concatenate([np.ones((ok.shape[0], 1), bool), prefix[:, :-1].astype(bool)], 1)
+  p_off = prefix.sum(0) / np.maximum(reached.sum(0), 1)
+  return {"chain_al": float(np.mean(per_seq)), "chain_al_tokens": committed / steps,
+          "anchor_al": 1.0 + float(np.mean(np.concatenate(all_m))),
+          "p_offset": [float(x) for x in p_off], "n_seqs": len(per_seq),
+          "n_anchors": int(ok.shape[0]), "n_steps": steps}
