@@ -35,7 +35,8 @@ def main(argv):
   for r, (path, label) in enumerate(zip(_LOGS.value, labels)):
     with open(path) as fh:
       evals = json.load(fh)["evals"]
-    kinds = sorted({k for e in evals for k in e if k not in ("step", "train_tokens")})
+    kinds = sorted({k for e in evals for k, v in e.items()
+                    if k not in ("step", "train_tokens") and isinstance(v, (int, float))})
     for kind in kinds:
       xs = [e["train_tokens"] / 1e6 for e in evals if kind in e]
       ys = [e[kind] for e in evals if kind in e]
@@ -51,7 +52,8 @@ def main(argv):
   fig.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
   fig.savefig(_OUT.value, dpi=110)
-  kinds = sorted({k for p in points for k in p if k not in ("run", "step", "train_tokens")})
+  kinds = sorted({k for p in points for k, v in p.items()
+                  if k not in ("run", "step", "train_tokens") and isinstance(v, (int, float))})
   print(f"{'run':>12} {'step':>6} {'tokens':>10} " + " ".join(f"{k:>10}" for k in kinds))
   for p in points:
     print(f"{p['run']:>12} {p['step']:>6} {p['train_tokens']:>10} "

