@@ -20,6 +20,9 @@ _DRAFT = flags.DEFINE_string("draft", os.path.join(ROOT, "checkpoints",
                                                    "smollm2-135m-instruct-dflash"), "Draft.")
 _EVAL_CACHE = flags.DEFINE_string("eval_cache", "/tmp/depth_study_evalsets.npz",
                                   "depth_study.py's cached held-out sequences.")
+_ABLATE = flags.DEFINE_integer("ablate_n", 20, "HumanEval sequences for the bonus-token ablation "
+                               "(offset-1 accuracy with the block's first token true / the mask "
+                               "token / a random id); 0: none.")
 _JSON = flags.DEFINE_string("json_out", None, "Write the results here.")
 
 BINS = (0.0, 0.3, 0.5, 0.7, 0.9, 1.01)
@@ -64,6 +67,28 @@ def main(argv):
                    "offset1_accept": float(hit[sel].mean()) if sel.any() else None})
     res["sets"][name] = {"positions": int(conf.size), "mean_target_top1": float(conf.mean()),
                          "offset1_accept": float(hit.mean()), "bins": rows}
+  if _ABLATE.value:
+    import jax.numpy as jnp
+    from dflash_jax import draft as draft_lib
+    from dflash_jax.train import objective
+    lm = np.asarray(objective.frozen_target_tensors(target)[1])
+    rng = np.random.default_rng(0)
+    hits = {"true": [], "mask": [], "random": []}
+    for i in range(_ABLATE.value):
+      seq = cache[f"he_{i}"]
+      plen = len(prompts["he"](i))
+      _, feats = dj.forward_logits(target, seq.tolist(), feature_layers=cfg.target_layer_ids)
+      a = np.arange(plen, seq.size - 1)
+      for kind in hits:
+        bids = np.full((a.size, cfg.block_size), cfg.mask_token_id, np.int32)
+        bids[:, 0] = {"true": seq[a], "mask": cfg.mask_token_id,
+                      "random": rng.integers(0, cfg.n_vocab, a.size)}[kind]
+        h = draft_lib.train_hidden(p, cfg, jnp.asarray(feats), jnp.asarray(bids), jnp.asarray(a),
+                                   target.params.embed)
+        hits[kind].append((np.asarray(h[:, 1]) @ lm.T).argmax(-1) == seq[a + 1])
+    res["bonus_token_ablation"] = {"n_seqs": _ABLATE.value, **{
+        k: float(np.concatenate(v).mean()) for k, v in hits.items()}}
+    print("offset-1 accuracy with the block's first token:", res["bonus_token_ablation"])
   print("| set | target top-1 prob | share of positions | offset-1 acceptance |")
   print("|---|---|---|---|")
   for name, r in res["sets"].items():
