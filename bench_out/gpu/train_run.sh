@@ -1,6 +1,6 @@
 #!/bin/bash
 # The GPU data + draft-training run of issue 24 (bench_out/gpu/TRAIN_RUN.md), over device calls:
-#   bash bench_out/gpu/train_run.sh GEN_MIN END_S WAIT_S [GEN_BATCH SHARD MAX_NEW TRAIN_BATCH]
+#   bash bench_out/gpu/train_run.sh GEN_MIN END_S WAIT_S [GEN_BATCH SHARD MAX_NEW TRAIN_BATCH LAYERS]
 # from the repository root on the device machine, once /tmp/smol.gguf holds the GGUF's first piece
 # (carry: .whl, .gpu/smolB, .gpu/smol.sha256, .gpu/prompts.npz, the shipped draft).
 # Launches, detached (setsid), one pipeline:
@@ -11,10 +11,13 @@
 #      sampled at temperature 0.8 (seed 1000, as the committed sampled shards), as new shards in a
 #      copy of the committed data directory;
 #   2. trains from the shipped draft on all of it (committed + new shards) until END_S seconds
-#      after the launch (--fit_schedule ends the cosine schedule there).
+#      after the launch (--fit_schedule ends the cosine schedule there); LAYERS (optional): the
+#      draft's depth (train_draft.py --draft_layers: fewer keeps the first layers, more grows it
+#      with identity-initialised layers).
 # Waits at most WAIT_S seconds (or until the training ends), then copies to $OUT what exists: the
-# data directory (data.tgz), the checkpoint in 12 MB pieces ($OUT takes files <= 16 MiB), its
-# config and log, run.log, status.txt and (once the training ended) the compile cache.
+# data directory (data.tgz), the checkpoint in 15 MB pieces ($OUT takes files <= 16 MiB, 8 files),
+# its config and log, run.log, status.txt and (once the training ended, if the checkpoint is in at
+# most two pieces) the compile cache.
 # A later call with GEN_MIN=-1 only waits and copies.
 set -u
 GEN_MIN=${1:-4}
@@ -24,6 +27,7 @@ GB=${4:-256}
 SHARD=${5:-1024}
 MAXNEW=${6:-512}
 TB=${7:-32}
+LAYERS=${8:-}
 T0=$SECONDS
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
@@ -56,7 +60,7 @@ python3 scripts/train_draft.py --target /tmp/smol.gguf --out_dir /tmp/ck \
   --steps 4000 --batch $TB --anchors 96 --seq_len 800 --length_buckets= --restrict_vocab \
   --lr 3e-4 --warmup 50 --gamma 7 --kl_weight 0.5 --eval_every 0 --save_every 100 --n_eval 0 \
   --compute_dtype float32 --seed $SEED --minutes \$TMIN --fit_schedule \
-  --compile_cache_dir /tmp/jcache
+  --compile_cache_dir /tmp/jcache ${LAYERS:+--draft_layers $LAYERS}
 touch /tmp/train.done
 EOF
   setsid nohup bash /tmp/pipe.sh > /tmp/run.log 2>&1 &
@@ -72,8 +76,9 @@ tr '\r' '\n' < /tmp/run.log | tail -n 3
 cp /tmp/ck/config.json /tmp/ck/train_log.json "$OUT/" 2> /dev/null
 # XLA's compiled programs (generation and the training step; ~3.5 min of compiling in session 27): a
 # later session with the same code, JAX and GPU kind may carry them back (.gpu/jcache.tgz).
-[ -f /tmp/train.done ] && tar czf /tmp/jcache.tgz -C /tmp jcache 2> /dev/null &&
+CK_BYTES=$(stat -c %s /tmp/ck/model.safetensors 2> /dev/null || echo 0)
+[ -f /tmp/train.done ] && [ "$CK_BYTES" -le 31457280 ] && tar czf /tmp/jcache.tgz -C /tmp jcache 2> /dev/null &&
   [ "$(stat -c %s /tmp/jcache.tgz)" -lt 16000000 ] && cp /tmp/jcache.tgz "$OUT/"
-[ -f /tmp/ck/model.safetensors ] && split -b 12M -d /tmp/ck/model.safetensors "$OUT/model.part."
+[ -f /tmp/ck/model.safetensors ] && split -b 15M -d /tmp/ck/model.safetensors "$OUT/model.part."
 ls -l "$OUT"
 [ -f /tmp/train.done ] && echo "FINISHED" || echo "STILL RUNNING"
