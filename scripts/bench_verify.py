@@ -18,6 +18,8 @@ _TARGET = flags.DEFINE_string("target", os.path.join(ROOT, "tests/data/qwen35_ti
                               "Target GGUF.")
 _DRAFT = flags.DEFINE_string("draft", os.path.join(ROOT, "tests/data/dflash_tiny"), "Draft directory.")
 _BUDGETS = flags.DEFINE_list("budgets", ["4", "8", "16", "22", "32"], "DDTree budgets.")
+_DRAFT_LENS = flags.DEFINE_list("draft_lens", [], "Chains of the bonus + K drafts to time too "
+                                 "(DecodeConfig.draft_len K < block_size - 1).")
 _TREE_TOP_K = flags.DEFINE_integer("tree_top_k", 8, "DDTree candidates per depth.")
 _CTX = flags.DEFINE_integer("ctx", 256, "Committed context length before the verify.")
 _REPEATS = flags.DEFINE_integer("repeats", 50, "Timed calls per configuration.")
@@ -87,6 +89,10 @@ def main(argv):
   root = jnp.int32(prompt[-1])
   rows = [{"mode": "chain", "tokens": L, "ms": timeit(lambda: path_verify(t.params, cache, block))},
           {"mode": "ar", "tokens": 1, "ms": timeit(lambda: path_verify(t.params, cache, block[:1]))}]
+  for k in _DRAFT_LENS.value:
+    k = int(k)
+    rows.append({"mode": f"chain:{k}", "tokens": k + 1,
+                 "ms": timeit(lambda: path_verify(t.params, cache, block[:k + 1]))})
   for b in _BUDGETS.value:
     b = int(b)
     rows.append({"mode": f"ddtree@{b}", "tokens": b + 1,

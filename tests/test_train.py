@@ -340,6 +340,28 @@ def test_heldout_walk_equals_chain_decode(qwen_f32, tiny_data):
     heldout.chain_matches(init, cfg, qwen_f32, np.arange(10), 0)
 
 
+def test_greedy_continuations_cache(tmp_path, qwen_f32, tiny_data, monkeypatch):
+  """heldout.greedy_continuations: the target's AR greedy continuation (no EOG stop), reused
+  from its .npz cache only when the prompt ids and length match, recomputed otherwise."""
+  from dflash_jax.train import heldout
+  prompts = [s.prompt.tolist()[:12] for s in tiny_data[:2]]
+  path = str(tmp_path / "cont.npz")
+  seqs = heldout.greedy_continuations(qwen_f32, prompts, 6, cache_path=path, max_ctx=128)
+  for p, s in zip(prompts, seqs):
+    ar = dj.generate(qwen_f32, None, p, max_new_tokens=6, mode="ar", max_ctx=128, eog_ids=())
+    assert s.prompt.tolist() == p and s.response.tolist() == ar.tokens
+  calls = []
+  real = dj.generate
+  monkeypatch.setattr(dj, "generate", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+  again = heldout.greedy_continuations(qwen_f32, prompts, 6, cache_path=path, max_ctx=128)
+  assert calls == [] and [s.tokens.tolist() for s in again] == [s.tokens.tolist() for s in seqs]
+  changed = [prompts[0], prompts[1][:-1]]
+  heldout.greedy_continuations(qwen_f32, changed, 6, cache_path=path, max_ctx=128)
+  assert calls == [changed[1]]                 # the changed prompt only
+  heldout.greedy_continuations(qwen_f32, changed, 5, cache_path=path, max_ctx=128)
+  assert len(calls) == 3                       # another length: both recomputed
+
+
 def test_resize_depth(qwen_f32, draft_ref):
   """draft_io.resize_depth: a grown draft computes exactly what the trained one did (new layers
   are identity at init), a truncated one keeps the first layers' weights, and bad requests are

