@@ -1,6 +1,6 @@
 #!/bin/bash
 # The GPU data + draft-training run of issue 24 (bench_out/gpu/TRAIN_RUN.md), over device calls:
-#   bash bench_out/gpu/train_run.sh GEN_MIN END_S WAIT_S [GEN_BATCH SHARD MAX_NEW TRAIN_BATCH LAYERS]
+#   bash bench_out/gpu/train_run.sh GEN_MIN END_S WAIT_S [GEN_BATCH SHARD MAX_NEW TRAIN_BATCH LAYERS DTYPE]
 # from the repository root on the device machine, once /tmp/smol.gguf holds the GGUF's first piece
 # (carry: .whl, .gpu/smolB, .gpu/smol.sha256, .gpu/prompts.npz, the shipped draft).
 # Launches, detached (setsid), one pipeline:
@@ -13,7 +13,9 @@
 #   2. trains from the shipped draft on all of it (committed + new shards) until END_S seconds
 #      after the launch (--fit_schedule ends the cosine schedule there); LAYERS (optional): the
 #      draft's depth (train_draft.py --draft_layers: fewer keeps the first layers, more grows it
-#      with identity-initialised layers).
+#      with identity-initialised layers); DTYPE (optional, default bfloat16): the training step's
+#      compute dtype (bf16 operands on the tensor cores, float32 accumulation; float32 = sessions
+#      26-27's setting, 0.400 s a step at batch 32).
 # Waits at most WAIT_S seconds (or until the training ends), then copies to $OUT what exists: the
 # data directory (data.tgz), the checkpoint in 15 MB pieces ($OUT takes files <= 16 MiB, 8 files),
 # its config and log, run.log, status.txt and (once the training ended, if the checkpoint is in at
@@ -28,6 +30,7 @@ SHARD=${5:-1024}
 MAXNEW=${6:-512}
 TB=${7:-32}
 LAYERS=${8:-}
+DTYPE=${9:-bfloat16}
 T0=$SECONDS
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
@@ -59,7 +62,7 @@ python3 scripts/train_draft.py --target /tmp/smol.gguf --out_dir /tmp/ck \
   --init_checkpoint checkpoints/smollm2-135m-instruct-dflash --data_dirs /tmp/data \
   --steps 4000 --batch $TB --anchors 96 --seq_len 800 --length_buckets= --restrict_vocab \
   --lr 3e-4 --warmup 50 --gamma 7 --kl_weight 0.5 --eval_every 0 --save_every 100 --n_eval 0 \
-  --compute_dtype float32 --seed $SEED --minutes \$TMIN --fit_schedule \
+  --compute_dtype $DTYPE --seed $SEED --minutes \$TMIN --fit_schedule \
   --compile_cache_dir /tmp/jcache ${LAYERS:+--draft_layers $LAYERS}
 touch /tmp/train.done
 EOF
