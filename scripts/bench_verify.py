@@ -18,8 +18,8 @@ _TARGET = flags.DEFINE_string("target", os.path.join(ROOT, "tests/data/qwen35_ti
                               "Target GGUF.")
 _DRAFT = flags.DEFINE_string("draft", os.path.join(ROOT, "tests/data/dflash_tiny"), "Draft directory.")
 _BUDGETS = flags.DEFINE_list("budgets", ["4", "8", "16", "22", "32"], "DDTree budgets.")
-_DRAFT_LENS = flags.DEFINE_list("draft_lens", [], "Chains of the bonus + K drafts to time too "
-                                 "(DecodeConfig.draft_len K < block_size - 1).")
+_DRAFT_LENS = flags.DEFINE_list("draft_lens", [], "Chains of the bonus + the draft's first K "
+                                 "tokens (K < block_size - 1) to time too: a shorter verify.")
 _TREE_TOP_K = flags.DEFINE_integer("tree_top_k", 8, "DDTree candidates per depth.")
 _CTX = flags.DEFINE_integer("ctx", 256, "Committed context length before the verify.")
 _REPEATS = flags.DEFINE_integer("repeats", 50, "Timed calls per configuration.")

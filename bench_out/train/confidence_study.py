@@ -39,10 +39,11 @@ def main(argv):
   cfg, p = draft_io.load(_DRAFT.value, target.config)
   p = draft_io.params_from_arrays(draft_io.params_to_arrays(p), cfg, weight_fmt="f32")
   n_he = max(_N_HE.value, _ABLATE.value)
-  sets = {{"humaneval": "he"}.get(k, k): heldout.greedy_continuations(
-      target, ps, heldout.EVAL_NEW_TOKENS[k], cache_path=_EVAL_CACHE.value,
-      cache_prefix={"humaneval": "he"}.get(k, k))
-      for k, ps in heldout.eval_prompts(target, n_he, _N_CHAT.value).items()}
+  sets = {}
+  for kind, ps in heldout.eval_prompts(target, n_he, _N_CHAT.value).items():
+    name = {"humaneval": "he"}.get(kind, kind)       # depth_study.py's set names and cache keys
+    sets[name] = heldout.greedy_continuations(target, ps, heldout.EVAL_NEW_TOKENS[kind],
+                                              cache_path=_EVAL_CACHE.value, cache_prefix=name)
   res = {"draft": _DRAFT.value, "bins": list(BINS), "sets": {}}
   for name, seqs in sets.items():
     conf, hit = [], []

@@ -174,7 +174,6 @@ def greedy_continuations(target, prompts: Sequence[Sequence[int]], n_new: int, *
   ids), read when it exists and rewritten with any new ones; an entry is reused only when its
   prompt ids equal the prompt's and it holds n_new response tokens.
   """
-  import numpy as np
   import dflash_jax as dj
   from dflash_jax.train.shards import TokenSeq
   cache = {}
