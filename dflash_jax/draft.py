@@ -291,20 +291,39 @@ def _block_attention(q, kc, vc, kb, vb, ctx_mask, blk_mask, head_dim: int):
           + jnp.einsum("akglm,amkd->alkgd", p[..., n_ctx:], vb, precision=hp))
 
 
+def packed_positions(anchors: jax.Array, n_ctx: int, block_size: int, positions, segments):
+  """RoPE positions and the same-sequence mask of a training forward over T context rows.
+
+  anchors: [A] int32 row indices of the blocks' first rows. positions / segments: None (one
+  sequence: row index = position) or [T] int32 each row's position inside its own sequence and
+  which sequence it is (several sequences packed in the row). Returns (context positions [T],
+  block positions [A, L] int32, same [A, T] bool or None: context rows of the anchor's own
+  sequence)."""
+  offs = jnp.arange(block_size, dtype=jnp.int32)
+  if positions is None:
+    return jnp.arange(n_ctx, dtype=jnp.int32), anchors[:, None] + offs, None
+  same = segments[None, :] == jnp.take(segments, anchors)[:, None]
+  return positions, jnp.take(positions, anchors)[:, None] + offs, same
+
+
 def train_hidden(params: DraftParams, cfg: DraftConfig, feats: jax.Array, block_ids: jax.Array,
-                 anchors: jax.Array, embed: QuantWeight, rt: Runtime = Runtime()):
+                 anchors: jax.Array, embed: QuantWeight, rt: Runtime = Runtime(),
+                 positions=None, segments=None):
   """Draft forward for many blocks of one sequence at once (training; same math as ingest +
   propose, checked by tests).
 
   feats: [T, F*D] target features of positions 0..T-1; block_ids: [A, L] int32 rows
   [x_anchor, MASK x (L-1)]; anchors: [A] int32 positions of the first rows.
+  positions, segments: None, or [T] int32 for a packed row (several sequences back to back;
+  `packed_positions`): a block then sees only its own sequence's rows before its anchor, at
+  RoPE positions inside that sequence, so each block computes what it would alone.
   Returns h: [A, L, D] float32 after the final norm (apply the target lm_head to rows 1..L-1).
   """
   n_ctx = feats.shape[0]
   A, L = block_ids.shape
   H, Hkv, Dh = cfg.n_head, cfg.n_kv_head, cfg.head_dim
-  cpos = jnp.arange(n_ctx, dtype=jnp.int32)
-  qpos = (anchors[:, None] + jnp.arange(L, dtype=jnp.int32)).reshape(-1)  # [A*L]
+  cpos, qpos, same = packed_positions(anchors, n_ctx, L, positions, segments)
+  qpos = qpos.reshape(-1)                                                 # [A*L]
   c = _context(params, feats, cfg, rt)
   h = take_rows(embed, block_ids.reshape(-1)).reshape(A, L, -1)
   for i, lay in enumerate(params.layers):
@@ -313,6 +332,8 @@ def train_hidden(params: DraftParams, cfg: DraftConfig, feats: jax.Array, block_
     q = _queries(x, lay, qpos, cfg, rt).reshape(A, L, Hkv, H // Hkv, Dh)
     kb, vb = _kv(x, lay, qpos, cfg, rt)
     ctx_mask, blk_mask = block_masks(anchors, n_ctx, cfg, cfg.sliding[i])
+    if same is not None:
+      ctx_mask = ctx_mask & same[:, None, :]
     o = _block_attention(q, kc, vc, kb.reshape(A, L, Hkv, Dh), vb.reshape(A, L, Hkv, Dh),
                          ctx_mask, blk_mask, Dh)
     h = _mlp_residual(h, o.reshape(A, L, H * Dh), lay, cfg, rt)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from dflash_jax import layers
 from dflash_jax.config import DraftConfig
 from dflash_jax.draft import (ConvParams, DraftCache, DraftParams, _block_attention, _context, _kv,
-                             _queries, context_rope)
+                             _queries, context_rope, packed_positions)
 from dflash_jax.quants import QuantWeight, take_rows
 from dflash_jax.runtime import Runtime
 
@@ -147,32 +147,38 @@ def propose_hidden(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, bo
 
 
 def train_hidden(params: DraftParams, cfg: DraftConfig, feats: jax.Array, block_ids: jax.Array,
-                 anchors: jax.Array, embed: QuantWeight, rt: Runtime = Runtime()) -> jax.Array:
+                 anchors: jax.Array, embed: QuantWeight, rt: Runtime = Runtime(),
+                 positions=None, segments=None) -> jax.Array:
   """The DFlash-2 forward for many blocks of one sequence at once (training; the math of
   `propose_hidden` over a cache holding positions 0..anchor-1, checked by tests).
 
   feats: [T, F*D] target features of positions 0..T-1; block_ids: [A, L] int32 rows
   [x_anchor, MASK x (L-1)]; anchors: [A] int32 positions of the blocks' first rows. Block a sees
   context positions < anchors[a] and its own rows (`block_masks`), the convolutions run inside
-  each block. Returns hidden [A, L, D] float32 after the final norm.
+  each block. positions, segments: None, or [T] int32 for a packed row (`draft.train_hidden`):
+  a block sees only its own sequence's rows, at RoPE positions inside it.
+  Returns hidden [A, L, D] float32 after the final norm.
   """
   f = cfg.dflash2
   n_ctx = feats.shape[0]
   A, L = block_ids.shape
   H, Hkv, Dh, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.d_model
-  cpos = jnp.arange(n_ctx, dtype=jnp.int32)
+  cpos = jnp.arange(n_ctx, dtype=jnp.int32)          # row indices: what the masks compare
   qpos = anchors[:, None] + jnp.arange(L, dtype=jnp.int32)               # [A, L]
+  rcpos, rqpos, same = packed_positions(anchors, n_ctx, L, positions, segments)  # RoPE
   before = jnp.broadcast_to(cpos[None, None, :] < anchors[:, None, None], (A, L, n_ctx))
+  if same is not None:
+    before = before & same[:, None, :]
   c = _context(params, feats, cfg, rt)
   x = take_rows(embed, block_ids.reshape(-1)).reshape(A, L, D).astype(jnp.float32)
   x = x * f.input_embedding_scale
   for i, lay in enumerate(params.layers):
-    kc, vc = _kv(c, lay, cpos, cfg, rt)
+    kc, vc = _kv(c, lay, rcpos, cfg, rt)
 
     def attend(a):
       af = a.reshape(A * L, D)
-      q = _queries(af, lay, qpos.reshape(-1), cfg, rt).reshape(A, L, Hkv, H // Hkv, Dh)
-      kb, vb = _kv(af, lay, qpos.reshape(-1), cfg, rt)
+      q = _queries(af, lay, rqpos.reshape(-1), cfg, rt).reshape(A, L, Hkv, H // Hkv, Dh)
+      kb, vb = _kv(af, lay, rqpos.reshape(-1), cfg, rt)
       ctx_mask, blk_mask = jax.vmap(lambda p, m: block_masks(p, cpos, cfg, i, m))(qpos, before)
       o = _block_attention(q, kc, vc, kb.reshape(A, L, Hkv, Dh), vb.reshape(A, L, Hkv, Dh),
                            ctx_mask, blk_mask, Dh)

@@ -34,6 +34,25 @@ def causal_conv(x: jax.Array, conv_state: jax.Array, w: jax.Array) -> jax.Array:
   return y
 
 
+def causal_conv_segments(x: jax.Array, w: jax.Array, positions: jax.Array) -> jax.Array:
+  """`causal_conv` over several sequences packed back to back in one row (training), each
+  starting from a zero conv state: a tap that would reach back past its row's sequence start
+  reads zero instead of the previous sequence's inputs.
+
+  x: [T, C]; w: [C, K]; positions: [T] int32 each row's position inside its own sequence (0 at
+  a sequence's first row). Returns [T, C] float32; equals `causal_conv(x, zeros, w)` on each
+  sequence alone, summed in the same order.
+  """
+  kk = w.shape[1]
+  t = x.shape[0]
+  xc = jnp.concatenate([jnp.zeros((kk - 1, x.shape[1]), jnp.float32), x.astype(jnp.float32)],
+                       axis=0)
+  y = jnp.zeros_like(x, dtype=jnp.float32)
+  for j in range(kk):                                  # tap j reaches kk-1-j rows back
+    y = y + jnp.where((positions >= kk - 1 - j)[:, None], xc[j:j + t], 0.0) * w[:, j]
+  return y
+
+
 def gated_delta_rule_recurrent(q, k, v, g, beta, state):
   """Token-by-token gated delta rule (Yang et al. 2024, arXiv:2412.06464), float32.
 
@@ -182,6 +201,29 @@ def mixer_prefill(x, p, cfg: TargetConfig, ssm, conv, n_valid, rt: Runtime):
   xc = jnp.concatenate([conv, xin], axis=0)
   new_conv = jax.lax.dynamic_slice_in_dim(xc, n_valid, conv.shape[0], axis=0)
   return _output(o, z, p, cfg, rt), new_ssm, new_conv
+
+
+# Log decay given to a packed sequence's first row (`mixer_packed`): e^-60 ~ 1e-26 of the previous
+# sequence's state survives it, below float32 resolution of any state it is added to.
+SEQUENCE_RESET_DECAY = -60.0
+
+
+def mixer_packed(x, p, cfg: TargetConfig, positions, rt: Runtime):
+  """Training form over several sequences packed back to back in one row, each from a zero SSM
+  and conv state (the target's features of a packed row equal those of each sequence's own
+  prefill): the conv taps stop at each sequence's start (`causal_conv_segments`) and a
+  sequence's first row decays the carried state by e^SEQUENCE_RESET_DECAY, so the chunked rule
+  runs across sequence boundaries without carrying state over them.
+
+  x: [T, D]; positions: [T] int32 each row's position inside its own sequence (0 at its first
+  row). Returns out [T, D] float32.
+  """
+  xin, z, g, beta = _inputs(x, p, cfg, rt)
+  q, k, v = _qkv(jax.nn.silu(causal_conv_segments(xin, p.conv, positions)), cfg)
+  g = jnp.where((positions == 0)[:, None], SEQUENCE_RESET_DECAY, g)
+  state = jnp.zeros((cfg.gdn_n_v_head, cfg.gdn_d_k, cfg.gdn_d_v), jnp.float32)
+  o, _ = gated_delta_rule_chunked(q, k, v, g, beta, state)
+  return _output(o, z, p, cfg, rt)
 
 
 def mixer_verify(x, p, cfg: TargetConfig, ssm, conv, tree, anc, rt: Runtime):

@@ -265,6 +265,32 @@ def prefill(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, start: j
   return Prefilled(hidden=h, feats=feats, cache=cache)
 
 
+def forward_packed(params: TargetParams, cfg: TargetConfig, tokens: jax.Array,
+                   positions: jax.Array, segments: jax.Array, rt: Runtime, *,
+                   feature_layers: tuple[int, ...] = ()):
+  """Training forward of one packed row: several sequences back to back in T tokens, each
+  seeing only itself (attention: causal within its own segment; Gated DeltaNet:
+  `gdn.mixer_packed`, conv and SSM state restarted at every sequence start), RoPE at each
+  row's position inside its own sequence. Nothing is cached. Each sequence's rows equal its own
+  `prefill` from position 0 up to float rounding (tests/test_train.py checks it).
+
+  tokens, positions, segments: [T] int32 (segments: which sequence a row belongs to; rows of one
+  sequence are contiguous; padding rows get a segment of their own). feature_layers: static, as
+  in `prefill`. Returns (hidden [T, D] float32, feats [T, F*D] float32 or None).
+  """
+  t = tokens.shape[0]
+  mask = jnp.tril(jnp.ones((t, t), bool)) & (segments[:, None] == segments[None, :])
+  cache = init_cache(cfg, 1, rt)         # nothing committed: every key is this call's own row
+
+  def mixer(x, p, ig, c):
+    return gdn.mixer_packed(x, p, cfg, positions, rt), c, None
+
+  x = take_rows(params.embed, tokens)
+  h, feats, _, _, _, _ = _trunk(params, cfg, x, cache, jnp.int32(0), positions, mask, mixer,
+                                feature_layers, rt)
+  return h, feats
+
+
 def _verify_mask(tree: Tree):
   """[N, N] bool: which nodes each node sees besides the committed past: path tree -> causal;
   tree -> its ancestors (and itself)."""

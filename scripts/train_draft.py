@@ -61,7 +61,11 @@ _BUCKETS = flags.DEFINE_list("length_buckets", ["256", "512"], "Padded lengths a
                              "below --seq_len (a batch of short sequences is not padded to "
                              "--seq_len; one compiled step per length). Empty: always --seq_len.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 800, "Tokens per training sequence (padded; longer ones "
-                                "windowed).")
+                                "windowed); with --pack, tokens per packed row.")
+_PACK = flags.DEFINE_bool("pack", False, "Pack several sequences back to back in each row of "
+                          "--seq_len tokens (each sees only itself): --batch is then rows per "
+                          "step and --anchors blocks per row. Not with --length_buckets (their "
+                          "default is dropped under --pack).")
 _LR = flags.DEFINE_float("lr", 1e-3, "Peak learning rate.")
 _WARMUP = flags.DEFINE_integer("warmup", 100, "Linear warm-up steps.")
 _WD = flags.DEFINE_float("weight_decay", 0.01, "AdamW weight decay.")
@@ -211,13 +215,18 @@ def main(argv):
   if _BATCH.value % n_dev:
     raise app.UsageError(f"--batch={_BATCH.value} must be a multiple of the {n_dev} devices")
   mesh = jax.make_mesh((n_dev,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  buckets = tuple(int(x) for x in _BUCKETS.value if int(x) < _SEQ_LEN.value)
+  if _PACK.value:
+    if flags.FLAGS["length_buckets"].present and buckets:
+      raise app.UsageError("--pack packs rows of --seq_len tokens: pass --length_buckets= "
+                           "(empty) with it")
+    buckets = ()
   tc = train.TrainConfig(steps=_STEPS.value, batch=_BATCH.value, anchors=_ANCHORS.value,
                          seq_len=_SEQ_LEN.value, lr=_LR.value, warmup=_WARMUP.value,
                          weight_decay=_WD.value, clip=_CLIP.value, gamma=_GAMMA.value,
                          kl_weight=_KL.value, seed=_SEED.value, compute_dtype=_DTYPE.value,
                          restrict_vocab=_RESTRICT.value, loss_offsets=_OFFSETS.value,
-                         length_buckets=tuple(int(x) for x in _BUCKETS.value
-                                              if int(x) < _SEQ_LEN.value))
+                         length_buckets=buckets, pack=_PACK.value)
   out_norm = (_INIT_NORM.value * np.asarray(target.params.out_norm, np.float32)
               if _INIT_NORM.value > 0 else None)
   if init is None:

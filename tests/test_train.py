@@ -505,14 +505,157 @@ def test_length_buckets(qwen_f32, tiny_data):
   assert losses[0] == pytest.approx(losses[1], rel=1e-6)
 
 
-@pytest.mark.parametrize("restrict_vocab", [False, True])
-def test_resume_equals_uninterrupted(tmp_path, qwen_f32, tiny_data, restrict_vocab):
+def test_packed_target_forward_equals_prefill(qwen_f32):
+  """target.forward_packed over three sequences back to back (37 + 70 + 21 tokens and 12 rows
+  of padding; the middle one spans the chunked rule's 64-row chunk boundary) gives, on each
+  sequence's rows, the features and final hidden state of that sequence's own prefill from
+  position 0 (objective.target_pass), max |diff| <= 1e-4 x max |value|, on the hybrid tiny
+  target (attention layers: per-sequence causal mask and positions; Gated DeltaNet layers: conv
+  taps and SSM state restarted at each sequence start)."""
+  cfg = qwen_f32.config
+  assert any(cfg.recurrent) and not all(cfg.recurrent)
+  rng = np.random.default_rng(7)
+  lens, T = [37, 70, 21], 140
+  seqs = [rng.integers(0, cfg.n_vocab, n).astype(np.int32) for n in lens]
+  tokens = np.zeros(T, np.int32)
+  positions = np.zeros(T, np.int32)
+  segments = np.full(T, 3, np.int32)
+  at = 0
+  for j, t in enumerate(seqs):
+    tokens[at:at + t.size], positions[at:at + t.size], segments[at:at + t.size] = t, np.arange(t.size), j
+    at += t.size
+  positions[at:] = np.arange(T - at)
+  tparams = qwen_f32.params
+  layers_ = (1, 3, 5)
+  feats, hidden = train.target_pass(tparams, cfg, jnp.asarray(tokens), jnp.int32(at), layers_,
+                                    Runtime(), jnp.asarray(positions), jnp.asarray(segments))
+  at = 0
+  for t in seqs:
+    pad = np.zeros(80, np.int32)
+    pad[:t.size] = t
+    f1, h1 = train.target_pass(tparams, cfg, jnp.asarray(pad), jnp.int32(t.size), layers_,
+                               Runtime())
+    for got, want in ((feats[at:at + t.size], f1[:t.size]), (hidden[at:at + t.size], h1[:t.size])):
+      got, want = np.asarray(got), np.asarray(want)
+      assert np.max(np.abs(got - want)) <= 1e-4 * np.max(np.abs(want)), np.max(np.abs(got - want))
+    at += t.size
+  # the same row without the sequence restarts is a different computation (the check can fail)
+  f_one, _ = train.target_pass(tparams, cfg, jnp.asarray(tokens), jnp.int32(at), layers_,
+                               Runtime())
+  assert np.max(np.abs(np.asarray(f_one[40:100]) - np.asarray(feats[40:100]))) > 1e-2
+
+
+def _unpacked_like(packed, seqs, L, mask_token_id):
+  """The unpacked batch (one sequence per row, seq_len 64) holding exactly the blocks of a
+  one-row packed batch: each packed anchor moved to its own sequence's row, labels and their
+  validity computed here by hand."""
+  starts = np.concatenate([[0], np.cumsum([len(s.tokens) for s in seqs])])
+  A = packed.anchors.shape[1]
+  B, T = len(seqs), 64
+  tokens = np.zeros((B, T), np.int32)
+  anchors = np.zeros((B, A), np.int32)
+  block_ids = np.full((B, A, L), mask_token_id, np.int32)
+  labels = np.zeros((B, A, L - 1), np.int32)
+  valid = np.zeros((B, A, L - 1), bool)
+  count = [0] * B
+  for i, s in enumerate(seqs):
+    tokens[i, :len(s.tokens)] = s.tokens
+    anchors[i] = s.prompt_len
+  for a in range(A):
+    if not packed.label_valid[0, a].any():
+      continue
+    pa = int(packed.anchors[0, a])
+    j = int(np.searchsorted(starts, pa, side="right") - 1)
+    loc, n = pa - starts[j], len(seqs[j].tokens)
+    c = count[j]
+    count[j] += 1
+    anchors[j, c] = loc
+    block_ids[j, c, 0] = seqs[j].tokens[loc]
+    for k in range(1, L):
+      if loc + k < n:
+        labels[j, c, k - 1] = seqs[j].tokens[loc + k]
+        valid[j, c, k - 1] = True
+  return train.Batch(tokens=tokens, lengths=np.array([len(s.tokens) for s in seqs], np.int32),
+                     block_ids=block_ids, anchors=anchors, labels=labels, label_valid=valid)
+
+
+@pytest.mark.parametrize("variant", ["dflash1", "dflash1_sliding", "dflash2"])
+def test_packed_loss_equals_unpacked(qwen_f32, tiny_data, variant):
+  """A packed row (the three tiny responses back to back in 160 tokens, 20 anchors) and the
+  unpacked batch with the same blocks (`_unpacked_like`, built by hand) give the same loss, CE,
+  KL and accuracy (rel 1e-5) and the same gradient (relative L2 < 1e-4): packing changes the
+  step's cost, not the objective. DFlash-1 (all-visible and sliding-window layers) and DFlash-2."""
+  sliding = variant == "dflash1_sliding"
+  cfg = _tiny_cfg(qwen_f32, block_size=4, sliding=sliding, window=6 if sliding else 0,
+                  n_layer=2)
+  if variant == "dflash2":
+    cfg = draft_io.dflash2_config(cfg, conv_kernel=3, conv_group=64, selector_rank=8,
+                                  selector_top_k=4)
+  params = jax.tree.map(jnp.asarray, draft_io.init_params(jax.random.key(4), cfg, 256,
+                                                          weight_fmt="f32"))
+  seqs = list(tiny_data)
+  packed = train.make_packed_batch(np.random.default_rng(5), [seqs], cfg, seq_len=160,
+                                   n_anchors=20, mask_token_id=cfg.mask_token_id)
+  seg, pos = packed.segments[0], packed.positions[0]
+  total = sum(len(s.tokens) for s in seqs)
+  assert packed.lengths[0] == total and np.all(seg[total:] == 3)
+  for a in range(20):                       # labels never cross into the next sequence
+    for k in range(3):
+      if packed.label_valid[0, a, k]:
+        at = packed.anchors[0, a] + k + 1
+        assert seg[at] == seg[packed.anchors[0, a]] and packed.labels[0, a, k] == packed.tokens[0, at]
+        assert pos[packed.anchors[0, a]] >= seqs[seg[at]].prompt_len
+  unpacked = _unpacked_like(packed, seqs, 4, cfg.mask_token_id)
+  assert unpacked.label_valid.sum() == packed.label_valid.sum() > 30
+  tparams, lm = train.frozen_target_tensors(qwen_f32)
+  w = jnp.asarray(train.loss_weights(4, 3.0))
+  fn = jax.value_and_grad(train.batch_loss, has_aux=True)
+  (lp, mp), gp = fn(params, cfg, packed, tparams, qwen_f32.config, lm, w, 0.7)
+  (lu, mu), gu = fn(params, cfg, unpacked, tparams, qwen_f32.config, lm, w, 0.7)
+  assert float(lp) == pytest.approx(float(lu), rel=1e-5)
+  for k in ("ce", "kl", "acc", "acc1"):
+    assert float(mp[k]) == pytest.approx(float(mu[k]), rel=1e-5, abs=1e-7), k
+  gp, gu = (np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)]) for g in (gp, gu))
+  assert np.linalg.norm(gp - gu) < 1e-4 * np.linalg.norm(gu)
+
+
+def test_pack_rows_and_packed_steps(tiny_data):
+  """TrainConfig.pack: a step's rows hold whole sequences back to back (segment ids, positions
+  from 0, the tokens of the sequence drawn), at most seq_len real tokens, deterministic in
+  (seed, step); pack with length buckets is refused."""
+  cfg = DraftConfig(d_model=256, n_layer=1, n_head=4, n_kv_head=2, head_dim=64, d_ff=512,
+                    n_vocab=1024, rms_eps=1e-6, rope_theta=1e7, block_size=4,
+                    mask_token_id=1023, target_layer_ids=(1,), sliding=(False,))
+  tc = train.TrainConfig(batch=2, anchors=6, seq_len=120, pack=True)
+  lens = train.length_groups(tc, tiny_data)
+  for step in range(5):
+    b = train.step_batch(tc, cfg, tiny_data, step, lens)
+    assert b.tokens.shape == (2, 120) and b.positions.shape == b.segments.shape == (2, 120)
+    for r in range(2):
+      n = int(b.lengths[r])
+      assert 0 < n <= 120
+      seg = b.segments[r]
+      for j in np.unique(seg[:n]):
+        rows = np.flatnonzero(seg == j)
+        assert np.array_equal(b.positions[r, rows], np.arange(rows.size))
+        assert any(np.array_equal(b.tokens[r, rows], s.tokens) for s in tiny_data)
+    b2 = train.step_batch(tc, cfg, tiny_data, step, lens)
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(b), jax.tree.leaves(b2)))
+  assert sum(int(train.step_batch(tc, cfg, tiny_data, s, lens).lengths.sum()) for s in range(5)) \
+      > 0.7 * 5 * 2 * 120
+  with pytest.raises(ValueError, match="pack"):
+    train.TrainConfig(seq_len=120, pack=True, length_buckets=(64,))
+
+
+@pytest.mark.parametrize("restrict_vocab,pack", [(False, False), (True, False), (False, True)])
+def test_resume_equals_uninterrupted(tmp_path, qwen_f32, tiny_data, restrict_vocab, pack):
   """6 steps in one run give the same params and optimizer state as 3 steps, a save, a load into
   a fresh state and 3 more steps (a step's batch depends only on the seed and the step), with the
-  whole vocabulary and with the restricted loss vocabulary."""
+  whole vocabulary, with the restricted loss vocabulary and with packed rows."""
   cfg = _tiny_cfg(qwen_f32, block_size=4)
-  tc = train.TrainConfig(steps=6, batch=2, anchors=4, seq_len=64, lr=3e-3, warmup=2, seed=5,
-                         restrict_vocab=restrict_vocab)
+  tc = train.TrainConfig(steps=6, batch=1 if pack else 2, anchors=8 if pack else 4,
+                         seq_len=128 if pack else 64, lr=3e-3, warmup=2, seed=5,
+                         restrict_vocab=restrict_vocab, pack=pack)
   fresh = lambda: train.init_state(draft_io.init_params(jax.random.key(0), cfg, 256,
                                                         weight_fmt="f32"), train.make_optimizer(tc))
   full = train.train(qwen_f32, cfg, tiny_data, tc, fresh())

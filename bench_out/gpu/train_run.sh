@@ -1,6 +1,6 @@
 #!/bin/bash
 # The GPU data + draft-training run of issue 24 (bench_out/gpu/TRAIN_RUN.md), over device calls:
-#   bash bench_out/gpu/train_run.sh GEN_MIN END_S WAIT_S [GEN_BATCH SHARD MAX_NEW TRAIN_BATCH LAYERS DTYPE]
+#   bash bench_out/gpu/train_run.sh GEN_MIN END_S WAIT_S [GEN_BATCH SHARD MAX_NEW TRAIN_BATCH LAYERS DTYPE PACK]
 # from the repository root on the device machine, once /tmp/smol.gguf holds the GGUF's first piece
 # (carry: .whl, .gpu/smolB, .gpu/smol.sha256, .gpu/prompts.npz, the shipped draft).
 # Launches, detached (setsid), one pipeline:
@@ -15,7 +15,11 @@
 #      draft's depth (train_draft.py --draft_layers: fewer keeps the first layers, more grows it
 #      with identity-initialised layers); DTYPE (optional, default bfloat16): the training step's
 #      compute dtype (bf16 operands on the tensor cores, float32 accumulation; float32 = sessions
-#      26-27's setting, 0.400 s a step at batch 32).
+#      26-27's setting, 0.400 s a step at batch 32); PACK (optional, default 1024): packed rows of
+#      PACK tokens (train_draft.py --pack: several whole sequences back to back per row, each seeing
+#      only itself, ~78 % real tokens at 1024; TRAIN_BATCH is then rows a step, default 12, and the
+#      anchors scale to 96 per 400 tokens, 96 per average sequence), 0: one sequence per 800-token
+#      row (sessions 26-27: TRAIN_BATCH default 32, ~49 % real tokens).
 # Waits at most WAIT_S seconds (or until the training ends), then copies to $OUT what exists: the
 # data directory (data.tgz), the checkpoint in 15 MB pieces ($OUT takes files <= 16 MiB, 8 files),
 # its config and log, run.log, status.txt and (once the training ended, if the checkpoint is in at
@@ -28,9 +32,17 @@ WAIT=${3:-560}
 GB=${4:-256}
 SHARD=${5:-1024}
 MAXNEW=${6:-512}
-TB=${7:-32}
+TB=${7:-}
 LAYERS=${8:-}
 DTYPE=${9:-bfloat16}
+PACK=${10:-1024}
+if [ "$PACK" -gt 0 ]; then
+  TB=${TB:-12}
+  SHAPE="--pack --seq_len $PACK --anchors $(( PACK * 96 / 400 ))"
+else
+  TB=${TB:-32}
+  SHAPE="--seq_len 800 --anchors 96"
+fi
 T0=$SECONDS
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
@@ -60,7 +72,7 @@ touch /tmp/gen.done
 TMIN=\$(python3 -c "print(max(1.5, ($END_EPOCH - \$(date +%s)) / 60))")
 python3 scripts/train_draft.py --target /tmp/smol.gguf --out_dir /tmp/ck \
   --init_checkpoint checkpoints/smollm2-135m-instruct-dflash --data_dirs /tmp/data \
-  --steps 4000 --batch $TB --anchors 96 --seq_len 800 --length_buckets= --restrict_vocab \
+  --steps 4000 --batch $TB $SHAPE --length_buckets= --restrict_vocab \
   --lr 3e-4 --warmup 50 --gamma 7 --kl_weight 0.5 --eval_every 0 --save_every 100 --n_eval 0 \
   --compute_dtype $DTYPE --seed $SEED --minutes \$TMIN --fit_schedule \
   --compile_cache_dir /tmp/jcache ${LAYERS:+--draft_layers $LAYERS}

@@ -10,7 +10,8 @@ from dflash_jax.train.corpus import (GENERAL_TEMPLATES, PACKAGE_CORPUS, Prompt, 
                                      package_functions, topic_words)
 from dflash_jax.train.objective import (Batch, batch_loss, batch_targets, data_vocab, distill_kl,
                                         frozen_target_tensors, loss_weights, make_batch,
-                                        make_train_step, sample_anchors, target_pass)
+                                        make_packed_batch, make_train_step, pack_rows,
+                                        sample_anchors, target_pass)
 from dflash_jax.train.shards import TokenSeq, read_shards
 from dflash_jax.train.trainer import (TrainConfig, TrainState, init_state, length_groups,
                                       lr_at, make_optimizer, make_step, step_batch, train,
@@ -18,6 +19,6 @@ from dflash_jax.train.trainer import (TrainConfig, TrainState, init_state, lengt
 
 __all__ = ["GENERAL_TEMPLATES", "PACKAGE_CORPUS", "Prompt", "build_corpus", "package_functions",
            "topic_words", "Batch", "batch_loss", "batch_targets", "data_vocab", "distill_kl", "frozen_target_tensors",
-           "loss_weights", "make_batch", "make_train_step", "sample_anchors", "target_pass",
+           "loss_weights", "make_batch", "make_packed_batch", "pack_rows", "make_train_step", "sample_anchors", "target_pass",
            "TokenSeq", "read_shards", "TrainConfig", "TrainState", "init_state", "make_optimizer",
            "make_step", "train", "length_groups", "step_batch", "lr_at", "with_lr"]

@@ -41,6 +41,10 @@ class TrainConfig:
   the whole block; only K rows per block go through the lm_head and the softmaxes. At an
   acceptance length of ~1.5, offsets past ~5 add nothing to decoding, so K ~ 6 puts the step's
   time and the gradient where acceptance is decided.
+  pack: several sequences back to back in each row of seq_len tokens (`objective.pack_rows`,
+  `objective.make_packed_batch`), each seeing only itself in the target and the draft: batch is
+  then rows per step and anchors per row (scale them with the sequences a row holds). Less
+  padding than one sequence per row, in one compiled shape; not with length_buckets.
   """
 
   steps: int = 1000
@@ -59,6 +63,7 @@ class TrainConfig:
   length_buckets: tuple = ()
   restrict_vocab: bool = False
   loss_offsets: int = 0
+  pack: bool = False
 
   def __post_init__(self):
     for name in ("steps", "batch", "anchors", "seq_len"):
@@ -69,6 +74,9 @@ class TrainConfig:
       raise ValueError(f"TrainConfig.length_buckets={b}: ascending, distinct, in [2, seq_len="
                        f"{self.seq_len}]")
     object.__setattr__(self, "length_buckets", b)
+    if b and self.pack:
+      raise ValueError("TrainConfig: pack and length_buckets exclude each other (a packed row "
+                       "has one length, seq_len)")
     if self.loss_offsets < 0:
       raise ValueError(f"TrainConfig.loss_offsets={self.loss_offsets} must be >= 0 (0: all)")
     if self.lr <= 0 or self.kl_weight < 0 or self.gamma <= 0:
@@ -151,10 +159,13 @@ def init_state(params, optimizer) -> TrainState:
   return TrainState(params, optimizer.init(params), 0)
 
 
-def length_groups(tc: TrainConfig, seqs: Sequence) -> list[tuple[int, np.ndarray]]:
+def length_groups(tc: TrainConfig, seqs: Sequence):
   """[(padded length, indices of the sequences it holds)] per non-empty length bucket (a
   sequence goes to the smallest bucket that holds it; longer ones to seq_len, windowed);
-  [(seq_len, all)] without buckets."""
+  [(seq_len, all)] without buckets; with tc.pack, the sequences' lengths [N] int instead (what
+  `step_batch` packs by)."""
+  if tc.pack:
+    return np.array([len(s.tokens) for s in seqs])
   if not tc.length_buckets:
     return [(tc.seq_len, np.arange(len(seqs)))]
   sizes = list(tc.length_buckets) + ([tc.seq_len] if tc.length_buckets[-1] < tc.seq_len else [])
@@ -169,8 +180,14 @@ def step_batch(tc: TrainConfig, cfg: DraftConfig, seqs: Sequence, step: int,
                groups=None) -> objective.Batch:
   """The batch of optimizer step `step`: a function of (seed, step) only, so a resumed run sees
   the batches an uninterrupted one would. groups: `length_groups(tc, seqs)` (computed here when
-  not given)."""
+  not given; with tc.pack, the sequences' lengths)."""
   rng = np.random.default_rng([tc.seed, step])
+  if tc.pack:
+    lens = length_groups(tc, seqs) if groups is None else groups
+    rows = objective.pack_rows(rng, lens, tc.batch, tc.seq_len)
+    return objective.make_packed_batch(rng, [[seqs[i] for i in r] for r in rows], cfg,
+                                       seq_len=tc.seq_len, n_anchors=tc.anchors,
+                                       mask_token_id=cfg.mask_token_id)
   groups = groups if groups is not None else length_groups(tc, seqs)
   counts = np.array([g[1].size for g in groups], np.float64)
   g = int(rng.choice(len(groups), p=counts / counts.sum())) if len(groups) > 1 else 0
