@@ -639,12 +639,22 @@ def test_pack_rows_and_packed_steps(tiny_data):
         rows = np.flatnonzero(seg == j)
         assert np.array_equal(b.positions[r, rows], np.arange(rows.size))
         assert any(np.array_equal(b.tokens[r, rows], s.tokens) for s in tiny_data)
+      counts = [int(np.sum((seg[b.anchors[r]] == j) & b.label_valid[r, :, 0]))
+                for j in np.unique(seg[:n])]         # anchors split equally between sequences
+      assert sum(counts) == 6 and max(counts) - min(counts) <= 1, counts
     b2 = train.step_batch(tc, cfg, tiny_data, step, lens)
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(b), jax.tree.leaves(b2)))
   assert sum(int(train.step_batch(tc, cfg, tiny_data, s, lens).lengths.sum()) for s in range(5)) \
       > 0.7 * 5 * 2 * 120
   with pytest.raises(ValueError, match="pack"):
     train.TrainConfig(seq_len=120, pack=True, length_buckets=(64,))
+  # a sequence with fewer candidates than its share gives them all; the rest is spread
+  from dflash_jax.train import objective
+  pick = objective._spread_anchors(np.random.default_rng(0), [2, 50, 50], 30)
+  assert pick.size == np.unique(pick).size == 30 and np.all(np.diff(pick) > 0)
+  counts = np.bincount(np.searchsorted([2, 52], pick, side="right"), minlength=3)
+  assert counts[0] == 2 and counts[1] >= 10 and counts[2] >= 10
+  assert objective._spread_anchors(np.random.default_rng(0), [3, 4], 30).tolist() == list(range(7))
 
 
 @pytest.mark.parametrize("restrict_vocab,pack", [(False, False), (True, False), (False, True)])

@@ -43,7 +43,8 @@ class TrainConfig:
   time and the gradient where acceptance is decided.
   pack: several sequences back to back in each row of seq_len tokens (`objective.pack_rows`,
   `objective.make_packed_batch`), each seeing only itself in the target and the draft: batch is
-  then rows per step and anchors per row (scale them with the sequences a row holds). Less
+  then rows per step and anchors per row, split equally between its sequences (scale them with
+  the sequences a row holds). Less
   padding than one sequence per row, in one compiled shape; not with length_buckets.
   """
 
