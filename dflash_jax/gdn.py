@@ -19,37 +19,25 @@ from dflash_jax.runtime import Runtime
 from pallas_kernels import tree_gdn as tk
 
 
-def causal_conv(x: jax.Array, conv_state: jax.Array, w: jax.Array) -> jax.Array:
+def causal_conv(x: jax.Array, conv_state: jax.Array, w: jax.Array,
+                positions: jax.Array | None = None) -> jax.Array:
   """Depthwise causal conv1d over [conv_state ; x], no bias, no activation.
 
   x: [T, C]; conv_state: [K-1, C] inputs before x (zeros at the start); w: [C, K] (GGUF ssm_conv1d).
   y[t, c] = sum_j w[c, j] * xc[t + j, c] with xc = [conv_state ; x]. Returns [T, C] float32.
+  positions: None, or [T] int32 each row's position inside its own sequence for several
+  sequences packed back to back (training; conv_state zeros): a tap that would reach back past
+  its row's sequence start reads zero, so each sequence equals its own conv from a zero state.
   """
   kk = w.shape[1]
   t = x.shape[0]
   xc = jnp.concatenate([conv_state.astype(jnp.float32), x.astype(jnp.float32)], axis=0)
   y = jnp.zeros_like(x, dtype=jnp.float32)
-  for j in range(kk):
-    y = y + xc[j:j + t] * w[:, j]
-  return y
-
-
-def causal_conv_segments(x: jax.Array, w: jax.Array, positions: jax.Array) -> jax.Array:
-  """`causal_conv` over several sequences packed back to back in one row (training), each
-  starting from a zero conv state: a tap that would reach back past its row's sequence start
-  reads zero instead of the previous sequence's inputs.
-
-  x: [T, C]; w: [C, K]; positions: [T] int32 each row's position inside its own sequence (0 at
-  a sequence's first row). Returns [T, C] float32; equals `causal_conv(x, zeros, w)` on each
-  sequence alone, summed in the same order.
-  """
-  kk = w.shape[1]
-  t = x.shape[0]
-  xc = jnp.concatenate([jnp.zeros((kk - 1, x.shape[1]), jnp.float32), x.astype(jnp.float32)],
-                       axis=0)
-  y = jnp.zeros_like(x, dtype=jnp.float32)
   for j in range(kk):                                  # tap j reaches kk-1-j rows back
-    y = y + jnp.where((positions >= kk - 1 - j)[:, None], xc[j:j + t], 0.0) * w[:, j]
+    tap = xc[j:j + t]
+    if positions is not None:
+      tap = jnp.where((positions >= kk - 1 - j)[:, None], tap, 0.0)
+    y = y + tap * w[:, j]
   return y
 
 
@@ -211,7 +199,7 @@ SEQUENCE_RESET_DECAY = -60.0
 def mixer_packed(x, p, cfg: TargetConfig, positions, rt: Runtime):
   """Training form over several sequences packed back to back in one row, each from a zero SSM
   and conv state (the target's features of a packed row equal those of each sequence's own
-  prefill): the conv taps stop at each sequence's start (`causal_conv_segments`) and a
+  prefill): the conv taps stop at each sequence's start (`causal_conv` with positions) and a
   sequence's first row decays the carried state by e^SEQUENCE_RESET_DECAY, so the chunked rule
   runs across sequence boundaries without carrying state over them.
 
@@ -219,7 +207,8 @@ def mixer_packed(x, p, cfg: TargetConfig, positions, rt: Runtime):
   row). Returns out [T, D] float32.
   """
   xin, z, g, beta = _inputs(x, p, cfg, rt)
-  q, k, v = _qkv(jax.nn.silu(causal_conv_segments(xin, p.conv, positions)), cfg)
+  conv0 = jnp.zeros((p.conv.shape[1] - 1, xin.shape[1]), jnp.float32)
+  q, k, v = _qkv(jax.nn.silu(causal_conv(xin, conv0, p.conv, positions)), cfg)
   g = jnp.where((positions == 0)[:, None], SEQUENCE_RESET_DECAY, g)
   state = jnp.zeros((cfg.gdn_n_v_head, cfg.gdn_d_k, cfg.gdn_d_v), jnp.float32)
   o, _ = gated_delta_rule_chunked(q, k, v, g, beta, state)

@@ -69,6 +69,17 @@ class Batch:
   segments: Optional[jax.Array] = None
 
 
+def _window(rng: np.random.Generator, s, seq_len: int):
+  """(tokens, prompt_len) of sequence s, or of a random window of seq_len tokens inside it
+  (starting >= 0, the prompt length clipped to >= 1) when it is longer."""
+  t, p = np.asarray(s.tokens), int(s.prompt_len)
+  if t.size > seq_len:
+    start = int(rng.integers(0, t.size - seq_len + 1))
+    t = t[start:start + seq_len]
+    p = max(p - start, 1)
+  return t, p
+
+
 def make_batch(rng: np.random.Generator, seqs, cfg: DraftConfig, *, seq_len: int,
                n_anchors: int, mask_token_id: int) -> Batch:
   """Pad sequences (objects with `.tokens` [N] int and `.prompt_len`, e.g. shards.TokenSeq) to
@@ -82,11 +93,7 @@ def make_batch(rng: np.random.Generator, seqs, cfg: DraftConfig, *, seq_len: int
   avalid = np.zeros((B, n_anchors), bool)
   lengths = np.zeros((B,), np.int32)
   for i, s in enumerate(seqs):
-    t, p = np.asarray(s.tokens), int(s.prompt_len)
-    if t.size > seq_len:  # keep a window ending inside the sequence, starting >= 0
-      start = int(rng.integers(0, t.size - seq_len + 1))
-      t = t[start:start + seq_len]
-      p = max(p - start, 1)
+    t, p = _window(rng, s, seq_len)
     tokens[i, :t.size] = t
     lengths[i] = t.size
     anchors[i], avalid[i] = sample_anchors(rng, p, t.size, n_anchors)
@@ -182,11 +189,7 @@ def make_packed_batch(rng: np.random.Generator, rows: Sequence[Sequence], cfg: D
   for b, row in enumerate(rows):
     at, cand, ends = 0, [], []
     for j, s in enumerate(row):
-      t, p = np.asarray(s.tokens), int(s.prompt_len)
-      if t.size > seq_len:
-        start = int(rng.integers(0, t.size - seq_len + 1))
-        t = t[start:start + seq_len]
-        p = max(p - start, 1)
+      t, p = _window(rng, s, seq_len)
       if at + t.size > seq_len:
         raise ValueError(f"make_packed_batch: row {b} holds more than seq_len={seq_len} tokens")
       tokens[b, at:at + t.size] = t
