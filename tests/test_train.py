@@ -4,6 +4,7 @@ checkpoints round-trip in the z-lab format, a trained draft still decodes lossle
 parallel runs, and the whole recipe (batched generation -> token shards -> online-feature
 training -> z-lab checkpoint -> lossless decode) runs end to end on the tiny target."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -488,7 +489,10 @@ def test_length_buckets(qwen_f32, tiny_data):
   assert {size for size, _ in groups} <= {32, 56} and sum(g.size for _, g in groups) == 3
   for size, members in groups:
     assert all(lens[i] <= size for i in members)
-  shapes = {train.step_batch(tc, cfg, tiny_data, i, groups).tokens.shape[1] for i in range(8)}
+  plan = train.batch_plan(tc, tiny_data)
+  assert plan.lengths is None and [s for s, _ in plan.groups] == [s for s, _ in groups]
+  assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(plan.groups, groups))
+  shapes = {train.step_batch(tc, cfg, tiny_data, i, plan).tokens.shape[1] for i in range(8)}
   assert shapes <= {32, 56}
   with pytest.raises(ValueError, match="length_buckets"):
     train.TrainConfig(seq_len=64, length_buckets=(80,))
@@ -627,7 +631,10 @@ def test_pack_rows_and_packed_steps(tiny_data):
                     n_vocab=1024, rms_eps=1e-6, rope_theta=1e7, block_size=4,
                     mask_token_id=1023, target_layer_ids=(1,), sliding=(False,))
   tc = train.TrainConfig(batch=2, anchors=6, seq_len=120, pack=True)
-  lens = train.length_groups(tc, tiny_data)
+  lens = train.batch_plan(tc, tiny_data)
+  assert lens.groups is None and list(lens.lengths) == [len(s.tokens) for s in tiny_data]
+  with pytest.raises(ValueError, match="pack"):        # a plan for the other mode
+    train.step_batch(dataclasses.replace(tc, pack=False), cfg, tiny_data, 0, lens)
   for step in range(5):
     b = train.step_batch(tc, cfg, tiny_data, step, lens)
     assert b.tokens.shape == (2, 120) and b.positions.shape == b.segments.shape == (2, 120)

@@ -128,7 +128,7 @@ def main(argv):
                    n_params=int(sum(np.size(x) for x in jax.tree.leaves(p))))
   prefill = jax.jit(lambda b: train.batch_targets(tparams, target.config, b,
                                                   cfg0.target_layer_ids, rt))
-  groups = train.length_groups(tc, seqs)
+  plan = train.batch_plan(tc, seqs)
   eval_at = sorted({0, tc.steps, *[int(x) for x in _EVAL_AT.value]})
   pre_times = []
 
@@ -154,7 +154,7 @@ def main(argv):
     if deadline and time.perf_counter() > deadline:
       print(f"[study] --minutes reached at step {step}", file=sys.stderr)
       break
-    batch = train.step_batch(tc, cfg0, seqs, step, groups)
+    batch = train.step_batch(tc, cfg0, seqs, step, plan)
     tp = time.perf_counter()
     tg = jax.block_until_ready(prefill(batch))
     pre_times.append(time.perf_counter() - tp)
@@ -178,8 +178,10 @@ def main(argv):
     evaluate(step)
 
   # steady-state times: drop the first step of each compiled shape (the compile)
+  n_shapes = 1 if plan.groups is None else len(plan.groups)
+
   def med(x):
-    return float(np.median(x[len(groups):])) if len(x) > len(groups) else float(np.median(x))
+    return float(np.median(x[n_shapes:])) if len(x) > n_shapes else float(np.median(x))
 
   res = {"command": "python bench_out/train/depth_study.py " + " ".join(sys.argv[1:]),
          "draft": _DRAFT.value, "train_config": dataclasses.asdict(tc),

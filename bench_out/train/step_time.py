@@ -47,11 +47,12 @@ def main(argv):
              if tc.restrict_vocab else None)
     st = train.init_state(jax.tree.map(jax.numpy.asarray, params), train.make_optimizer(tc))
     step_fn = train.make_step(target, cfg, tc)
-    groups = train.length_groups(tc, seqs)
+    plan = train.batch_plan(tc, seqs)
+    groups = plan.groups
     shapes = [tc.seq_len] if pack else [s for s, _ in groups]
     for i, size in enumerate(shapes):            # compile every shape first (not timed)
       if pack:
-        batch = train.step_batch(tc, cfg, seqs, 10_000, groups)
+        batch = train.step_batch(tc, cfg, seqs, 10_000, plan)
       else:
         batch = train.make_batch(np.random.default_rng(0), [seqs[j] for j in groups[i][1][:tc.batch]],
                                  cfg, seq_len=size, n_anchors=tc.anchors,

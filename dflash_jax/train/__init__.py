@@ -13,12 +13,12 @@ from dflash_jax.train.objective import (Batch, batch_loss, batch_targets, data_v
                                         make_packed_batch, make_train_step, pack_rows,
                                         sample_anchors, target_pass)
 from dflash_jax.train.shards import TokenSeq, read_shards
-from dflash_jax.train.trainer import (TrainConfig, TrainState, init_state, length_groups,
-                                      lr_at, make_optimizer, make_step, step_batch, train,
+from dflash_jax.train.trainer import (BatchPlan, TrainConfig, TrainState, batch_plan,
+                                      init_state, length_groups, lr_at, make_optimizer, make_step, step_batch, train,
                                       with_lr)
 
 __all__ = ["GENERAL_TEMPLATES", "PACKAGE_CORPUS", "Prompt", "build_corpus", "package_functions",
            "topic_words", "Batch", "batch_loss", "batch_targets", "data_vocab", "distill_kl", "frozen_target_tensors",
            "loss_weights", "make_batch", "make_packed_batch", "pack_rows", "make_train_step", "sample_anchors", "target_pass",
            "TokenSeq", "read_shards", "TrainConfig", "TrainState", "init_state", "make_optimizer",
-           "make_step", "train", "length_groups", "step_batch", "lr_at", "with_lr"]
+           "make_step", "train", "length_groups", "BatchPlan", "batch_plan", "step_batch", "lr_at", "with_lr"]

@@ -163,10 +163,7 @@ def init_state(params, optimizer) -> TrainState:
 def length_groups(tc: TrainConfig, seqs: Sequence):
   """[(padded length, indices of the sequences it holds)] per non-empty length bucket (a
   sequence goes to the smallest bucket that holds it; longer ones to seq_len, windowed);
-  [(seq_len, all)] without buckets; with tc.pack, the sequences' lengths [N] int instead (what
-  `step_batch` packs by)."""
-  if tc.pack:
-    return np.array([len(s.tokens) for s in seqs])
+  [(seq_len, all)] without buckets."""
   if not tc.length_buckets:
     return [(tc.seq_len, np.arange(len(seqs)))]
   sizes = list(tc.length_buckets) + ([tc.seq_len] if tc.length_buckets[-1] < tc.seq_len else [])
@@ -177,19 +174,40 @@ def length_groups(tc: TrainConfig, seqs: Sequence):
           if np.any(which == b)]
 
 
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+  """What `step_batch` draws a step's sequences from, computed once per run (`batch_plan`).
+
+  groups: `length_groups(tc, seqs)` for unpacked rows (one sequence per row); lengths: [N] int,
+  every sequence's token count, for packed rows (tc.pack: rows filled by `objective.pack_rows`).
+  Exactly one of the two is set."""
+  groups: Optional[list] = None
+  lengths: Optional[np.ndarray] = None
+
+
+def batch_plan(tc: TrainConfig, seqs: Sequence) -> BatchPlan:
+  """The BatchPlan of `seqs` under tc: sequence lengths when tc.pack, else length groups."""
+  if tc.pack:
+    return BatchPlan(lengths=np.array([len(s.tokens) for s in seqs]))
+  return BatchPlan(groups=length_groups(tc, seqs))
+
+
 def step_batch(tc: TrainConfig, cfg: DraftConfig, seqs: Sequence, step: int,
-               groups=None) -> objective.Batch:
+               plan: Optional[BatchPlan] = None) -> objective.Batch:
   """The batch of optimizer step `step`: a function of (seed, step) only, so a resumed run sees
-  the batches an uninterrupted one would. groups: `length_groups(tc, seqs)` (computed here when
-  not given; with tc.pack, the sequences' lengths)."""
+  the batches an uninterrupted one would. plan: `batch_plan(tc, seqs)` (computed here when not
+  given). Raises ValueError if the plan was made for the other packing mode."""
+  plan = batch_plan(tc, seqs) if plan is None else plan
+  if (plan.lengths is not None) != bool(tc.pack):
+    raise ValueError(f"step_batch: plan made for pack={not tc.pack}, TrainConfig has "
+                     f"pack={tc.pack}")
   rng = np.random.default_rng([tc.seed, step])
   if tc.pack:
-    lens = length_groups(tc, seqs) if groups is None else groups
-    rows = objective.pack_rows(rng, lens, tc.batch, tc.seq_len)
+    rows = objective.pack_rows(rng, plan.lengths, tc.batch, tc.seq_len)
     return objective.make_packed_batch(rng, [[seqs[i] for i in r] for r in rows], cfg,
                                        seq_len=tc.seq_len, n_anchors=tc.anchors,
                                        mask_token_id=cfg.mask_token_id)
-  groups = groups if groups is not None else length_groups(tc, seqs)
+  groups = plan.groups
   counts = np.array([g[1].size for g in groups], np.float64)
   g = int(rng.choice(len(groups), p=counts / counts.sum())) if len(groups) > 1 else 0
   size, members = groups[g]
@@ -228,9 +246,9 @@ def train(target, cfg: DraftConfig, seqs: Sequence, tc: TrainConfig, state: Trai
   step_fn = step_fn or make_step(target, cfg, tc, mesh)
   last = state.last_step(tc)
   end = last if until is None else min(until, last)
-  groups = length_groups(tc, seqs)
+  plan = batch_plan(tc, seqs)
   while state.step < end:
-    batch = step_batch(tc, cfg, seqs, state.step, groups)
+    batch = step_batch(tc, cfg, seqs, state.step, plan)
     state.opt_state = with_lr(state.opt_state, lr_at(tc, state.step, state.total))
     state.params, state.opt_state, m = step_fn(state.params, state.opt_state, batch, tparams,
                                                lm_head_w, vocab_ids)
