@@ -1,0 +1,261 @@
+"""Q4_K dequantizing matmul for Hopper in Mosaic GPU (`jax.experimental.pallas.mosaic_gpu`).
+
+Contract: y[M, N] = x[M, K] @ dequantize(W)[N, K]^T, float32 out, for M = 1..256 tokens (decode,
+chain / tree verify, batched decode) and W a Q4_K weight in `Q4KTiles` layout (made at load from
+`repack.Planes`, same bytes: 148 per 256 weights, GGUF's 144 + 2.8 %).
+
+Design (issue 30; ideas taken from JAX's `ops/gpu/hopper_mixed_type_matmul_mgpu.py`: a
+warp-specialized TMA pipeline (`plgpu.emit_pipeline_warp_specialized`, one memory warpgroup,
+two compute warpgroups), the quantized operand loaded from SMEM into registers, converted there
+and fed to WGMMA as the register operand, a persistent grid walking the work items with
+`plgpu.nd_loop`):
+  * swap-AB: the weight rows sit on WGMMA's M side (64 rows a compute warpgroup, 128 a CTA) and
+    the tokens on its N side (M padded to 16, 32 or a multiple of 64: the
+    bf16 x^T rows then span one 32 / 64 / 128-byte swizzle), so one WGMMA serves M = 1..256
+    tokens with no wasted weight traffic; the kernel computes y^T [N, M] tiles.
+  * the 4-bit codes travel as a [K/64, N, 32] uint8 plane: plane g holds the 32 code bytes of
+    weights 64g .. 64g+63 of every row (weight 64g+i in the low nibble of byte i, 64g+32+i in
+    the high nibble: GGUF's in-block order), so each TMA box is [tile_k/64, 128, 32] and one
+    sub-block (32 weights, one 6-bit scale and min) is one [64, 32] SMEM slice.
+  * scales folded before the MMA: per sub-block j the register tile is
+    (d * sc_j) * q - (dmin * m_j) in float32, rounded once to bfloat16 (gguf-py's operation
+    order, `k_quant_values`), then one K = 32 WGMMA against the matching 32 rows of x^T in
+    SMEM. The 6-bit scales / mins and the f16 block scales travel transposed ([K/32, N] uint8,
+    [K/256, N] float16) so each sub-block's 64 row scales are one contiguous SMEM row.
+  * split-K: a work item is (128-row tile, K split); splits write float32 partials
+    [S, N, Mp] summed outside (for narrow matrices whose row tiles alone cannot fill the GPU).
+
+Numerics: each weight rounded once to bfloat16 and x rounded to bfloat16, float32 accumulation:
+the same contract as `dequant_matmul(..., compute_dtype=bfloat16)`; tested against
+`repack.planes_matmul_reference` (float32 HIGHEST) in GPU interpret mode on the CPU
+(`plgpu.force_gpu_interpret_mode`, tests/test_mgpu.py), and lowered for CUDA without a GPU
+(`jax.export`, the Mosaic GPU module is built and its layouts inferred). Timing needs an H100
+(scripts/bench_kernels.py --kernel mgpu).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_kernels.gguf_blocks import QK_K
+from pallas_kernels.repack import Planes
+
+_WG_ROWS = 64            # weight rows per compute warpgroup (WGMMA's M)
+_SUB = 32                # weights per Q4_K sub-block (one 6-bit scale and min)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Q4KTiles:
+  """A Q4_K weight laid out for `q4k_matmul` (module docstring). Exact: a permutation of
+  `repack.Planes`' bytes (`to_planes` inverts it).
+
+  codes: [K/64, N, 32] uint8; scales, mins: [K/32, N] uint8 (6-bit values); d, dmin:
+  [K/256, N] float16; shape: logical (N, K) (static)."""
+
+  codes: jax.Array
+  scales: jax.Array
+  mins: jax.Array
+  d: jax.Array
+  dmin: jax.Array
+  shape: tuple = dataclasses.field(default=(0, 0), metadata=dict(static=True))
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of all planes (what the device holds)."""
+    return sum(int(np.prod(p.shape)) * np.dtype(p.dtype).itemsize
+               for p in (self.codes, self.scales, self.mins, self.d, self.dmin))
+
+
+def to_tiles(p: Planes) -> Q4KTiles:
+  """repack.Planes (Q4_K) -> Q4KTiles (transposes only; numpy or jax arrays in, same kind out).
+  Raises ValueError for another format."""
+  if p.fmt != "q4_k":
+    raise ValueError(f"q4k_matmul: Q4_K planes only, got {p.fmt!r}")
+  n, k = p.shape
+  xp = jnp if isinstance(p.codes, jax.Array) else np
+  return Q4KTiles(codes=xp.transpose(p.codes.reshape(n, k // 64, 32), (1, 0, 2)),
+                  scales=p.scales.T, mins=p.mins.T, d=p.d.T, dmin=p.dmin.T, shape=(n, k))
+
+
+def to_planes(t: Q4KTiles) -> Planes:
+  """Inverse of `to_tiles`."""
+  n, k = t.shape
+  xp = jnp if isinstance(t.codes, jax.Array) else np
+  return Planes(codes=xp.transpose(t.codes, (1, 0, 2)).reshape(n, k // 2), scales=t.scales.T,
+                mins=t.mins.T, d=t.d.T, dmin=t.dmin.T, fmt="q4_k", shape=(n, k))
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuConfig:
+  """Tiling of `q4k_matmul`. kb: 256-weight blocks per pipeline step (tile_k = 256 kb);
+  splits: K splits (partials summed outside); stages: pipeline depth (max_concurrent_steps);
+  n_sm: persistent programs (the GPU's SM count; 0 = the default device's);
+  a_operand: where the dequantized weight tile meets WGMMA: "registers" (WGMMA's register
+  operand, no SMEM round trip: the GPU default) or "smem" (stored to an SMEM tile first: the
+  form GPU interpret mode can run, as it models WGMMA operands in SMEM only); compute_wgs:
+  compute warpgroups a CTA (64 weight rows each; 2 on the GPU; 1 lets GPU interpret mode run on
+  a 2-core CPU, whose XLA callback pool of 2 threads deadlocks when 3 simulated warpgroups
+  block in barrier waits)."""
+  kb: int = 1
+  splits: int = 1
+  stages: int = 4
+  n_sm: int = 0
+  a_operand: str = "registers"
+  compute_wgs: int = 2
+
+  def __post_init__(self):
+    if self.compute_wgs not in (1, 2):
+      raise ValueError(f"MgpuConfig.compute_wgs: 1 or 2, got {self.compute_wgs}")
+    if self.a_operand not in ("registers", "smem"):
+      raise ValueError(f"MgpuConfig.a_operand: 'registers' or 'smem', got {self.a_operand!r}")
+
+
+def default_config(m: int, n: int, k: int, n_sm: int) -> MgpuConfig:
+  """Split K while the 128-row tiles number fewer than the SMs and each split keeps >= 4
+  pipeline steps of one 256-weight block."""
+  steps = k // QK_K
+  splits = 1
+  while (n // (2 * _WG_ROWS)) * splits < n_sm and steps % (splits * 2) == 0 \
+      and steps // (splits * 2) >= 4:
+    splits *= 2
+  return MgpuConfig(kb=1, splits=splits, stages=4, n_sm=n_sm)
+
+
+def check_shapes(m: int, t: Q4KTiles, cfg: MgpuConfig) -> None:
+  """ValueError naming what does not fit: N a multiple of 64 * compute_wgs, K of
+  256 * kb * splits, 1 <= M <= 256."""
+  n, k = t.shape
+  if n % (cfg.compute_wgs * _WG_ROWS):
+    raise ValueError(f"q4k_matmul: N={n} is not a multiple of {cfg.compute_wgs * _WG_ROWS}")
+  if k % (QK_K * cfg.kb * cfg.splits):
+    raise ValueError(f"q4k_matmul: K={k} is not a multiple of 256 * kb ({cfg.kb}) * splits "
+                     f"({cfg.splits})")
+  if not 1 <= m <= 256:
+    raise ValueError(f"q4k_matmul: M={m} tokens outside 1..256")
+
+
+def q4k_matmul(x: jax.Array, t: Q4KTiles, cfg: MgpuConfig | None = None) -> jax.Array:
+  """x: [M, K] float -> [M, N] float32 = x @ dequantize(W)^T (module docstring). Runs on a
+  Hopper GPU, or on the CPU under `plgpu.force_gpu_interpret_mode()`. Raises ValueError for
+  shapes `check_shapes` refuses."""
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+
+  m, k = x.shape
+  n = t.shape[0]
+  if k != t.shape[1]:
+    raise ValueError(f"q4k_matmul: x has K={k}, the weight {t.shape}")
+  if cfg is None:
+    from pallas_kernels.dequant_matmul import device_sm_count
+    cfg = default_config(m, n, k, device_sm_count())
+  check_shapes(m, t, cfg)
+  n_sm = cfg.n_sm or 1
+  mp = 16 if m <= 16 else 32 if m <= 32 else -(-m // 64) * 64   # x^T rows of 32/64/128 bytes
+  tile_k = QK_K * cfg.kb
+  cta_rows = cfg.compute_wgs * _WG_ROWS
+  row_tiles = n // cta_rows
+  k_steps = k // tile_k // cfg.splits               # pipeline steps per work item
+  items = row_tiles * cfg.splits
+  xt = jnp.zeros((k, mp), jnp.bfloat16).at[:, :m].set(x.T.astype(jnp.bfloat16))
+
+  code_swz = plgpu.find_swizzle(_SUB * 8, "lhs")
+  x_swz = plgpu.find_swizzle(mp * 16, "rhs")
+  out_swz = plgpu.find_swizzle(mp * 32, "out")
+  code_tf = (plgpu.TilingTransform((8, code_swz)), plgpu.SwizzleTransform(code_swz))
+  x_tf = (plgpu.TilingTransform((8, x_swz // 2)), plgpu.SwizzleTransform(x_swz))
+  out_tf = (plgpu.TilingTransform((8, out_swz // 4)), plgpu.SwizzleTransform(out_swz))
+  a_swz = plgpu.find_swizzle(_SUB * 16, "lhs")
+  a_tf = (plgpu.TilingTransform((8, a_swz // 2)), plgpu.SwizzleTransform(a_swz))
+  n_sub = tile_k // _SUB
+  scratch = dict(out_smem=plgpu.SMEM((cfg.compute_wgs, _WG_ROWS, mp), jnp.float32, transforms=out_tf))
+  if cfg.a_operand == "smem":
+    scratch["a_smem"] = plgpu.SMEM((cfg.compute_wgs, n_sub, _WG_ROWS, _SUB), jnp.bfloat16, transforms=a_tf)
+
+  def kernel(codes_g, sc_g, mn_g, d_g, dm_g, x_g, out_g, out_smem, a_smem=None):
+    def get_pipeline(body, compute_context):
+      return plgpu.emit_pipeline_warp_specialized(
+          body, grid=(k_steps,), memory_registers=40,
+          in_specs=[
+              plgpu.BlockSpec((tile_k // 64, cta_rows, _SUB), lambda s: (s, 0, 0),
+                              transforms=code_tf, memory_space=plgpu.SMEM),
+              plgpu.BlockSpec((tile_k // _SUB, cta_rows), lambda s: (s, 0),
+                              memory_space=plgpu.SMEM),
+              plgpu.BlockSpec((tile_k // _SUB, cta_rows), lambda s: (s, 0),
+                              memory_space=plgpu.SMEM),
+              plgpu.BlockSpec((cfg.kb, cta_rows), lambda s: (s, 0), memory_space=plgpu.SMEM),
+              plgpu.BlockSpec((cfg.kb, cta_rows), lambda s: (s, 0), memory_space=plgpu.SMEM),
+              plgpu.BlockSpec((tile_k, mp), lambda s: (s, 0), transforms=x_tf,
+                              memory_space=plgpu.SMEM),
+          ],
+          wg_axis="wg", num_compute_wgs=cfg.compute_wgs, max_concurrent_steps=cfg.stages,
+          compute_context=compute_context)
+
+    ignore = lambda *_, **__: None  # noqa: E731 (allocations do not depend on the body)
+
+    @functools.partial(pl.run_scoped, allocs=get_pipeline(ignore, ignore).get_allocations(
+        codes_g, sc_g, mn_g, d_g, dm_g, x_g), collective_axes="wg")
+    def _scope(allocs):
+      wg = lax.axis_index("wg")
+      rows = pl.ds(wg * _WG_ROWS, _WG_ROWS)
+
+      @plgpu.nd_loop((items,), collective_axes="sm")
+      def _items(info: plgpu.NDLoopInfo):
+        (item,) = info.index
+        tile, split = item // cfg.splits, item % cfg.splits
+        cta = pl.ds(tile * cta_rows, cta_rows)
+        ks = split * k_steps                        # first pipeline step of this split
+
+        def compute_context(run_pipeline):
+          @functools.partial(pl.run_scoped, acc=plgpu.ACC((_WG_ROWS, mp), jnp.float32))
+          def _acc(acc):
+            run_pipeline(acc)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            out_smem[wg] = acc[...]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[wg], out_g.at[split].at[cta].at[rows])
+
+        def body(_, codes_s, sc_s, mn_s, d_s, dm_s, x_s, acc):
+          tiles = []
+          for j in range(n_sub):
+            b = j // (QK_K // _SUB)
+            q = codes_s[j // 2, rows, :].astype(jnp.int32)   # no 8-bit shifts in registers
+            q = (q & 15) if j % 2 == 0 else (q >> 4)
+            scale = d_s[b, rows].astype(jnp.float32) * sc_s[j, rows].astype(jnp.float32)
+            mins = dm_s[b, rows].astype(jnp.float32) * mn_s[j, rows].astype(jnp.float32)
+            w = (scale[:, None] * q.astype(jnp.float32) - mins[:, None]).astype(jnp.bfloat16)
+            if a_smem is None:
+              plgpu.wgmma(acc, w, x_s.at[pl.ds(j * _SUB, _SUB)])
+            else:
+              a_smem[wg, j] = w
+              tiles.append(j)
+          if tiles:
+            plgpu.commit_smem()
+            for j in tiles:
+              plgpu.wgmma(acc, a_smem.at[wg, j], x_s.at[pl.ds(j * _SUB, _SUB)])
+          plgpu.wgmma_wait(0)
+          return acc
+
+        get_pipeline(body, compute_context)(
+            codes_g.at[pl.ds(ks * (tile_k // 64), k_steps * (tile_k // 64)), cta],
+            sc_g.at[pl.ds(ks * (tile_k // _SUB), k_steps * (tile_k // _SUB)), cta],
+            mn_g.at[pl.ds(ks * (tile_k // _SUB), k_steps * (tile_k // _SUB)), cta],
+            d_g.at[pl.ds(ks * cfg.kb, k_steps * cfg.kb), cta],
+            dm_g.at[pl.ds(ks * cfg.kb, k_steps * cfg.kb), cta],
+            x_g.at[pl.ds(ks * tile_k, k_steps * tile_k)],
+            allocations=allocs)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  f = plgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((cfg.splits, n, mp), jnp.float32),
+      grid=(min(n_sm, items),), grid_names=("sm",), num_threads=cfg.compute_wgs + 1, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      scratch_types=scratch)
+  part = f(t.codes, t.scales, t.mins, t.d, t.dmin, xt)
+  return part.sum(0)[:, :m].T
