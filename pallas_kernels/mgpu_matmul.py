@@ -1,8 +1,8 @@
 """Q4_K dequantizing matmul for Hopper in Mosaic GPU (`jax.experimental.pallas.mosaic_gpu`).
 
-Contract: y[M, N] = x[M, K] @ dequantize(W)[N, K]^T, float32 out, for M = 1..256 tokens (decode,
-chain / tree verify, batched decode) and W a Q4_K weight in `Q4KTiles` layout (made at load from
-`repack.Planes`, same bytes: 148 per 256 weights, GGUF's 144 + 2.8 %).
+Contract: y[M, N] = x[M, K] @ dequantize(W)[N, K]^T, float32 out, for M tokens (decode, chain /
+tree verify, batched decode; one kernel call per 64 tokens) and W a Q4_K weight in `Q4KTiles`
+layout (made at load from `repack.Planes`, same bytes: 148 per 256 weights, GGUF's 144 + 2.8 %).
 
 Design (issue 30; ideas taken from JAX's `ops/gpu/hopper_mixed_type_matmul_mgpu.py`: a
 warp-specialized TMA pipeline (`plgpu.emit_pipeline_warp_specialized`, one memory warpgroup,
@@ -10,9 +10,8 @@ two compute warpgroups), the quantized operand loaded from SMEM into registers, 
 and fed to WGMMA as the register operand, a persistent grid walking the work items with
 `plgpu.nd_loop`):
   * swap-AB: the weight rows sit on WGMMA's M side (64 rows a compute warpgroup, 128 a CTA) and
-    the tokens on its N side (M padded to 16, 32 or a multiple of 64: the
-    bf16 x^T rows then span one 32 / 64 / 128-byte swizzle), so one WGMMA serves M = 1..256
-    tokens with no wasted weight traffic; the kernel computes y^T [N, M] tiles.
+    the tokens on its N side (M padded to 16, 32 or 64: `padded_tokens`), so one WGMMA serves
+    1..64 tokens with no extra weight traffic; the kernel computes y^T [N, M] tiles.
   * the 4-bit codes travel as a [K/64, N, 32] uint8 plane: plane g holds the 32 code bytes of
     weights 64g .. 64g+63 of every row (weight 64g+i in the low nibble of byte i, 64g+32+i in
     the high nibble: GGUF's in-block order), so each TMA box is [tile_k/64, 128, 32] and one
@@ -22,15 +21,16 @@ and fed to WGMMA as the register operand, a persistent grid walking the work ite
     order, `k_quant_values`), then one K = 32 WGMMA against the matching 32 rows of x^T in
     SMEM. The 6-bit scales / mins and the f16 block scales travel transposed ([K/32, N] uint8,
     [K/256, N] float16) so each sub-block's 64 row scales are one contiguous SMEM row.
-  * split-K: a work item is (128-row tile, K split); splits write float32 partials
+  * split-K: a work item is (CTA row tile, K split); splits write float32 partials
     [S, N, Mp] summed outside (for narrow matrices whose row tiles alone cannot fill the GPU).
 
-Numerics: each weight rounded once to bfloat16 and x rounded to bfloat16, float32 accumulation:
-the same contract as `dequant_matmul(..., compute_dtype=bfloat16)`; tested against
-`repack.planes_matmul_reference` (float32 HIGHEST) in GPU interpret mode on the CPU
-(`plgpu.force_gpu_interpret_mode`, tests/test_mgpu.py), and lowered for CUDA without a GPU
-(`jax.export`, the Mosaic GPU module is built and its layouts inferred). Timing needs an H100
-(scripts/bench_kernels.py --kernel mgpu).
+Numerics: each weight rounded once to bfloat16 and x rounded to bfloat16, float32 accumulation
+(the contract of `dequant_matmul(..., compute_dtype=bfloat16)`). Tested on the CPU
+(tests/test_mgpu.py) in GPU interpret mode (`plgpu.force_gpu_interpret_mode`; a_operand="smem",
+compute_wgs=1: what the interpreter can run) against a float64 product of the same bfloat16
+operands, and lowered for CUDA without a GPU (`jax.export`: the Mosaic GPU module is built, its
+layouts inferred and its dialect lowered) at Qwen3.5-27B shapes for the GPU configuration.
+Timing needs an H100 (scripts/bench_kernels.py).
 """
 
 from __future__ import annotations
@@ -117,28 +117,55 @@ class MgpuConfig:
       raise ValueError(f"MgpuConfig.a_operand: 'registers' or 'smem', got {self.a_operand!r}")
 
 
-def default_config(m: int, n: int, k: int, n_sm: int) -> MgpuConfig:
-  """Split K while the 128-row tiles number fewer than the SMs and each split keeps >= 4
-  pipeline steps of one 256-weight block."""
+MAX_TOKENS = 64          # tokens one kernel call serves (WGMMA N <= 64: SMEM for 3+ stages)
+SMEM_LIMIT = 232448      # bytes of shared memory a Hopper CTA may use (H100: 227 KiB)
+
+
+def padded_tokens(m: int) -> int:
+  """WGMMA's N for M tokens: 16, 32 or a multiple of 64, so a bf16 row of x^T spans one 32 /
+  64 / 128-byte swizzle (Mosaic GPU's swizzles)."""
+  return 16 if m <= 16 else 32 if m <= 32 else -(-m // 64) * 64
+
+
+def smem_bytes(cfg: MgpuConfig, m: int) -> int:
+  """Shared memory `q4k_matmul` allocates for M tokens under cfg: `stages` copies of one
+  pipeline step's tiles (codes, scales, mins, d, dmin, x^T) plus the output (and, for
+  a_operand="smem", dequantized weight) tiles; barriers not counted (< 1 KiB)."""
+  mp, rows, tile_k = padded_tokens(m), cfg.compute_wgs * _WG_ROWS, QK_K * cfg.kb
+  step = tile_k * rows // 2 + 2 * (tile_k // _SUB) * rows + 2 * 2 * cfg.kb * rows + tile_k * mp * 2
+  fixed = cfg.compute_wgs * _WG_ROWS * mp * 4
+  if cfg.a_operand == "smem":
+    fixed += cfg.compute_wgs * tile_k * _WG_ROWS * 2
+  return cfg.stages * step + fixed
+
+
+def default_config(m: int, n: int, k: int, n_sm: int, **kw) -> MgpuConfig:
+  """Split K while the CTA row tiles number fewer than the SMs and each split keeps >= 4
+  pipeline steps of one 256-weight block; as many pipeline stages (<= 4) as fit SMEM_LIMIT
+  with 1 KiB to spare. kw: other MgpuConfig fields (a_operand, compute_wgs)."""
+  base = MgpuConfig(kb=1, n_sm=n_sm, **kw)
   steps = k // QK_K
   splits = 1
-  while (n // (2 * _WG_ROWS)) * splits < n_sm and steps % (splits * 2) == 0 \
+  while (n // (base.compute_wgs * _WG_ROWS)) * splits < n_sm and steps % (splits * 2) == 0 \
       and steps // (splits * 2) >= 4:
     splits *= 2
-  return MgpuConfig(kb=1, splits=splits, stages=4, n_sm=n_sm)
+  stages = 4
+  while stages > 2 and smem_bytes(dataclasses.replace(base, stages=stages), m) > SMEM_LIMIT - 1024:
+    stages -= 1
+  return dataclasses.replace(base, splits=splits, stages=stages)
 
 
 def check_shapes(m: int, t: Q4KTiles, cfg: MgpuConfig) -> None:
   """ValueError naming what does not fit: N a multiple of 64 * compute_wgs, K of
-  256 * kb * splits, 1 <= M <= 256."""
+  256 * kb * splits, 1 <= M <= MAX_TOKENS (`q4k_matmul` calls the kernel per MAX_TOKENS rows)."""
   n, k = t.shape
   if n % (cfg.compute_wgs * _WG_ROWS):
     raise ValueError(f"q4k_matmul: N={n} is not a multiple of {cfg.compute_wgs * _WG_ROWS}")
   if k % (QK_K * cfg.kb * cfg.splits):
     raise ValueError(f"q4k_matmul: K={k} is not a multiple of 256 * kb ({cfg.kb}) * splits "
                      f"({cfg.splits})")
-  if not 1 <= m <= 256:
-    raise ValueError(f"q4k_matmul: M={m} tokens outside 1..256")
+  if not 1 <= m <= MAX_TOKENS:
+    raise ValueError(f"q4k_matmul: M={m} tokens outside 1..{MAX_TOKENS}")
 
 
 def q4k_matmul(x: jax.Array, t: Q4KTiles, cfg: MgpuConfig | None = None) -> jax.Array:
@@ -152,12 +179,18 @@ def q4k_matmul(x: jax.Array, t: Q4KTiles, cfg: MgpuConfig | None = None) -> jax.
   n = t.shape[0]
   if k != t.shape[1]:
     raise ValueError(f"q4k_matmul: x has K={k}, the weight {t.shape}")
+  if m > MAX_TOKENS:
+    return jnp.concatenate([q4k_matmul(x[i:i + MAX_TOKENS], t, cfg)
+                            for i in range(0, m, MAX_TOKENS)], axis=0)
   if cfg is None:
     from pallas_kernels.dequant_matmul import device_sm_count
     cfg = default_config(m, n, k, device_sm_count())
   check_shapes(m, t, cfg)
+  if smem_bytes(cfg, m) > SMEM_LIMIT:
+    raise ValueError(f"q4k_matmul: {cfg} needs {smem_bytes(cfg, m)} bytes of shared memory for "
+                     f"M={m}, more than {SMEM_LIMIT}: fewer stages or a smaller kb")
   n_sm = cfg.n_sm or 1
-  mp = 16 if m <= 16 else 32 if m <= 32 else -(-m // 64) * 64   # x^T rows of 32/64/128 bytes
+  mp = padded_tokens(m)
   tile_k = QK_K * cfg.kb
   cta_rows = cfg.compute_wgs * _WG_ROWS
   row_tiles = n // cta_rows
@@ -166,12 +199,12 @@ def q4k_matmul(x: jax.Array, t: Q4KTiles, cfg: MgpuConfig | None = None) -> jax.
   xt = jnp.zeros((k, mp), jnp.bfloat16).at[:, :m].set(x.T.astype(jnp.bfloat16))
 
   code_swz = plgpu.find_swizzle(_SUB * 8, "lhs")
-  x_swz = plgpu.find_swizzle(mp * 16, "rhs")
+  x_swz = min(64, plgpu.find_swizzle(mp * 16, "rhs"))   # 64: one K = 32 sub-block per WGMMA
   out_swz = plgpu.find_swizzle(mp * 32, "out")
   code_tf = (plgpu.TilingTransform((8, code_swz)), plgpu.SwizzleTransform(code_swz))
   x_tf = (plgpu.TilingTransform((8, x_swz // 2)), plgpu.SwizzleTransform(x_swz))
   out_tf = (plgpu.TilingTransform((8, out_swz // 4)), plgpu.SwizzleTransform(out_swz))
-  a_swz = plgpu.find_swizzle(_SUB * 16, "lhs")
+  a_swz = min(x_swz, plgpu.find_swizzle(_SUB * 16, "lhs"))   # WGMMA: A's swizzle <= B's
   a_tf = (plgpu.TilingTransform((8, a_swz // 2)), plgpu.SwizzleTransform(a_swz))
   n_sub = tile_k // _SUB
   scratch = dict(out_smem=plgpu.SMEM((cfg.compute_wgs, _WG_ROWS, mp), jnp.float32, transforms=out_tf))

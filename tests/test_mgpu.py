@@ -1,0 +1,109 @@
+"""The Mosaic GPU Q4_K matmul (pallas_kernels.mgpu_matmul) on the CPU: its tile layout is an
+exact permutation of the repacked planes; in GPU interpret mode it equals a float64 product of
+the same bfloat16 operands (relative Frobenius error <= 1e-5: float32 accumulation only); and the
+GPU configuration (register operand, two compute warpgroups) lowers for CUDA without a GPU at
+Qwen3.5-27B shapes (Mosaic GPU layout inference and dialect lowering run in `jax.export`)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from pallas_kernels import mgpu_matmul as mm
+from pallas_kernels import repack
+from test_quants import _random_blocks
+
+plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+
+
+def _weight(rng, n, k):
+  raw = _random_blocks(rng, "q4_k", n, k // 256)
+  return repack.repack(raw, "q4_k", (n, k))
+
+
+def test_tiles_are_an_exact_permutation_of_the_planes():
+  rng = np.random.default_rng(0)
+  p = _weight(rng, 8, 512)
+  t = mm.to_tiles(p)
+  back = mm.to_planes(t)
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(p)))
+  assert t.nbytes == p.nbytes == 8 * 2 * 148
+  codes = np.asarray(p.codes).reshape(8, 8, 32)             # [N, K/64, 32]
+  assert np.array_equal(t.codes[3, 5], codes[5, 3])         # tile g = 3 of row 5
+  tj = mm.to_tiles(jax.tree.map(jnp.asarray, p))            # jax arrays in, jax arrays out
+  assert isinstance(tj.codes, jax.Array) and np.array_equal(tj.codes, t.codes)
+  with pytest.raises(ValueError, match="Q4_K"):
+    mm.to_tiles(repack.repack(_random_blocks(rng, "q6_k", 2, 1), "q6_k", (2, 256)))
+
+
+def _bf16_reference(x, p):
+  """float64 x_bf16 @ w_bf16^T with w = repack.dequantize_planes (bit-identical to gguf-py),
+  each operand rounded to bfloat16 as the kernel rounds it."""
+  w = np.asarray(repack.dequantize_planes(jax.tree.map(jnp.asarray, p)).astype(jnp.bfloat16),
+                 np.float64)
+  xb = np.asarray(jnp.asarray(x).astype(jnp.bfloat16), np.float64)
+  return xb @ w.T
+
+
+# (M, N, K, kb, splits, n_sm): padded token widths 16 / 32 / 64 and a second call (M > 64);
+# several work items per persistent program; K splits; two 256-blocks a pipeline step.
+CASES = [(3, 128, 512, 1, 2, 1), (17, 64, 512, 2, 1, 1), (40, 64, 768, 1, 3, 2),
+         (70, 64, 256, 1, 1, 1)]
+
+
+@pytest.mark.parametrize("m,n,k,kb,splits,n_sm", CASES)
+def test_interpret_matches_bf16_operand_reference(m, n, k, kb, splits, n_sm):
+  rng = np.random.default_rng(m)
+  p = _weight(rng, n, k)
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  cfg = mm.MgpuConfig(kb=kb, splits=splits, stages=2, n_sm=n_sm, a_operand="smem",
+                      compute_wgs=1)
+  t = jax.tree.map(jnp.asarray, mm.to_tiles(p))
+  with plgpu.force_gpu_interpret_mode():
+    got = np.asarray(mm.q4k_matmul(jnp.asarray(x), t, cfg), np.float64)
+  ref = _bf16_reference(x, p)
+  assert got.shape == (m, n)
+  err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+  assert err <= 1e-5, err
+  full = np.asarray(repack.planes_matmul_reference(jnp.asarray(x),
+                                                   jax.tree.map(jnp.asarray, p)), np.float64)
+  assert np.linalg.norm(got - full) / np.linalg.norm(full) <= 1e-2   # bf16 operand rounding
+
+
+def _spec(n, k):
+  s = jax.ShapeDtypeStruct
+  return mm.Q4KTiles(codes=s((k // 64, n, 32), jnp.uint8), scales=s((k // 32, n), jnp.uint8),
+                     mins=s((k // 32, n), jnp.uint8), d=s((k // 256, n), jnp.float16),
+                     dmin=s((k // 256, n), jnp.float16), shape=(n, k))
+
+
+# Qwen3.5-27B: FFN gate/up [17408, 5120], down [5120, 17408], attention / DeltaNet projections
+# [6144, 5120]; M = 1 (decode), 16, 23 (DDTree budget 22 + root), 32, 64 (batched decode).
+LOWER_CASES = [(17408, 5120, 1), (17408, 5120, 23), (5120, 17408, 16), (5120, 17408, 32),
+               (6144, 5120, 64)]
+
+
+@pytest.mark.parametrize("n,k,m", LOWER_CASES)
+def test_gpu_configuration_lowers_for_cuda(n, k, m):
+  cfg = mm.default_config(m, n, k, n_sm=132)
+  assert cfg.a_operand == "registers" and cfg.compute_wgs == 2
+  assert mm.smem_bytes(cfg, m) <= mm.SMEM_LIMIT
+  exp = export.export(jax.jit(lambda x, t: mm.q4k_matmul(x, t, cfg)), platforms=["cuda"])(
+      jax.ShapeDtypeStruct((m, k), jnp.float32), _spec(n, k))
+  assert "mosaic_gpu" in exp.mlir_module()
+
+
+def test_shape_errors_name_the_problem():
+  t = _spec(192, 512)
+  x = jnp.zeros((1, 512), jnp.float32)
+  with pytest.raises(ValueError, match="multiple of 128"):
+    mm.q4k_matmul(x, t, mm.MgpuConfig(n_sm=1))
+  with pytest.raises(ValueError, match="K=512 is not a multiple"):
+    mm.q4k_matmul(x, _spec(128, 512), mm.MgpuConfig(n_sm=1, splits=4))
+  with pytest.raises(ValueError, match="x has K=256"):
+    mm.q4k_matmul(jnp.zeros((1, 256)), t, mm.MgpuConfig(n_sm=1))
+  with pytest.raises(ValueError, match="shared memory"):
+    mm.q4k_matmul(jnp.zeros((64, 512)), _spec(128, 512), mm.MgpuConfig(n_sm=1, kb=2, stages=8))
+  with pytest.raises(ValueError, match="a_operand"):
+    mm.MgpuConfig(a_operand="tmem")
