@@ -35,7 +35,10 @@ _E2E = flags.DEFINE_list("e2e", ["pallas", "pallas_unfused", "reference"],
                         "dot); empty for none.")
 _TABLES = flags.DEFINE_list("tables", ["matmul", "tree_gdn"], "Kernel tables to run: matmul, "
                             "tree_gdn, tiles (a TileConfig sweep over --sweep), variants (kernel "
-                            "variants at default tiles over --sweep).")
+                            "variants at default tiles over --sweep), mgpu (the Mosaic GPU Q4_K "
+                            "kernel vs the Triton kernel vs XLA, Q4_K shapes x --ms).")
+_MGPU_STAGES = flags.DEFINE_list("mgpu_stages", [], "mgpu table: pipeline depths to time besides "
+                                 "the default (each a row).")
 _SWEEP = flags.DEFINE_list("sweep", ["q4_k:17408:5120", "q6_k:5120:17408"],
                            "fmt:N:K matrices for the tiles table.")
 _SWEEP_MS = flags.DEFINE_list("sweep_ms", ["1", "23"], "Rows of x for the tiles table.")
@@ -367,6 +370,66 @@ def _matmul_table(res, sz, rng, copy_gbs, reps):
   return rows
 
 
+def _mgpu_table(res, sz, rng, copy_gbs, reps):
+  """pallas_kernels.mgpu_matmul (Mosaic GPU, Q4KTiles) vs the Triton kernel and XLA's dequantize
+  + dot on the same Q4_K weights, the size set's shapes x --ms, weight copies rotated as in the
+  matmul table. With --interpret: GPU interpret mode on the CPU (a_operand="smem",
+  compute_wgs=1), a smoke run of this table, not a timing."""
+  import contextlib
+  import dataclasses
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  from pallas_kernels import dequant_matmul as dm
+  from pallas_kernels import mgpu_matmul as mm
+  from pallas_kernels import repack
+  from pallas_kernels.dequant_matmul import device_sm_count
+  interp = _INTERPRET.value
+  kw = dict(a_operand="smem", compute_wgs=1) if interp else {}
+  ctx = plgpu.force_gpu_interpret_mode if interp else contextlib.nullcontext
+  rows = []
+  for name, n, k in sz["shapes"]:
+    if n % 128 or "fused" in name:
+      continue
+    nbytes, ws = _weight_copies(rng, "q4_k", n, k)
+    ts = [jax.tree.map(jnp.asarray, mm.to_tiles(repack.repack(np.asarray(w.data), "q4_k", (n, k))))
+          for w in ws]
+    r_w, n_x = len(ws), 2
+    for m in (int(v) for v in _MS.value):
+      base = mm.default_config(m, n, k, device_sm_count(), **kw)
+      cfgs = [base] + [dataclasses.replace(base, stages=int(st)) for st in _MGPU_STAGES.value
+                       if int(st) != base.stages]
+      xs = [jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16) for _ in range(n_x)]
+      tri = jax.jit(lambda xs, ws: [dm.dequant_matmul(x, w, compute_dtype=jnp.bfloat16,
+                                                      interpret=interp) for x in xs for w in ws])
+      xla = jax.jit(lambda xs, ws: [dm.dequant_matmul_reference(x, w, jnp.bfloat16)
+                                    for x in xs for w in ws])
+      ms_tri = _median_ms(tri, xs, ws, repeats=reps) / (r_w * n_x)
+      ms_xla = _median_ms(xla, xs, ws, repeats=reps) / (r_w * n_x)
+      y_ref = np.asarray(xla(xs[:1], ws[:1])[0], np.float64)
+      for cfg in cfgs:
+        if mm.smem_bytes(cfg, m) > mm.SMEM_LIMIT:
+          continue
+        with ctx():
+          kern = jax.jit(lambda xs, ts, cfg=cfg: [mm.q4k_matmul(x, t, cfg) for x in xs for t in ts])
+          ms = _median_ms(kern, xs, ts, repeats=reps) / (r_w * n_x)
+          y = np.asarray(kern(xs[:1], ts[:1])[0], np.float64)
+        err = float(np.linalg.norm(y - y_ref) / np.linalg.norm(y_ref))
+        gbs = ts[0].nbytes / (ms * 1e-3) / 1e9
+        rows.append({"matrix": name, "N": n, "K": k, "M": m, "config": str(cfg),
+                     "weight_copies": r_w, "mgpu_ms": ms, "mgpu_gbs": gbs,
+                     "fraction_of_copy": gbs / copy_gbs, "triton_ms": ms_tri, "xla_ms": ms_xla,
+                     "speedup_vs_triton": ms_tri / ms, "speedup_vs_xla": ms_xla / ms,
+                     "rel_err_vs_xla": err})
+        _dump(res | {"mgpu": rows})
+        _log(f"mgpu {name} M={m} stages={cfg.stages}: {ms:.4f} ms {gbs:.0f} GB/s "
+             f"({gbs / copy_gbs:.2f} of copy), Triton {ms_tri:.4f} ms, XLA {ms_xla:.4f} ms, "
+             f"rel err {err:.1e}")
+    del ws, ts
+  return rows
+
+
 def _tree_gdn_table(res, sz, rng, reps):
   """Tree GDN kernel vs reference, us per layer, at 16 and 23 nodes (8 layers' inputs per call)."""
   import jax
@@ -399,6 +462,13 @@ def _print_tables(res):
     print(f"{r['fmt']:5} {r['matrix']:12} {r['N']:7d} {r['K']:6d} {r['M']:3d} {r['kernel_ms']:10.3f} "
           f"{r['kernel_gbs']:7.0f} {r['fraction_of_copy']:8.2f} {r['xla_ms']:8.3f} "
           f"{r['speedup_vs_xla']:6.2f} {r['rel_err_vs_xla']:8.1e}")
+  if res.get("mgpu"):
+    print(f"\n{'matrix':12} {'N':>7} {'K':>6} {'M':>3} {'mgpu ms':>9} {'of copy':>8} "
+          f"{'Triton ms':>10} {'XLA ms':>8} {'x Triton':>9} {'rel err':>8}  config")
+  for r in res.get("mgpu", []):
+    print(f"{r['matrix']:12} {r['N']:7d} {r['K']:6d} {r['M']:3d} {r['mgpu_ms']:9.4f} "
+          f"{r['fraction_of_copy']:8.2f} {r['triton_ms']:10.4f} {r['xla_ms']:8.4f} "
+          f"{r['speedup_vs_triton']:9.2f} {r['rel_err_vs_xla']:8.1e}  {r['config']}")
   for r in res.get("tree_gdn", []):
     print(f"tree GDN {r['nodes']} nodes: kernel {r['kernel_us_per_layer']:.1f} us/layer, "
           f"reference {r['reference_us_per_layer']:.1f} us/layer")
@@ -424,7 +494,8 @@ def main(argv):
   tables = {"matmul": lambda: _matmul_table(res, sz, rng, copy_gbs, reps),
             "tiles": lambda: _tile_sweep(res, rng, copy_gbs, reps),
             "variants": lambda: _variant_table(res, rng, copy_gbs, reps),
-            "tree_gdn": lambda: _tree_gdn_table(res, sz, rng, reps)}
+            "tree_gdn": lambda: _tree_gdn_table(res, sz, rng, reps),
+            "mgpu": lambda: _mgpu_table(res, sz, rng, copy_gbs, reps)}
   for name in _TABLES.value:
     if name not in tables:
       raise app.UsageError(f"--tables: unknown table {name!r}; expected some of {list(tables)}")
