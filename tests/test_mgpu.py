@@ -4,6 +4,8 @@ the same bfloat16 operands (relative Frobenius error <= 1e-5: float32 accumulati
 GPU configuration (register operand, two compute warpgroups) lowers for CUDA without a GPU at
 Qwen3.5-27B shapes (Mosaic GPU layout inference and dialect lowering run in `jax.export`)."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,6 +54,8 @@ CASES = [(3, 128, 512, 1, 2, 1), (17, 64, 512, 2, 1, 1), (40, 64, 768, 1, 3, 2),
          (70, 64, 256, 1, 1, 1)]
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="GPU interpret mode runs its 2 simulated "
+                    "warpgroups' blocking callbacks on XLA's CPU pool: needs >= 2 cores")
 @pytest.mark.parametrize("m,n,k,kb,splits,n_sm", CASES)
 def test_interpret_matches_bf16_operand_reference(m, n, k, kb, splits, n_sm):
   rng = np.random.default_rng(m)
@@ -107,3 +111,26 @@ def test_shape_errors_name_the_problem():
     mm.q4k_matmul(jnp.zeros((64, 512)), _spec(128, 512), mm.MgpuConfig(n_sm=1, kb=2, stages=8))
   with pytest.raises(ValueError, match="a_operand"):
     mm.MgpuConfig(a_operand="tmem")
+
+
+def _on_hopper():
+  d = jax.devices()[0]
+  return d.platform == "gpu" and ("H100" in d.device_kind or "H200" in d.device_kind)
+
+
+@pytest.mark.skipif(not _on_hopper(), reason="needs a Hopper GPU (H100 / H200)")
+@pytest.mark.parametrize("a_operand", ["registers", "smem"])
+@pytest.mark.parametrize("m,n,k", [(1, 512, 1024), (23, 1024, 512), (64, 256, 2048),
+                                   (70, 256, 512), (23, 17408, 5120)])
+def test_on_gpu_matches_bf16_operand_reference(m, n, k, a_operand):
+  """The GPU configuration itself (both WGMMA operand placements), on the device."""
+  from pallas_kernels.dequant_matmul import device_sm_count
+  rng = np.random.default_rng(n + m)
+  p = _weight(rng, n, k)
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  cfg = mm.default_config(min(m, mm.MAX_TOKENS), n, k, device_sm_count(), a_operand=a_operand)
+  got = np.asarray(jax.jit(lambda x, t: mm.q4k_matmul(x, t, cfg))(
+      jnp.asarray(x), jax.tree.map(jnp.asarray, mm.to_tiles(p))), np.float64)
+  ref = _bf16_reference(x, p)
+  err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+  assert err <= 1e-5, (err, cfg)
