@@ -7,7 +7,7 @@
 #   1. the target answers the carried prompts (.gpu/prompts.npz, written here by gen_data.py
 #      --export_prompts, so the GPU answers the same corpus indices as this machine) greedily from
 #      the first prompt no committed greedy shard answered (gen_data resumes from the manifest),
-#      with GEN_BATCH rows at once, for GEN_MIN minutes, then (if the prompts ran out first)
+#      with GEN_BATCH rows at once, for GEN_MIN minutes (0: no generation at all), then (if the prompts ran out first)
 #      sampled at temperature 0.8 (seed 1000, as the committed sampled shards), as new shards in a
 #      copy of the committed data directory;
 #   2. trains from the shipped draft on all of it (committed + new shards) until END_S seconds
@@ -63,7 +63,9 @@ cd /tmp/repo || exit 1
 G="python3 scripts/gen_data.py --target /tmp/smol.gguf --weights f32 --data_dir /tmp/data
    --prompts_file prompts.npz --batch_size $GB --max_new_tokens $MAXNEW --max_ctx 800
    --shard_prompts $SHARD --compile_cache_dir /tmp/jcache"
-\$G --temperature 0 --minutes $GEN_MIN     # resumes after the last greedy prompt answered
+if [ "$GEN_MIN" != 0 ]; then                # GEN_MIN 0: no generation, train on the carried data
+  \$G --temperature 0 --minutes $GEN_MIN   # resumes after the last greedy prompt answered
+fi
 REM=\$(( $GEN_END - \$(date +%s) ))
 if [ \$REM -gt 30 ]; then
   \$G --temperature 0.8 --seed 1000 --minutes \$(python3 -c "print(\$REM / 60)")
