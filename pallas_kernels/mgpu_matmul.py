@@ -43,8 +43,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_kernels.dequant_matmul import device_sm_count
 from pallas_kernels.gguf_blocks import QK_K
-from pallas_kernels.repack import Planes
+from pallas_kernels.repack import Planes, arrays_nbytes
 
 _WG_ROWS = 64            # weight rows per compute warpgroup (WGMMA's M)
 _SUB = 32                # weights per Q4_K sub-block (one 6-bit scale and min)
@@ -69,8 +70,7 @@ class Q4KTiles:
   @property
   def nbytes(self) -> int:
     """Bytes of all planes (what the device holds)."""
-    return sum(int(np.prod(p.shape)) * np.dtype(p.dtype).itemsize
-               for p in (self.codes, self.scales, self.mins, self.d, self.dmin))
+    return arrays_nbytes(self.codes, self.scales, self.mins, self.d, self.dmin)
 
 
 def to_tiles(p: Planes) -> Q4KTiles:
@@ -157,7 +157,8 @@ def default_config(m: int, n: int, k: int, n_sm: int, **kw) -> MgpuConfig:
 
 def check_shapes(m: int, t: Q4KTiles, cfg: MgpuConfig) -> None:
   """ValueError naming what does not fit: N a multiple of 64 * compute_wgs, K of
-  256 * kb * splits, 1 <= M <= MAX_TOKENS (`q4k_matmul` calls the kernel per MAX_TOKENS rows)."""
+  256 * kb * splits, 1 <= M <= MAX_TOKENS (`q4k_matmul` calls the kernel per MAX_TOKENS rows),
+  `smem_bytes` <= SMEM_LIMIT."""
   n, k = t.shape
   if n % (cfg.compute_wgs * _WG_ROWS):
     raise ValueError(f"q4k_matmul: N={n} is not a multiple of {cfg.compute_wgs * _WG_ROWS}")
@@ -166,6 +167,9 @@ def check_shapes(m: int, t: Q4KTiles, cfg: MgpuConfig) -> None:
                      f"({cfg.splits})")
   if not 1 <= m <= MAX_TOKENS:
     raise ValueError(f"q4k_matmul: M={m} tokens outside 1..{MAX_TOKENS}")
+  if smem_bytes(cfg, m) > SMEM_LIMIT:
+    raise ValueError(f"q4k_matmul: {cfg} needs {smem_bytes(cfg, m)} bytes of shared memory for "
+                     f"M={m}, more than {SMEM_LIMIT}: fewer stages or a smaller kb")
 
 
 def q4k_matmul(x: jax.Array, t: Q4KTiles, cfg: MgpuConfig | None = None) -> jax.Array:
@@ -183,13 +187,9 @@ def q4k_matmul(x: jax.Array, t: Q4KTiles, cfg: MgpuConfig | None = None) -> jax.
     return jnp.concatenate([q4k_matmul(x[i:i + MAX_TOKENS], t, cfg)
                             for i in range(0, m, MAX_TOKENS)], axis=0)
   if cfg is None:
-    from pallas_kernels.dequant_matmul import device_sm_count
     cfg = default_config(m, n, k, device_sm_count())
   check_shapes(m, t, cfg)
-  if smem_bytes(cfg, m) > SMEM_LIMIT:
-    raise ValueError(f"q4k_matmul: {cfg} needs {smem_bytes(cfg, m)} bytes of shared memory for "
-                     f"M={m}, more than {SMEM_LIMIT}: fewer stages or a smaller kb")
-  n_sm = cfg.n_sm or 1
+  n_sm = cfg.n_sm or device_sm_count()
   mp = padded_tokens(m)
   tile_k = QK_K * cfg.kb
   cta_rows = cfg.compute_wgs * _WG_ROWS
@@ -198,14 +198,14 @@ def q4k_matmul(x: jax.Array, t: Q4KTiles, cfg: MgpuConfig | None = None) -> jax.
   items = row_tiles * cfg.splits
   xt = jnp.zeros((k, mp), jnp.bfloat16).at[:, :m].set(x.T.astype(jnp.bfloat16))
 
-  code_swz = plgpu.find_swizzle(_SUB * 8, "lhs")
+  def tiled(swizzle, itemsize):      # 8-row tiles, one swizzle wide
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
   x_swz = min(64, plgpu.find_swizzle(mp * 16, "rhs"))   # 64: one K = 32 sub-block per WGMMA
-  out_swz = plgpu.find_swizzle(mp * 32, "out")
-  code_tf = (plgpu.TilingTransform((8, code_swz)), plgpu.SwizzleTransform(code_swz))
-  x_tf = (plgpu.TilingTransform((8, x_swz // 2)), plgpu.SwizzleTransform(x_swz))
-  out_tf = (plgpu.TilingTransform((8, out_swz // 4)), plgpu.SwizzleTransform(out_swz))
-  a_swz = min(x_swz, plgpu.find_swizzle(_SUB * 16, "lhs"))   # WGMMA: A's swizzle <= B's
-  a_tf = (plgpu.TilingTransform((8, a_swz // 2)), plgpu.SwizzleTransform(a_swz))
+  code_tf = tiled(plgpu.find_swizzle(_SUB * 8, "lhs"), 1)
+  x_tf = tiled(x_swz, 2)
+  out_tf = tiled(plgpu.find_swizzle(mp * 32, "out"), 4)
+  a_tf = tiled(min(x_swz, plgpu.find_swizzle(_SUB * 16, "lhs")), 2)   # WGMMA: A's swizzle <= B's
   n_sub = tile_k // _SUB
   scratch = dict(out_smem=plgpu.SMEM((cfg.compute_wgs, _WG_ROWS, mp), jnp.float32, transforms=out_tf))
   if cfg.a_operand == "smem":
@@ -255,7 +255,6 @@ def q4k_matmul(x: jax.Array, t: Q4KTiles, cfg: MgpuConfig | None = None) -> jax.
             plgpu.copy_smem_to_gmem(out_smem.at[wg], out_g.at[split].at[cta].at[rows])
 
         def body(_, codes_s, sc_s, mn_s, d_s, dm_s, x_s, acc):
-          tiles = []
           for j in range(n_sub):
             b = j // (QK_K // _SUB)
             q = codes_s[j // 2, rows, :].astype(jnp.int32)   # no 8-bit shifts in registers
@@ -267,10 +266,9 @@ def q4k_matmul(x: jax.Array, t: Q4KTiles, cfg: MgpuConfig | None = None) -> jax.
               plgpu.wgmma(acc, w, x_s.at[pl.ds(j * _SUB, _SUB)])
             else:
               a_smem[wg, j] = w
-              tiles.append(j)
-          if tiles:
+          if a_smem is not None:             # every tile stored: one fence, then the WGMMAs
             plgpu.commit_smem()
-            for j in tiles:
+            for j in range(n_sub):
               plgpu.wgmma(acc, a_smem.at[wg, j], x_s.at[pl.ds(j * _SUB, _SUB)])
           plgpu.wgmma_wait(0)
           return acc

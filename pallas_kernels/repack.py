@@ -66,9 +66,12 @@ class Planes:
   @property
   def nbytes(self) -> int:
     """Bytes of all planes (what the device holds)."""
-    return sum(int(np.prod(p.shape)) * np.dtype(p.dtype).itemsize
-               for p in (self.codes, self.scales, self.d, self.mins, self.dmin, self.high)
-               if p is not None)
+    return arrays_nbytes(self.codes, self.scales, self.d, self.mins, self.dmin, self.high)
+
+
+def arrays_nbytes(*arrays) -> int:
+  """Bytes of the given arrays (numpy, jax or ShapeDtypeStruct; None entries skipped)."""
+  return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in arrays if a is not None)
 
 
 def _blocks(raw: np.ndarray, fmt: str, shape, name: str) -> np.ndarray:

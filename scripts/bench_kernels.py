@@ -384,7 +384,6 @@ def _mgpu_table(res, sz, rng, copy_gbs, reps):
   from pallas_kernels import dequant_matmul as dm
   from pallas_kernels import mgpu_matmul as mm
   from pallas_kernels import repack
-  from pallas_kernels.dequant_matmul import device_sm_count
   interp = _INTERPRET.value
   kw = dict(a_operand="smem", compute_wgs=1) if interp else {}
   ctx = plgpu.force_gpu_interpret_mode if interp else contextlib.nullcontext
@@ -392,12 +391,12 @@ def _mgpu_table(res, sz, rng, copy_gbs, reps):
   for name, n, k in sz["shapes"]:
     if n % 128 or "fused" in name:
       continue
-    nbytes, ws = _weight_copies(rng, "q4_k", n, k)
+    _, ws = _weight_copies(rng, "q4_k", n, k)
     ts = [jax.tree.map(jnp.asarray, mm.to_tiles(repack.repack(np.asarray(w.data), "q4_k", (n, k))))
           for w in ws]
     r_w, n_x = len(ws), 2
     for m in (int(v) for v in _MS.value):
-      base = mm.default_config(m, n, k, device_sm_count(), **kw)
+      base = mm.default_config(m, n, k, dm.device_sm_count(), **kw)
       cfgs = [base] + [dataclasses.replace(base, stages=int(st)) for st in _MGPU_STAGES.value
                        if int(st) != base.stages]
       xs = [jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16) for _ in range(n_x)]

@@ -14,8 +14,8 @@ from dflash_jax.train.objective import (Batch, batch_loss, batch_targets, data_v
                                         sample_anchors, target_pass)
 from dflash_jax.train.shards import TokenSeq, read_shards
 from dflash_jax.train.trainer import (BatchPlan, TrainConfig, TrainState, batch_plan,
-                                      init_state, length_groups, lr_at, make_optimizer, make_step, step_batch, train,
-                                      with_lr)
+                                      init_state, length_groups, lr_at, make_optimizer,
+                                      make_step, step_batch, train, with_lr)
 
 __all__ = ["GENERAL_TEMPLATES", "PACKAGE_CORPUS", "Prompt", "build_corpus", "package_functions",
            "topic_words", "Batch", "batch_loss", "batch_targets", "data_vocab", "distill_kl", "frozen_target_tensors",
