@@ -41,26 +41,24 @@ def causal_conv(x: jax.Array, conv_state: jax.Array, w: jax.Array,
   return y
 
 
-def gated_delta_rule_recurrent(q, k, v, g, beta, state):
+def gated_delta_rule_recurrent(q, k, v, g, beta, state, *, states: bool = True):
   """Token-by-token gated delta rule (Yang et al. 2024, arXiv:2412.06464), float32.
 
   q, k: [T, Hv, Dk] (L2-normalized, q pre-scaled by Dk**-0.5); v: [T, Hv, Dv];
   g: [T, Hv] log-space decay (<= 0); beta: [T, Hv] write strength; state: [Hv, Dk, Dv].
-  Per token: S = e^g S;  S += k (beta (v - S^T k))^T;  o = S^T q.
-  Returns (o: [T, Hv, Dv], states: [T, Hv, Dk, Dv] the state after each token).
+  Per token (`tree_gdn.gdn_step`): S = e^g S;  S += k (beta (v - S^T k))^T;  o = S^T q.
+  Returns (o: [T, Hv, Dv], states: [T, Hv, Dk, Dv] the state after each token, or None when
+  `states` (static) is False).
   """
 
   def step(s, inp):
     qt, kt, vt, gt, bt = inp
-    s = s * jnp.exp(gt)[:, None, None]
-    kv = jnp.einsum("hk,hkv->hv", kt, s, precision=jax.lax.Precision.HIGHEST)
-    delta = (vt - kv) * bt[:, None]
-    s = s + kt[:, :, None] * delta[:, None, :]
+    s = tk.gdn_step(s, kt, vt, gt, bt)
     o = jnp.einsum("hk,hkv->hv", qt, s, precision=jax.lax.Precision.HIGHEST)
-    return s, (o, s)
+    return s, ((o, s) if states else o)
 
-  _, (o, states) = jax.lax.scan(step, state.astype(jnp.float32), (q, k, v, g, beta))
-  return o, states
+  _, ys = jax.lax.scan(step, state.astype(jnp.float32), (q, k, v, g, beta))
+  return ys if states else (ys, None)
 
 
 def gated_delta_rule_chunked(q, k, v, g, beta, state, chunk: int = 64):
@@ -110,22 +108,27 @@ def gated_delta_rule_chunked(q, k, v, g, beta, state, chunk: int = 64):
   return o, s
 
 
-def gated_delta_rule_tree(q, k, v, g, beta, state, parents, rt: Runtime, *, is_path: bool = False):
+def gated_delta_rule_tree(q, k, v, g, beta, state, parents, rt: Runtime, *, is_path: bool = False,
+                          max_depth: int | None = None):
   """Gated delta rule over a tree (verify): node i starts from its parent's state, the root
   (parents[i] < 0) from `state`; parents[i] < i. The chain is parents = [-1, 0, 1, ...].
 
   q, k: [N, Hv, Dk]; v: [N, Hv, Dv]; g, beta: [N, Hv]; state: [Hv, Dk, Dv]; parents: [N] int32.
-  Returns (o: [N, Hv, Dv], states: [N, Hv, Dk, Dv] the state after each node), float32.
+  Returns (o: [N, Hv, Dv], states: [N, Hv, Dk, Dv] the state after each node, or None with
+  rt.gdn_commit "replay"), float32. max_depth: static bound of the nodes' depths (the replay
+  kernel's work per node).
   rt.kernels "pallas" / "pallas_interpret": the Pallas kernel (pallas_kernels.tree_gdn) where
   the head sizes tile; otherwise the pure-JAX form: for a path (`is_path`, static: parents =
   [-1, 0, 1, ...]) the token recurrence `gated_delta_rule_recurrent`, else
   `tree_gdn_reference` (a scan over nodes with a parent gather).
   """
+  keep = rt.gdn_commit == "states"
   if rt.pallas and tk.supports(q.shape[-1], v.shape[-1]):
-    return tk.tree_gdn(q, k, v, g, beta, state, parents, interpret=rt.kernels == "pallas_interpret")
+    return tk.tree_gdn(q, k, v, g, beta, state, parents, interpret=rt.kernels == "pallas_interpret",
+                       states=keep, max_depth=max_depth)
   if is_path:
-    return gated_delta_rule_recurrent(q, k, v, g, beta, state)
-  return tk.tree_gdn_reference(q, k, v, g, beta, state, parents)
+    return gated_delta_rule_recurrent(q, k, v, g, beta, state, states=keep)
+  return tk.tree_gdn_reference(q, k, v, g, beta, state, parents, states=keep)
 
 
 def causal_conv_tree(x: jax.Array, conv_state: jax.Array, w: jax.Array, anc: jax.Array,
@@ -220,8 +223,10 @@ def mixer_verify(x, p, cfg: TargetConfig, ssm, conv, tree, anc, rt: Runtime):
   node continues its parent's SSM state and conv window; the committed ssm/conv stay as they
   are. x: [N, D]; ssm: [Hv, Dk, Dv]; conv: [K-1, C]; anc: [N, K] the nodes' ancestor columns
   (tree.ancestor_columns(K - 1), shared by all layers; None for a path tree).
-  Returns (out [N, D], states [N, Hv, Dk, Dv] after each node, xin [N, C] pre-conv inputs): what
-  `target.commit_path` needs to commit any root path without replay.
+  Returns (out [N, D], steps, xin [N, C] pre-conv inputs), steps = the states [N, Hv, Dk, Dv]
+  after each node (rt.gdn_commit "states"), or the nodes' recurrence inputs (k [N, Hv, Dk],
+  v [N, Hv, Dv], g [N, Hv], beta [N, Hv]) for a replay ("replay"): what `target.path_update`
+  needs to commit any root path.
   """
   xin, z, g, beta = _inputs(x, p, cfg, rt)
   if tree.is_path:
@@ -229,5 +234,7 @@ def mixer_verify(x, p, cfg: TargetConfig, ssm, conv, tree, anc, rt: Runtime):
   else:
     mixed = causal_conv_tree(xin, conv, p.conv, anc, tree.depths)
   q, k, v = _qkv(jax.nn.silu(mixed), cfg)
-  o, states = gated_delta_rule_tree(q, k, v, g, beta, ssm, tree.parents, rt, is_path=tree.is_path)
-  return _output(o, z, p, cfg, rt), states, xin
+  o, states = gated_delta_rule_tree(q, k, v, g, beta, ssm, tree.parents, rt, is_path=tree.is_path,
+                                    max_depth=tree.max_depth)
+  steps = states if states is not None else (k, v, g, beta)
+  return _output(o, z, p, cfg, rt), steps, xin

@@ -17,6 +17,7 @@ from dflash_jax import kv_cache
 KERNEL_CHOICES = ("reference", "pallas", "pallas_interpret")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 KV_DTYPES = kv_cache.FORMATS
+GDN_COMMITS = ("states", "replay")
 
 
 @jax.tree_util.register_static
@@ -37,6 +38,12 @@ class Runtime:
       computes in float32).
     kv_dtype_v: the values' format when it differs from the keys' (llama.cpp's -ctk / -ctv);
       "" = kv_dtype.
+    gdn_commit: how a verify's Gated DeltaNet layers let the accepted path be committed:
+      "states" (the verify writes every node's float32 SSM state, [N, Hv, Dk, Dv] per layer,
+      and the commit takes the accepted node's) or "replay" (the verify keeps only each node's
+      recurrence inputs k, v, g, beta, and the commit replays the accepted path from the
+      committed state, `pallas_kernels.tree_gdn.replay_path`: ~Dk x fewer bytes written per
+      verify; the Pallas kernel then writes outputs only). Greedy output is the same either way.
 
   Raises ValueError naming the field for a value outside the choices above.
   """
@@ -45,10 +52,12 @@ class Runtime:
   compute_dtype: str = "float32"
   kv_dtype: str = "float32"
   kv_dtype_v: str = ""
+  gdn_commit: str = "states"
 
   def __post_init__(self):
     for name, choices in (("kernels", KERNEL_CHOICES), ("compute_dtype", COMPUTE_DTYPES),
-                          ("kv_dtype", KV_DTYPES), ("kv_dtype_v", ("",) + KV_DTYPES)):
+                          ("kv_dtype", KV_DTYPES), ("kv_dtype_v", ("",) + KV_DTYPES),
+                          ("gdn_commit", GDN_COMMITS)):
       if getattr(self, name) not in choices:
         raise ValueError(f"Runtime.{name}={getattr(self, name)!r}: expected one of {choices}")
 

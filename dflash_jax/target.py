@@ -23,6 +23,7 @@ from dflash_jax.quants import take_rows
 from dflash_jax.runtime import Runtime
 from dflash_jax.target_params import AttnParams, TargetParams
 from dflash_jax.tree import Tree
+from pallas_kernels import tree_gdn
 
 
 @jax.tree_util.register_dataclass
@@ -47,15 +48,27 @@ class TargetCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class GDNSteps:
-  """Per-node GDN states captured during a verify, for commit without replay.
+  """What a verify's Gated DeltaNet layers keep so that any root path can be committed
+  (`path_update`), per `Runtime.gdn_commit`.
 
   Attributes:
-    ssm: [n_gdn, N, Hv, Dk, Dv] float32 state after each verified node.
+    ssm: "states": [n_gdn, N, Hv, Dk, Dv] float32 state after each verified node; "replay": None.
     xin: [n_gdn, N, C] float32 pre-conv inputs of the verified nodes.
+    k, v, g, beta: "replay": the nodes' recurrence inputs, [n_gdn, N, Hv, Dk], [n_gdn, N, Hv,
+      Dv], [n_gdn, N, Hv], [n_gdn, N, Hv] float32 (the commit replays the accepted path);
+      "states": None.
   """
 
-  ssm: jax.Array
+  ssm: Optional[jax.Array]
   xin: jax.Array
+  k: Optional[jax.Array] = None
+  v: Optional[jax.Array] = None
+  g: Optional[jax.Array] = None
+  beta: Optional[jax.Array] = None
+
+  def nodes(self, rows) -> "GDNSteps":
+    """The same fields for node slots `rows` (a slice or index array along axis 1)."""
+    return jax.tree.map(lambda a: a[:, rows], self)
 
 
 @jax.tree_util.register_dataclass
@@ -121,15 +134,22 @@ def path_update(cache: TargetCache, ver: Verified, path: jax.Array, n_keep: jax.
   n_keep: [] nodes kept (>= 1). K/V rows: node path[m] goes to row start+m (a path tree's nodes
   already are in that order: `rows_in_place`, static, takes them as they are); SSM state = the
   state after node path[n_keep-1]; conv state = last K-1 inputs of [old conv state ; path
-  inputs].
+  inputs]. With `Runtime.gdn_commit` "replay" (GDNSteps.ssm None) the SSM state is rebuilt by
+  replaying the path's first n_keep nodes from the committed state (`tree_gdn.replay_path`).
   """
   k, v = (ver.k, ver.v) if rows_in_place else (jnp.take(ver.k, path, axis=1),
                                                jnp.take(ver.v, path, axis=1))
   if cache.ssm.shape[0] == 0:
     return CacheUpdate(k, v, cache.ssm, cache.conv)
   steps = ver.steps
-  ssm = jnp.take(steps.ssm, path[n_keep - 1], axis=1)
-  xin = steps.xin if rows_in_place else jnp.take(steps.xin, path, axis=1)
+  on_path = (lambda a: a) if rows_in_place else (lambda a: jnp.take(a, path, axis=1))
+  if steps.ssm is not None:
+    ssm = jnp.take(steps.ssm, path[n_keep - 1], axis=1)
+  else:                                   # Runtime.gdn_commit "replay": rebuild it, per layer
+    ssm = jax.vmap(tree_gdn.replay_path, in_axes=(0, 0, 0, 0, 0, None))(
+        cache.ssm, on_path(steps.k), on_path(steps.v), on_path(steps.g), on_path(steps.beta),
+        n_keep)
+  xin = on_path(steps.xin)
   xc = jnp.concatenate([cache.conv, xin], axis=1)
   conv = jax.lax.dynamic_slice_in_dim(xc, n_keep, cache.conv.shape[1], axis=1)
   return CacheUpdate(k, v, ssm, conv)
@@ -340,7 +360,7 @@ def verify(params: TargetParams, cfg: TargetConfig, tree: Tree, start: jax.Array
                   (ptree.ancestors_by_depth(), ptree.depths))
     return Verified(logits=ver.logits[:n0], feats=None if ver.feats is None else ver.feats[:n0],
                     k=ver.k[:, :n0], v=ver.v[:, :n0],
-                    steps=GDNSteps(ssm=ver.steps.ssm[:, :n0], xin=ver.steps.xin[:, :n0]))
+                    steps=ver.steps.nodes(slice(0, n0)))
   return _verify(params, cfg, tree, start, cache, rt, feature_layers, live_bound, None)
 
 
@@ -358,7 +378,10 @@ def _verify(params, cfg: TargetConfig, tree: Tree, start, cache: TargetCache, rt
   x = take_rows(params.embed, tree.tokens)
   h, feats, k, v, cache, st = _trunk(params, cfg, x, cache, start, pos, mask, mixer,
                                      feature_layers, rt, live_bound, ordered=ordered)
-  if st:
+  if st and rt.gdn_commit == "replay":
+    k_, v_, g_, b_ = (jnp.stack([s[j] for s, _ in st]) for j in range(4))
+    steps = GDNSteps(ssm=None, xin=jnp.stack([xi for _, xi in st]), k=k_, v=v_, g=g_, beta=b_)
+  elif st:
     steps = GDNSteps(ssm=jnp.stack([s for s, _ in st]), xin=jnp.stack([xi for _, xi in st]))
   else:
     steps = GDNSteps(ssm=jnp.zeros((0, n) + cache.ssm.shape[1:], jnp.float32),

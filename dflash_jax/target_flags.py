@@ -11,7 +11,7 @@ from typing import Optional
 
 from absl import flags
 
-from dflash_jax.runtime import KV_DTYPES
+from dflash_jax.runtime import GDN_COMMITS, KV_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +25,7 @@ class TargetFlags:
   compute_dtype: flags.FlagHolder
   kv_dtype: flags.FlagHolder
   kv_dtype_v: flags.FlagHolder
+  gdn_commit: flags.FlagHolder
   compile_cache: flags.FlagHolder
   compile_cache_dir: flags.FlagHolder
   parse_special: flags.FlagHolder
@@ -32,7 +33,7 @@ class TargetFlags:
 
 def define(flag_values: flags.FlagValues = flags.FLAGS) -> TargetFlags:
   """Defines --target, --weights, --kernels, --fuse_projections, --compute_dtype, --kv_dtype, --kv_dtype_v,
-  --compile_cache, --compile_cache_dir, --parse_special."""
+  --gdn_commit, --compile_cache, --compile_cache_dir, --parse_special."""
   return TargetFlags(
       target=flags.DEFINE_string(
           "target", None, "Target GGUF file. Default: SmolLM2-135M-Instruct Q4_1 from the "
@@ -63,6 +64,12 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> TargetFlags:
           "kv_dtype_v", None, list(KV_DTYPES),
           "The values' format when it differs from the keys' (llama.cpp -ctv); default: "
           "--kv_dtype.", flag_values=flag_values),
+      gdn_commit=flags.DEFINE_enum(
+          "gdn_commit", "states", list(GDN_COMMITS),
+          "How a verify lets hybrid (Gated DeltaNet) layers commit the accepted path: 'states' "
+          "(write every tree node's SSM state) or 'replay' (keep the nodes' k/v/g/beta and "
+          "replay the accepted path at commit: ~head-dim x fewer bytes written per verify). "
+          "Same greedy output.", flag_values=flag_values),
       compile_cache=flags.DEFINE_boolean(
           "compile_cache", True, "Keep compiled programs in a persistent cache on disk, so the "
           "next run reads them back instead of compiling (--nocompile_cache: off).",
@@ -126,5 +133,5 @@ def load(f: TargetFlags, progress=None):
   return api.load_target(target_path(f), weights=f.weights.value,
                          compute_dtype=f.compute_dtype.value, kv_dtype=f.kv_dtype.value,
                          kv_dtype_v=f.kv_dtype_v.value or "",
-                         kernels=f.kernels.value,
+                         gdn_commit=f.gdn_commit.value, kernels=f.kernels.value,
                          fuse_projections=f.fuse_projections.value, progress=progress)

@@ -20,6 +20,13 @@ recurrence. The cost is N*Hv*Dk*Dv*4 bytes written per GDN layer (23 nodes at Qw
 shapes: 72 MB); the alternative that avoids it (outputs only, then a commit pass over the
 accepted path) is noted in the README's limitations.
 
+Without per-node states (`states=False`, `Runtime.gdn_commit="replay"`): the kernel writes the
+outputs only. Each program rebuilds node i's state in registers by replaying i's ancestor path from
+the committed state (root first, `ancestor_path`: at most max_depth + 1 rank-1 updates per node,
+N x (max_depth + 1) in all, no state store or re-read), and the commit rebuilds the accepted
+node's state the same way (`replay_path`, with `gdn_step`'s operation order). Bytes written per
+GDN layer drop from N*Hv*Dk*Dv*4 to the outputs' N*Hv*Dv*4.
+
 `tree_gdn_reference` (a scan over nodes with a parent gather) is what the model runs off GPU;
 the tests check it against the chain recurrence along every root path.
 """
@@ -35,14 +42,26 @@ from jax.experimental import pallas as pl
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 
-__all__ = ["tree_gdn", "tree_gdn_reference", "supports"]
+__all__ = ["tree_gdn", "tree_gdn_reference", "supports", "gdn_step", "replay_path", "ancestor_path"]
 
 
-def tree_gdn_reference(q, k, v, g, beta, state, parents):
-  """Pure-JAX tree gated delta rule, float32 (HIGHEST-precision einsums).
+def gdn_step(s, k, v, g, beta):
+  """One gated delta rule step (float32, HIGHEST-precision contraction), the operation order
+  every pure-JAX form here shares: S = e^g S; S += k (beta (v - S^T k))^T.
+
+  s: [Hv, Dk, Dv]; k: [Hv, Dk]; v: [Hv, Dv]; g, beta: [Hv]. Returns the new s [Hv, Dk, Dv]."""
+  hp = jax.lax.Precision.HIGHEST
+  s = s * jnp.exp(g)[:, None, None]
+  delta = (v - jnp.einsum("hk,hkv->hv", k, s, precision=hp)) * beta[:, None]
+  return s + k[:, :, None] * delta[:, None, :]
+
+
+def tree_gdn_reference(q, k, v, g, beta, state, parents, *, states: bool = True):
+  """Pure-JAX tree gated delta rule, float32 (HIGHEST-precision einsums, `gdn_step`).
 
   q, k: [N, Hv, Dk]; v: [N, Hv, Dv]; g, beta: [N, Hv]; state: [Hv, Dk, Dv]; parents: [N] int32,
-  parents[i] < i, -1 = root. Returns (o: [N, Hv, Dv], states: [N, Hv, Dk, Dv]).
+  parents[i] < i, -1 = root. Returns (o: [N, Hv, Dv], states: [N, Hv, Dk, Dv], or None when
+  `states` (static) is False: the per-node states stay inside the scan).
   """
   n = q.shape[0]
   hp = jax.lax.Precision.HIGHEST
@@ -51,10 +70,7 @@ def tree_gdn_reference(q, k, v, g, beta, state, parents):
   def step(buf, inp):
     i, qt, kt, vt, gt, bt = inp
     p = parents[i]
-    s = jnp.where(p >= 0, buf[jnp.maximum(p, 0)], state)
-    s = s * jnp.exp(gt)[:, None, None]
-    delta = (vt - jnp.einsum("hk,hkv->hv", kt, s, precision=hp)) * bt[:, None]
-    s = s + kt[:, :, None] * delta[:, None, :]
+    s = gdn_step(jnp.where(p >= 0, buf[jnp.maximum(p, 0)], state), kt, vt, gt, bt)
     o = jnp.einsum("hk,hkv->hv", qt, s, precision=hp)
     return buf.at[i].set(s), o
 
@@ -62,7 +78,35 @@ def tree_gdn_reference(q, k, v, g, beta, state, parents):
   buf, o = jax.lax.scan(step, buf, (jnp.arange(n), q.astype(jnp.float32), k.astype(jnp.float32),
                                     v.astype(jnp.float32), g.astype(jnp.float32),
                                     beta.astype(jnp.float32)))
-  return o, buf
+  return o, (buf if states else None)
+
+
+def replay_path(state, k, v, g, beta, n_steps):
+  """The state after the first n_steps nodes of a root path, replayed from the committed state
+  with `gdn_step` (what a commit without per-node states runs; fixed trip count P, steps past
+  n_steps leave the state as it is).
+
+  state: [Hv, Dk, Dv]; k: [P, Hv, Dk]; v: [P, Hv, Dv]; g, beta: [P, Hv] the path's nodes, root
+  first; n_steps: [] int32 in 0..P. Returns [Hv, Dk, Dv] float32."""
+  def step(s, inp):
+    m, kt, vt, gt, bt = inp
+    return jnp.where(m < n_steps, gdn_step(s, kt, vt, gt, bt), s), None
+
+  f32 = lambda a: a.astype(jnp.float32)
+  s, _ = jax.lax.scan(step, f32(state), (jnp.arange(k.shape[0]), f32(k), f32(v), f32(g),
+                                         f32(beta)))
+  return s
+
+
+def ancestor_path(parents, width: int):
+  """[N, width] int32: node i's root path, root first, right-aligned (column width-1 = i
+  itself, column width-1-j = its j-th ancestor), -1 before the root. width >= max depth + 1."""
+  parents = parents.astype(jnp.int32)
+  cols = [jnp.arange(parents.shape[0], dtype=jnp.int32)]
+  for _ in range(width - 1):
+    prev = cols[-1]
+    cols.append(jnp.where(prev >= 0, parents[jnp.maximum(prev, 0)], -1))
+  return jnp.stack(cols[::-1], axis=1)
 
 
 def _is_pow2(n: int) -> bool:
@@ -125,13 +169,62 @@ def _tree_gdn(q, k, v, g, beta, state, parents, *, bv, num_warps, interpret):
     state.astype(jnp.float32))
 
 
+def _kernel_replay(anc_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s0_ref, o_ref, *, n_nodes: int,
+                   width: int):
+  h0 = s0_ref[...].astype(jnp.float32)                        # [Dk, bv]
+
+  def node(t, carry):
+    def up(j, s):                                              # root first; -1: before the root
+      a = anc_ref[t, j]
+      ai = jnp.maximum(a, 0)
+      kt = k_ref[ai].astype(jnp.float32)
+      s2 = s * jnp.exp(g_ref[ai])
+      delta = (v_ref[ai].astype(jnp.float32) - jnp.sum(s2 * kt[:, None], axis=0)) * b_ref[ai]
+      return jnp.where(a >= 0, s2 + kt[:, None] * delta[None, :], s)
+
+    s = jax.lax.fori_loop(0, width, up, h0)
+    o_ref[t] = jnp.sum(s * q_ref[t].astype(jnp.float32)[:, None], axis=0)
+    return carry
+
+  jax.lax.fori_loop(0, n_nodes, node, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("bv", "num_warps", "interpret"))
+def _tree_gdn_replay(q, k, v, g, beta, state, anc, *, bv, num_warps, interpret):
+  from jax.experimental.pallas import triton as plgpu_triton
+  n, hv, dk = q.shape
+  dv = v.shape[-1]
+  width = anc.shape[1]
+  node = lambda h, j: (0, h, 0)
+  in_specs = [
+      pl.BlockSpec((n, width), lambda h, j: (0, 0)),                    # ancestor paths
+      pl.BlockSpec((n, None, dk), node),                                # q
+      pl.BlockSpec((n, None, dk), node),                                # k
+      pl.BlockSpec((n, None, bv), lambda h, j: (0, h, j)),              # v
+      pl.BlockSpec((n, None), lambda h, j: (0, h)),                     # g
+      pl.BlockSpec((n, None), lambda h, j: (0, h)),                     # beta
+      pl.BlockSpec((None, dk, bv), lambda h, j: (h, 0, j)),             # committed state
+  ]
+  return pl.pallas_call(
+      functools.partial(_kernel_replay, n_nodes=n, width=width),
+      out_shape=jax.ShapeDtypeStruct((n, hv, dv), jnp.float32), grid=(hv, dv // bv),
+      in_specs=in_specs, out_specs=pl.BlockSpec((n, None, bv), lambda h, j: (0, h, j)),
+      compiler_params=plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=1),
+      interpret=interpret, name="tree_gated_delta_rule_replay",
+  )(anc.astype(jnp.int32), q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32),
+    state.astype(jnp.float32))
+
+
 def tree_gdn(q, k, v, g, beta, state, parents, *, bv: int | None = None, num_warps: int = 4,
-             interpret: bool = False):
+             interpret: bool = False, states: bool = True, max_depth: int | None = None):
   """Tree gated delta rule (Pallas). Same contract as `tree_gdn_reference`:
 
   q, k: [N, Hv, Dk] (L2-normalized, q pre-scaled by Dk**-0.5); v: [N, Hv, Dv]; g: [N, Hv] log
   decay; beta: [N, Hv]; state: [Hv, Dk, Dv] committed state; parents: [N] int32 with
-  parents[i] < i (-1 = root). Returns (o: [N, Hv, Dv] float32, states: [N, Hv, Dk, Dv] float32).
+  parents[i] < i (-1 = root). Returns (o: [N, Hv, Dv] float32, states: [N, Hv, Dk, Dv] float32,
+  or None with states=False: the outputs-only kernel that replays each node's root path in
+  registers, `ancestor_path`). max_depth: static bound of the nodes' depths for that kernel
+  (default N - 1; a tree's `max_depth` saves work).
   bv: Dv tile (default min(Dv, 32), power of 2). interpret: Pallas interpreter (CPU tests; it
   starts outputs as NaN, so an element the kernel never writes shows up in the result).
   Raises ValueError for head sizes the kernel does not tile.
@@ -144,6 +237,10 @@ def tree_gdn(q, k, v, g, beta, state, parents, *, bv: int | None = None, num_war
   bv = bv or min(32, _pow2_floor(dv))
   if dv % bv or not _is_pow2(bv):
     raise ValueError(f"tree_gdn: bv={bv} must be a power of 2 dividing Dv={dv}")
+  if not states:
+    width = (n - 1 if max_depth is None else min(int(max_depth), n - 1)) + 1
+    return _tree_gdn_replay(q, k, v, g, beta, state, ancestor_path(parents, width), bv=bv,
+                            num_warps=num_warps, interpret=interpret), None
   return _tree_gdn(q, k, v, g, beta, state, parents, bv=bv, num_warps=num_warps,
                    interpret=interpret)
 

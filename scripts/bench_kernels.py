@@ -31,8 +31,9 @@ _REPEATS = flags.DEFINE_integer("repeats", 20, "Timed calls per configuration (m
 _INTERPRET = flags.DEFINE_boolean("interpret", False, "Pallas interpreter (CPU smoke runs).")
 _E2E = flags.DEFINE_list("e2e", ["pallas", "pallas_unfused", "reference"],
                         "End-to-end variants of the 27B-shaped random model (~17 GB each) to time: "
-                        "pallas (fused projections), pallas_unfused, reference (XLA dequantize + "
-                        "dot); empty for none.")
+                        "pallas (fused projections), pallas_unfused, pallas_replay (fused, "
+                        "Runtime.gdn_commit='replay': no per-node SSM states), reference (XLA "
+                        "dequantize + dot); empty for none.")
 _TABLES = flags.DEFINE_list("tables", ["matmul", "tree_gdn"], "Kernel tables to run: matmul, "
                             "tree_gdn, tiles (a TileConfig sweep over --sweep), variants (kernel "
                             "variants at default tiles over --sweep), mgpu (the Mosaic GPU Q4_K "
@@ -180,9 +181,10 @@ def _random_qwen35(sz):
   return cfg, GGUFFile("random-qwen35-27b-shaped", {}, tensors)
 
 
-def _e2e(sz, copy_gbs, repeats, kernels, fuse=True):
+def _e2e(sz, copy_gbs, repeats, kernels, fuse=True, gdn_commit="states"):
   """AR step and 23-node tree verify of the `_random_qwen35` model (bf16 compute). fuse: load
-  with fused projections (the default) or one matmul per GGUF tensor."""
+  with fused projections (the default) or one matmul per GGUF tensor; gdn_commit: the
+  Runtime's (per-node SSM states written by the verify, or replayed at commit)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -196,7 +198,7 @@ def _e2e(sz, copy_gbs, repeats, kernels, fuse=True):
   params = jax.device_put(target_params.load_params(f, cfg, fuse=fuse))
   del f
   ctx, n_tree = 512, 23
-  rt = Runtime(kernels=kernels, compute_dtype="bfloat16")
+  rt = Runtime(kernels=kernels, compute_dtype="bfloat16", gdn_commit=gdn_commit)
   cache = target_lib.init_cache(cfg, ctx + 64, rt)
   parents = np.asarray([-1] + [max(0, (i - 1) // 2) for i in range(1, n_tree)], np.int32)
   depths = np.zeros(n_tree, np.int32)
@@ -215,7 +217,7 @@ def _e2e(sz, copy_gbs, repeats, kernels, fuse=True):
       valid=jnp.ones((n_tree,), bool), scores=jnp.zeros((n_tree,), jnp.float32),
       max_depth=int(depths.max()))))
 
-  _log(f"e2e {kernels} fuse={fuse}: params on device ({model_bytes / 1e9:.2f} GB read per token)")
+  _log(f"e2e {kernels} fuse={fuse} gdn_commit={gdn_commit}: params on device ({model_bytes / 1e9:.2f} GB read per token)")
   t0 = time.perf_counter()
   jax.block_until_ready(ar_step(params, cache, jnp.zeros((1,), jnp.int32)))
   ar_compile_s = time.perf_counter() - t0
@@ -471,7 +473,7 @@ def _print_tables(res):
   for r in res.get("tree_gdn", []):
     print(f"tree GDN {r['nodes']} nodes: kernel {r['kernel_us_per_layer']:.1f} us/layer, "
           f"reference {r['reference_us_per_layer']:.1f} us/layer")
-  for key in ("e2e", "e2e_unfused", "e2e_reference_kernels"):
+  for key in ("e2e", "e2e_unfused", "e2e_replay", "e2e_reference_kernels"):
     if key in res:
       e = res[key]
       print(f"{key}: AR {e['ar_ms']:.2f} ms/token (floor {e['floor_ms']:.2f} ms, "
@@ -500,13 +502,15 @@ def main(argv):
       raise app.UsageError(f"--tables: unknown table {name!r}; expected some of {list(tables)}")
     res[name] = tables[name]()
   pallas = "pallas_interpret" if _INTERPRET.value else "pallas"
-  variants = {"pallas": ("e2e", pallas, True), "pallas_unfused": ("e2e_unfused", pallas, False),
-              "reference": ("e2e_reference_kernels", "reference", True)}
+  variants = {"pallas": ("e2e", pallas, True, "states"),
+              "pallas_unfused": ("e2e_unfused", pallas, False, "states"),
+              "pallas_replay": ("e2e_replay", pallas, True, "replay"),
+              "reference": ("e2e_reference_kernels", "reference", True, "states")}
   for v in _E2E.value:
     if v not in variants:
       raise app.UsageError(f"--e2e: unknown variant {v!r}; expected some of {list(variants)}")
-    key, kernels, fuse = variants[v]
-    res[key] = _e2e(sz, copy_gbs, reps, kernels, fuse=fuse)
+    key, kernels, fuse, gdn_commit = variants[v]
+    res[key] = _e2e(sz, copy_gbs, reps, kernels, fuse=fuse, gdn_commit=gdn_commit)
     _dump(res)
   _print_tables(res)
   _dump(res)

@@ -5,6 +5,7 @@ DFlash draft in tests/data). Medians over --repeats calls of the compiled functi
   python scripts/bench_verify.py --budgets 4,8,16,22,32 --json_out verify.json
 """
 
+import dataclasses
 import json
 import os
 import statistics
@@ -23,6 +24,8 @@ _DRAFT_LENS = flags.DEFINE_list("draft_lens", [], "Chains of the bonus + the dra
 _TREE_TOP_K = flags.DEFINE_integer("tree_top_k", 8, "DDTree candidates per depth.")
 _CTX = flags.DEFINE_integer("ctx", 256, "Committed context length before the verify.")
 _REPEATS = flags.DEFINE_integer("repeats", 50, "Timed calls per configuration.")
+_GDN_COMMITS = flags.DEFINE_list("gdn_commits", ["states"], "Runtime.gdn_commit values to time "
+                                 "side by side (states, replay): each row once per value.")
 _JSON = flags.DEFINE_string("json_out", None, "Write results JSON here.")
 
 
@@ -72,7 +75,6 @@ def main(argv):
   cache = jax.jit(lambda p, c: target_lib.prefill(p, cfg, jnp.asarray(prompt), jnp.int32(0),
                                                   jnp.int32(_CTX.value), c, t.runtime).cache)(
       t.params, target_lib.init_cache(cfg, _CTX.value + 64, t.runtime))
-  path_verify, tree_verify = _verify_fns(t, d)
   L = d.config.block_size
 
   def timeit(fn):
@@ -87,21 +89,28 @@ def main(argv):
   block = jnp.concatenate([jnp.asarray(prompt[-1:]), jnp.argmax(logits_d, -1).astype(jnp.int32)])
   logp = jax.nn.log_softmax(logits_d, -1)
   root = jnp.int32(prompt[-1])
-  rows = [{"mode": "chain", "tokens": L, "ms": timeit(lambda: path_verify(t.params, cache, block))},
-          {"mode": "ar", "tokens": 1, "ms": timeit(lambda: path_verify(t.params, cache, block[:1]))}]
-  for k in _DRAFT_LENS.value:
-    k = int(k)
-    rows.append({"mode": f"chain:{k}", "tokens": k + 1,
-                 "ms": timeit(lambda: path_verify(t.params, cache, block[:k + 1]))})
-  for b in _BUDGETS.value:
-    b = int(b)
-    rows.append({"mode": f"ddtree@{b}", "tokens": b + 1,
-                 "ms": timeit(lambda: tree_verify(t.params, cache, logp, root, budget=b))})
+  rows = []
+  for gc in _GDN_COMMITS.value:
+    tg = dataclasses.replace(t, runtime=dataclasses.replace(t.runtime, gdn_commit=gc))
+    path_verify, tree_verify = _verify_fns(tg, d)
+    tag = "" if len(_GDN_COMMITS.value) == 1 else f"/{gc}"
+    rows += [{"mode": "chain" + tag, "tokens": L,
+              "ms": timeit(lambda: path_verify(t.params, cache, block))},
+             {"mode": "ar" + tag, "tokens": 1,
+              "ms": timeit(lambda: path_verify(t.params, cache, block[:1]))}]
+    for k in _DRAFT_LENS.value:
+      k = int(k)
+      rows.append({"mode": f"chain:{k}{tag}", "tokens": k + 1,
+                   "ms": timeit(lambda: path_verify(t.params, cache, block[:k + 1]))})
+    for b in _BUDGETS.value:
+      b = int(b)
+      rows.append({"mode": f"ddtree@{b}{tag}", "tokens": b + 1,
+                   "ms": timeit(lambda: tree_verify(t.params, cache, logp, root, budget=b))})
   for r in rows:
     r["ratio_vs_chain"] = r["ms"] / rows[0]["ms"]
-  print(f"{'mode':<12}{'tokens':>8}{'verify ms':>12}{'vs chain':>10}")
+  print(f"{'mode':<20}{'tokens':>8}{'verify ms':>12}{'vs chain':>10}")
   for r in rows:
-    print(f"{r['mode']:<12}{r['tokens']:>8}{r['ms']:>12.3f}{r['ratio_vs_chain']:>10.2f}")
+    print(f"{r['mode']:<20}{r['tokens']:>8}{r['ms']:>12.3f}{r['ratio_vs_chain']:>10.2f}")
   res = {"target": os.path.basename(_TARGET.value), "ctx": _CTX.value, "device": str(jax.devices()[0]),
          "repeats": _REPEATS.value, "rows": rows}
   print(json.dumps(res))

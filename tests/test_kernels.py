@@ -222,6 +222,49 @@ def test_tree_gdn_interpret_vs_reference(n, hv, dk, dv, bv):
     assert _rel(o[i], outs[-1]) < 1e-5 and _rel(st[i], states[-1]) < 1e-5, f"seed {seed} node {i}"
 
 
+@pytest.mark.parametrize("n,hv,dk,dv,bv,max_depth", [(16, 3, 32, 32, None, None),
+                                                     (23, 2, 64, 64, 32, "tree")])
+def test_tree_gdn_without_states_and_replay(n, hv, dk, dv, bv, max_depth):
+  """`Runtime.gdn_commit="replay"`: the outputs-only kernel (each node's state rebuilt in
+  registers from its root path) against the reference's outputs and the float64 chain along
+  every root path; the reference without states gives the same outputs bit for bit; and
+  `replay_path` over a node's root path (what the commit runs) rebuilds the state the
+  states-writing reference stored for it, to float32 rounding (<= 1e-6 relative)."""
+  rng, seed = _fresh_rng()
+  parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, n)], np.int32)
+  depths = np.zeros(n, np.int32)
+  for i in range(1, n):
+    depths[i] = depths[parents[i]] + 1
+  md = int(depths.max()) if max_depth == "tree" else None
+  args = tree_gdn_inputs(rng, n, hv, dk, dv)
+  ja = list(map(jnp.asarray, args))
+  o, none = tg.tree_gdn(*ja, jnp.asarray(parents), bv=bv, interpret=INTERPRET, states=False,
+                        max_depth=md)
+  assert none is None
+  o_ref, st_ref = tg.tree_gdn_reference(*ja, jnp.asarray(parents))
+  o_ref2, none = tg.tree_gdn_reference(*ja, jnp.asarray(parents), states=False)
+  assert none is None and np.array_equal(np.asarray(o_ref2), np.asarray(o_ref))
+  assert np.isfinite(np.asarray(o)).all() and _rel(o, o_ref) < 1e-5, f"seed {seed}"
+  q, k, v, g, beta, s0 = args
+  for i in range(n):
+    path, j = [], i
+    while j >= 0:
+      path.append(j)
+      j = int(parents[j])
+    path = path[::-1]
+    outs, _ = _chain_np(*args, path)
+    assert _rel(o[i], outs[-1]) < 1e-5, f"seed {seed} node {i}"
+    pad = path + [path[-1]] * (n - len(path))             # fixed trip count, masked past the path
+    s = tg.replay_path(jnp.asarray(s0), *(jnp.asarray(a[pad]) for a in (k, v, g, beta)),
+                       jnp.int32(len(path)))
+    assert _rel(s, st_ref[i]) < 1e-6, f"seed {seed} node {i}"
+  anc = np.asarray(tg.ancestor_path(jnp.asarray(parents), n))
+  for i in range(n):                         # right-aligned root path, -1 before the root
+    row = anc[i][anc[i] >= 0].tolist()
+    assert row[-1] == i and row[0] == 0 and len(row) == depths[i] + 1
+    assert all(parents[b] == a for a, b in zip(row, row[1:]))
+
+
 def test_tree_gdn_rejects_untileable_heads():
   z = jnp.zeros
   with pytest.raises(ValueError, match="do not tile"):
@@ -238,6 +281,11 @@ def test_tree_gdn_lowers_for_h100(n):
                         S((n, 48, 128), f32), S((n, 48), f32), S((n, 48), f32),
                         S((48, 128, 128), f32), S((n,), jnp.int32))
   assert "__gpu$xla.gpu.triton" in txt
+  txt = _lower_for_h100(lambda *a: tg.tree_gdn(*a, states=False, max_depth=15),
+                        S((n, 48, 128), f32), S((n, 48, 128), f32), S((n, 48, 128), f32),
+                        S((n, 48), f32), S((n, 48), f32), S((48, 128, 128), f32),
+                        S((n,), jnp.int32))
+  assert "__gpu$xla.gpu.triton" in txt
 
 
 # ----------------------------------------------------------------------------- in the model
@@ -245,7 +293,8 @@ def test_tree_gdn_lowers_for_h100(n):
 def test_model_with_pallas_kernels_matches_reference():
   """The tiny Qwen3.5 hybrid (Q4_K_M: Q4_K, Q6_K and Q8_0... tensors) through forward with
   kernels="pallas_interpret" vs "reference": logits to 1e-5, and DDTree decoding (tree GDN
-  kernel) token-identical."""
+  kernel, with per-node states and with the outputs-only kernel + replayed commit)
+  token-identical."""
   import os
   import dflash_jax as dj
   from conftest import QWEN, DRAFT
@@ -263,3 +312,8 @@ def test_model_with_pallas_kernels_matches_reference():
   b = dj.generate(ker, dj.load_draft(DRAFT, ker), ids, max_new_tokens=6, mode="ddtree", budget=6,
                   max_ctx=64)
   assert a.tokens == b.tokens
+  # the outputs-only tree kernel with the commit's replay (Runtime.gdn_commit "replay")
+  rep = dj.load_target(path, kernels=kind, gdn_commit="replay")
+  c = dj.generate(rep, dj.load_draft(DRAFT, rep), ids, max_new_tokens=6, mode="ddtree", budget=6,
+                  max_ctx=64)
+  assert c.tokens == a.tokens and c.accept_lens == b.accept_lens

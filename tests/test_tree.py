@@ -1,6 +1,7 @@
 """DDTree: tree construction vs brute force, tree Gated DeltaNet and conv vs the chain recurrence
 along each root path, lossless decoding through non-top-1 siblings, chain-shaped tree == chain."""
 
+import dataclasses
 import itertools
 
 import jax
@@ -184,3 +185,56 @@ def test_ddtree_fixture_draft_lossless_and_no_recompile(qwen_f32, qwen_draft, qw
                      mode="ddtree", max_ctx=256, eog_ids=())
     assert tr.tokens == ar.tokens
   assert _compiled_counts() == before  # new prompts, lengths and accepted paths
+
+
+def test_gdn_commit_replay_lossless_and_same_as_states(qwen_f32, qwen_draft, draft_ref, qwen_ref):
+  """`Runtime.gdn_commit="replay"` (the verify keeps each node's k/v/g/beta, the commit replays
+  the accepted path): on the tiny Qwen3.5 hybrid, autoregressive, chain and DDTree greedy output
+  equal the per-node-states run's autoregressive output token for token, with the same
+  acceptance lengths as the states runs, and the committed SSM state after a DDTree verify
+  equals the stored state of the accepted node (float32 rounding, <= 1e-6 relative)."""
+  from dflash_jax import target as target_lib
+  rep = dataclasses.replace(qwen_f32, runtime=dataclasses.replace(qwen_f32.runtime,
+                                                                 gdn_commit="replay"))
+  assert rep.runtime.gdn_commit == "replay" and qwen_f32.runtime.gdn_commit == "states"
+  p = draft_ref["prompt_ids"]
+  truth = dj.generate(qwen_f32, None, p, max_new_tokens=40, mode="ar", max_ctx=256).tokens
+  for mode, kw in (("ar", {}), ("chain", {}), ("ddtree", dict(budget=22, tree_top_k=4))):
+    st = dj.generate(qwen_f32, qwen_draft if mode != "ar" else None, p, max_new_tokens=40,
+                     mode=mode, max_ctx=256, **kw)
+    rp = dj.generate(rep, qwen_draft if mode != "ar" else None, p, max_new_tokens=40,
+                     mode=mode, max_ctx=256, **kw)
+    assert rp.tokens == st.tokens == truth, mode
+    assert rp.accept_lens == st.accept_lens, mode
+  # one DDTree verify of a random tree, committed both ways
+  cfg = qwen_f32.config
+  prompt = np.asarray(qwen_ref["tokens"][1, :12], np.int32)
+  rng = np.random.default_rng(7)
+  n = 9
+  parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+  depths = [0] * n
+  for i in range(1, n):
+    depths[i] = depths[parents[i]] + 1
+  tree = tree_lib.Tree(tokens=jnp.asarray(rng.integers(0, cfg.n_vocab, n), jnp.int32),
+                       parents=jnp.asarray(parents, jnp.int32),
+                       depths=jnp.asarray(depths, jnp.int32), valid=jnp.ones((n,), bool),
+                       scores=jnp.zeros((n,), jnp.float32), max_depth=max(depths))
+  leaf = int(np.argmax(depths))
+  path = [leaf]
+  while parents[path[-1]] >= 0:
+    path.append(parents[path[-1]])
+  path = path[::-1]
+  pad = jnp.asarray(path + [path[-1]] * (max(depths) + 1 - len(path)), jnp.int32)
+  for n_keep in (1, len(path)):
+    caches = []
+    for rt in (qwen_f32.runtime, rep.runtime):
+      c = target_lib.prefill(qwen_f32.params, cfg, jnp.asarray(prompt), jnp.int32(0),
+                             jnp.int32(len(prompt)), target_lib.init_cache(cfg, 64, rt), rt).cache
+      ver = target_lib.verify(qwen_f32.params, cfg, tree, jnp.int32(len(prompt)), c, rt)
+      assert (ver.steps.ssm is None) == (rt.gdn_commit == "replay")
+      caches.append(target_lib.commit_path(c, ver, jnp.int32(len(prompt)), pad,
+                                           jnp.int32(n_keep)))
+    assert rel_err(caches[1].ssm, caches[0].ssm) < 1e-6
+    assert np.array_equal(np.asarray(caches[1].conv), np.asarray(caches[0].conv))
+  with pytest.raises(ValueError, match="gdn_commit"):
+    Runtime(gdn_commit="nodes")
