@@ -141,6 +141,18 @@ def _kernel(parents_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s0_ref, o_ref, st_re
   jax.lax.fori_loop(0, n_nodes, body, 0)
 
 
+def _node_specs(n: int, dk: int, bv: int) -> list:
+  """Block specs of q, k [N, Hv, Dk], v [N, Hv, Dv], g, beta [N, Hv] and the committed state
+  [Hv, Dk, Dv] for program (head h, Dv tile j): every node of head h, Dv columns of tile j."""
+  node = lambda h, j: (0, h, 0)
+  return [pl.BlockSpec((n, None, dk), node),                                # q
+          pl.BlockSpec((n, None, dk), node),                                # k
+          pl.BlockSpec((n, None, bv), lambda h, j: (0, h, j)),              # v
+          pl.BlockSpec((n, None), lambda h, j: (0, h)),                     # g
+          pl.BlockSpec((n, None), lambda h, j: (0, h)),                     # beta
+          pl.BlockSpec((None, dk, bv), lambda h, j: (h, 0, j))]             # committed state
+
+
 @functools.partial(jax.jit, static_argnames=("bv", "num_warps", "interpret"))
 def _tree_gdn(q, k, v, g, beta, state, parents, *, bv, num_warps, interpret):
   from jax.experimental.pallas import triton as plgpu_triton
@@ -148,16 +160,7 @@ def _tree_gdn(q, k, v, g, beta, state, parents, *, bv, num_warps, interpret):
   dv = v.shape[-1]
   out_shape = (jax.ShapeDtypeStruct((n, hv, dv), jnp.float32),
                jax.ShapeDtypeStruct((n, hv, dk, dv), jnp.float32))
-  node = lambda h, j: (0, h, 0)
-  in_specs = [
-      pl.BlockSpec((n,), lambda h, j: (0,)),                            # parents
-      pl.BlockSpec((n, None, dk), node),                                # q
-      pl.BlockSpec((n, None, dk), node),                                # k
-      pl.BlockSpec((n, None, bv), lambda h, j: (0, h, j)),              # v
-      pl.BlockSpec((n, None), lambda h, j: (0, h)),                     # g
-      pl.BlockSpec((n, None), lambda h, j: (0, h)),                     # beta
-      pl.BlockSpec((None, dk, bv), lambda h, j: (h, 0, j)),             # committed state
-  ]
+  in_specs = [pl.BlockSpec((n,), lambda h, j: (0,))] + _node_specs(n, dk, bv)   # parents first
   out_specs = (pl.BlockSpec((n, None, bv), lambda h, j: (0, h, j)),
                pl.BlockSpec((n, None, dk, bv), lambda h, j: (0, h, 0, j)))
   return pl.pallas_call(
@@ -195,16 +198,7 @@ def _tree_gdn_replay(q, k, v, g, beta, state, anc, *, bv, num_warps, interpret):
   n, hv, dk = q.shape
   dv = v.shape[-1]
   width = anc.shape[1]
-  node = lambda h, j: (0, h, 0)
-  in_specs = [
-      pl.BlockSpec((n, width), lambda h, j: (0, 0)),                    # ancestor paths
-      pl.BlockSpec((n, None, dk), node),                                # q
-      pl.BlockSpec((n, None, dk), node),                                # k
-      pl.BlockSpec((n, None, bv), lambda h, j: (0, h, j)),              # v
-      pl.BlockSpec((n, None), lambda h, j: (0, h)),                     # g
-      pl.BlockSpec((n, None), lambda h, j: (0, h)),                     # beta
-      pl.BlockSpec((None, dk, bv), lambda h, j: (h, 0, j)),             # committed state
-  ]
+  in_specs = [pl.BlockSpec((n, width), lambda h, j: (0, 0))] + _node_specs(n, dk, bv)  # paths
   return pl.pallas_call(
       functools.partial(_kernel_replay, n_nodes=n, width=width),
       out_shape=jax.ShapeDtypeStruct((n, hv, dv), jnp.float32), grid=(hv, dv // bv),

@@ -17,3 +17,12 @@ def tree_gdn_inputs(rng, n: int, hv: int, dk: int, dv: int):
   beta = rng.uniform(0, 1, (n, hv)).astype(np.float32)
   state = (rng.standard_normal((hv, dk, dv)) * 0.2).astype(np.float32)
   return q, k, v, g, beta, state
+
+
+def root_path(parents, i: int) -> list[int]:
+  """Node i's root path in a tree given by parents (-1 = root), root first."""
+  path, j = [], i
+  while j >= 0:
+    path.append(j)
+    j = int(parents[j])
+  return path[::-1]

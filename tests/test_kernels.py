@@ -27,7 +27,7 @@ from gguf import quants as gq
 from dflash_jax.quants import BLOCK_FORMATS, QuantWeight
 from pallas_kernels import dequant_matmul as dm
 from pallas_kernels import tree_gdn as tg
-from kernel_inputs import tree_gdn_inputs
+from kernel_inputs import root_path, tree_gdn_inputs
 from test_quants import _random_blocks
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
@@ -214,11 +214,7 @@ def test_tree_gdn_interpret_vs_reference(n, hv, dk, dv, bv):
   assert _rel(o, o_ref) < 1e-5 and _rel(st, st_ref) < 1e-5, f"seed {seed}"
   # every node == the float64 chain recurrence along its root path
   for i in range(n):
-    path, j = [], i
-    while j >= 0:
-      path.append(j)
-      j = int(parents[j])
-    outs, states = _chain_np(*args, path[::-1])
+    outs, states = _chain_np(*args, root_path(parents, i))
     assert _rel(o[i], outs[-1]) < 1e-5 and _rel(st[i], states[-1]) < 1e-5, f"seed {seed} node {i}"
 
 
@@ -247,11 +243,7 @@ def test_tree_gdn_without_states_and_replay(n, hv, dk, dv, bv, max_depth):
   assert np.isfinite(np.asarray(o)).all() and _rel(o, o_ref) < 1e-5, f"seed {seed}"
   q, k, v, g, beta, s0 = args
   for i in range(n):
-    path, j = [], i
-    while j >= 0:
-      path.append(j)
-      j = int(parents[j])
-    path = path[::-1]
+    path = root_path(parents, i)
     outs, _ = _chain_np(*args, path)
     assert _rel(o[i], outs[-1]) < 1e-5, f"seed {seed} node {i}"
     pad = path + [path[-1]] * (n - len(path))             # fixed trip count, masked past the path

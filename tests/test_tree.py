@@ -14,6 +14,7 @@ from dflash_jax import gdn
 from dflash_jax import tree as tree_lib
 from dflash_jax.runtime import Runtime
 from conftest import rel_err
+from kernel_inputs import root_path
 from test_draft_and_decode import _compiled_counts, _oracle_run, _random_draft
 
 
@@ -122,11 +123,7 @@ def test_tree_deltanet_and_conv_equal_chain_along_every_path(n):
   y = gdn.causal_conv_tree(jnp.asarray(x), jnp.asarray(conv0), jnp.asarray(w), anc,
                               jnp.asarray(depths))
   for i in range(n):
-    path, j = [], i
-    while j >= 0:
-      path.append(j)
-      j = int(parents[j])
-    path = path[::-1]
+    path = root_path(parents, i)
     o_ref, st_ref = gdn.gated_delta_rule_recurrent(
         *(jnp.asarray(a[path]) for a in (q, k, v, g, beta)), jnp.asarray(s0))
     assert rel_err(o[i], o_ref[-1]) < 1e-5 and rel_err(states[i], st_ref[-1]) < 1e-5
