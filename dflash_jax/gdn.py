@@ -125,7 +125,7 @@ def gated_delta_rule_tree(q, k, v, g, beta, state, parents, rt: Runtime, *, is_p
   keep = rt.gdn_commit == "states"
   if rt.pallas and tk.supports(q.shape[-1], v.shape[-1]):
     return tk.tree_gdn(q, k, v, g, beta, state, parents, interpret=rt.kernels == "pallas_interpret",
-                       states=keep, max_depth=max_depth)
+                       states=keep, max_depth=max_depth, is_path=is_path)
   if is_path:
     return gated_delta_rule_recurrent(q, k, v, g, beta, state, states=keep)
   return tk.tree_gdn_reference(q, k, v, g, beta, state, parents, states=keep)

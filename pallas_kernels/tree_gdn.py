@@ -173,34 +173,47 @@ def _tree_gdn(q, k, v, g, beta, state, parents, *, bv, num_warps, interpret):
 
 
 def _kernel_replay(anc_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s0_ref, o_ref, *, n_nodes: int,
-                   width: int):
+                   width: int, chain: bool):
   h0 = s0_ref[...].astype(jnp.float32)                        # [Dk, bv]
+
+  def update(s, a):                                            # node a's step on state s
+    kt = k_ref[a].astype(jnp.float32)
+    s = s * jnp.exp(g_ref[a])
+    delta = (v_ref[a].astype(jnp.float32) - jnp.sum(s * kt[:, None], axis=0)) * b_ref[a]
+    return s + kt[:, None] * delta[None, :]
+
+  def out(t, s):
+    o_ref[t] = jnp.sum(s * q_ref[t].astype(jnp.float32)[:, None], axis=0)
+
+  if chain:                        # a path tree: node t's parent is t - 1, one walk carries it
+    def step(t, s):
+      s = update(s, t)
+      out(t, s)
+      return s
+
+    jax.lax.fori_loop(0, n_nodes, step, h0)
+    return
 
   def node(t, carry):
     def up(j, s):                                              # root first; -1: before the root
       a = anc_ref[t, j]
-      ai = jnp.maximum(a, 0)
-      kt = k_ref[ai].astype(jnp.float32)
-      s2 = s * jnp.exp(g_ref[ai])
-      delta = (v_ref[ai].astype(jnp.float32) - jnp.sum(s2 * kt[:, None], axis=0)) * b_ref[ai]
-      return jnp.where(a >= 0, s2 + kt[:, None] * delta[None, :], s)
+      return jnp.where(a >= 0, update(s, jnp.maximum(a, 0)), s)
 
-    s = jax.lax.fori_loop(0, width, up, h0)
-    o_ref[t] = jnp.sum(s * q_ref[t].astype(jnp.float32)[:, None], axis=0)
+    out(t, jax.lax.fori_loop(0, width, up, h0))
     return carry
 
   jax.lax.fori_loop(0, n_nodes, node, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("bv", "num_warps", "interpret"))
-def _tree_gdn_replay(q, k, v, g, beta, state, anc, *, bv, num_warps, interpret):
+@functools.partial(jax.jit, static_argnames=("bv", "num_warps", "interpret", "chain"))
+def _tree_gdn_replay(q, k, v, g, beta, state, anc, *, bv, num_warps, interpret, chain):
   from jax.experimental.pallas import triton as plgpu_triton
   n, hv, dk = q.shape
   dv = v.shape[-1]
   width = anc.shape[1]
   in_specs = [pl.BlockSpec((n, width), lambda h, j: (0, 0))] + _node_specs(n, dk, bv)  # paths
   return pl.pallas_call(
-      functools.partial(_kernel_replay, n_nodes=n, width=width),
+      functools.partial(_kernel_replay, n_nodes=n, width=width, chain=chain),
       out_shape=jax.ShapeDtypeStruct((n, hv, dv), jnp.float32), grid=(hv, dv // bv),
       in_specs=in_specs, out_specs=pl.BlockSpec((n, None, bv), lambda h, j: (0, h, j)),
       compiler_params=plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=1),
@@ -210,7 +223,8 @@ def _tree_gdn_replay(q, k, v, g, beta, state, anc, *, bv, num_warps, interpret):
 
 
 def tree_gdn(q, k, v, g, beta, state, parents, *, bv: int | None = None, num_warps: int = 4,
-             interpret: bool = False, states: bool = True, max_depth: int | None = None):
+             interpret: bool = False, states: bool = True, max_depth: int | None = None,
+             is_path: bool = False):
   """Tree gated delta rule (Pallas). Same contract as `tree_gdn_reference`:
 
   q, k: [N, Hv, Dk] (L2-normalized, q pre-scaled by Dk**-0.5); v: [N, Hv, Dv]; g: [N, Hv] log
@@ -218,7 +232,8 @@ def tree_gdn(q, k, v, g, beta, state, parents, *, bv: int | None = None, num_war
   parents[i] < i (-1 = root). Returns (o: [N, Hv, Dv] float32, states: [N, Hv, Dk, Dv] float32,
   or None with states=False: the outputs-only kernel that replays each node's root path in
   registers, `ancestor_path`). max_depth: static bound of the nodes' depths for that kernel
-  (default N - 1; a tree's `max_depth` saves work).
+  (default N - 1; a tree's `max_depth` saves work). is_path: static, parents are [-1, 0, 1, ...]
+  (a chain): the outputs-only kernel then walks the nodes once, carrying the state.
   bv: Dv tile (default min(Dv, 32), power of 2). interpret: Pallas interpreter (CPU tests; it
   starts outputs as NaN, so an element the kernel never writes shows up in the result).
   Raises ValueError for head sizes the kernel does not tile.
@@ -232,9 +247,9 @@ def tree_gdn(q, k, v, g, beta, state, parents, *, bv: int | None = None, num_war
   if dv % bv or not _is_pow2(bv):
     raise ValueError(f"tree_gdn: bv={bv} must be a power of 2 dividing Dv={dv}")
   if not states:
-    width = (n - 1 if max_depth is None else min(int(max_depth), n - 1)) + 1
+    width = 1 if is_path else (n - 1 if max_depth is None else min(int(max_depth), n - 1)) + 1
     return _tree_gdn_replay(q, k, v, g, beta, state, ancestor_path(parents, width), bv=bv,
-                            num_warps=num_warps, interpret=interpret), None
+                            num_warps=num_warps, interpret=interpret, chain=is_path), None
   return _tree_gdn(q, k, v, g, beta, state, parents, bv=bv, num_warps=num_warps,
                    interpret=interpret)
 

@@ -223,7 +223,8 @@ def test_tree_gdn_interpret_vs_reference(n, hv, dk, dv, bv):
 def test_tree_gdn_without_states_and_replay(n, hv, dk, dv, bv, max_depth):
   """`Runtime.gdn_commit="replay"`: the outputs-only kernel (each node's state rebuilt in
   registers from its root path) against the reference's outputs and the float64 chain along
-  every root path; the reference without states gives the same outputs bit for bit; and
+  every root path (and the one-walk chain kernel against the reference); the reference without
+  states gives the same outputs bit for bit; and
   `replay_path` over a node's root path (what the commit runs) rebuilds the state the
   states-writing reference stored for it, to float32 rounding (<= 1e-6 relative)."""
   rng, seed = _fresh_rng()
@@ -250,6 +251,11 @@ def test_tree_gdn_without_states_and_replay(n, hv, dk, dv, bv, max_depth):
     s = tg.replay_path(jnp.asarray(s0), *(jnp.asarray(a[pad]) for a in (k, v, g, beta)),
                        jnp.int32(len(path)))
     assert _rel(s, st_ref[i]) < 1e-6, f"seed {seed} node {i}"
+  chain = np.arange(n, dtype=np.int32) - 1          # a path tree: the one-walk kernel
+  oc, _ = tg.tree_gdn(*ja, jnp.asarray(chain), bv=bv, interpret=INTERPRET, states=False,
+                      is_path=True)
+  oc_ref, _ = tg.tree_gdn_reference(*ja, jnp.asarray(chain))
+  assert _rel(oc, oc_ref) < 1e-5, f"seed {seed}"
   anc = np.asarray(tg.ancestor_path(jnp.asarray(parents), n))
   for i in range(n):                         # right-aligned root path, -1 before the root
     row = anc[i][anc[i] >= 0].tolist()
@@ -273,7 +279,7 @@ def test_tree_gdn_lowers_for_h100(n):
                         S((n, 48, 128), f32), S((n, 48), f32), S((n, 48), f32),
                         S((48, 128, 128), f32), S((n,), jnp.int32))
   assert "__gpu$xla.gpu.triton" in txt
-  txt = _lower_for_h100(lambda *a: tg.tree_gdn(*a, states=False, max_depth=15),
+  txt = _lower_for_h100(lambda *a: tg.tree_gdn(*a, states=False, max_depth=15, is_path=n == 16),
                         S((n, 48, 128), f32), S((n, 48, 128), f32), S((n, 48, 128), f32),
                         S((n, 48), f32), S((n, 48), f32), S((48, 128, 128), f32),
                         S((n,), jnp.int32))
