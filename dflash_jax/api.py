@@ -18,7 +18,7 @@ from dflash_jax import draft as draft_lib
 from dflash_jax import draft_io
 from dflash_jax import grammar as grammar_lib
 from dflash_jax import target as target_lib
-from dflash_jax import target_params
+from dflash_jax import layers, target_params
 from dflash_jax.config import (AUTO, DFLASH2, DRAFT_ARCHITECTURES, SUPPORTED_ARCHS, DecodeConfig,
                                DraftConfig, TargetConfig)
 from dflash_jax.gguf_io import read_gguf
@@ -120,8 +120,10 @@ def load_target(gguf_path: str, *, weights: str = "auto", compute_dtype: str = "
   compute_dtype, kv_dtype, kv_dtype_v, kernels, gdn_commit: the target's Runtime (see runtime.Runtime;
     kv_dtype in float32 / bfloat16 / float16 / q8_0 / q4_0, for the draft's context cache too;
     kv_dtype_v the values' format when it differs, "" = kv_dtype); kernels "auto"
-    = Pallas kernels on GPU, the pure-JAX reference elsewhere. The Pallas dequantizing matmul
-    needs weights="quantized" (float weights always use XLA's dot).
+    = Pallas kernels on GPU, the pure-JAX reference elsewhere; "mosaic" (Hopper) also tiles the
+    Q4_K layer weights for the Mosaic GPU kernel (`target_params.tile_q4k`). The Pallas
+    dequantizing matmul needs weights="quantized" (float weights always use XLA's dot; "mosaic"
+    refuses them).
   tokenizer: build the tokenizer from the GGUF vocabulary (errors if unsupported).
   fuse_projections: stack the packed rows of same-format projections of one input (q/k/v, ffn
     gate/up, Gated DeltaNet qkv/z/beta/alpha) at load so each group is one matmul.
@@ -149,8 +151,15 @@ def load_target(gguf_path: str, *, weights: str = "auto", compute_dtype: str = "
                                path=f.path, has_rope_freqs="rope_freqs.weight" in f.tensors)
   kv_cache.check_format(rt.k_format, cfg.head_dim, f"kv_dtype (keys of {f.path})")
   kv_cache.check_format(rt.v_format, cfg.v_head_dim, f"kv_dtype_v (values of {f.path})")
-  params = jax.device_put(target_params.load_params(f, cfg, weights=weights,
-                                                    fuse=fuse_projections))
+  if rt.mosaic and weights != "quantized":
+    raise ValueError(f"kernels={kernels!r} multiplies packed Q4_K blocks: it needs "
+                     f"weights='quantized' (or 'auto'), not {weights!r}")
+  params = target_params.load_params(f, cfg, weights=weights, fuse=fuse_projections)
+  if rt.mosaic:                     # Q4_K layer weights in the Mosaic GPU kernel's tiles
+    params = target_params.tile_q4k(
+        params, rows_multiple=64 * layers.MOSAIC_INTERPRET_CONFIG["compute_wgs"] if rt.interpret
+        else 128)
+  params = jax.device_put(params)
   tok = GGUFTokenizer(f.meta, path=f.path) if tokenizer else None
   return Target(cfg, params, rt, tok, f.path, weights, f.n_tensor_bytes,
                 str(f.meta.get("general.name", "")), _recommended_sampling(f.meta, f.path))

@@ -117,14 +117,14 @@ def gated_delta_rule_tree(q, k, v, g, beta, state, parents, rt: Runtime, *, is_p
   Returns (o: [N, Hv, Dv], states: [N, Hv, Dk, Dv] the state after each node, or None with
   rt.gdn_commit "replay"), float32. max_depth: static bound of the nodes' depths (the replay
   kernel's work per node).
-  rt.kernels "pallas" / "pallas_interpret": the Pallas kernel (pallas_kernels.tree_gdn) where
+  rt.kernels "pallas*" / "mosaic*": the Pallas kernel (pallas_kernels.tree_gdn) where
   the head sizes tile; otherwise the pure-JAX form: for a path (`is_path`, static: parents =
   [-1, 0, 1, ...]) the token recurrence `gated_delta_rule_recurrent`, else
   `tree_gdn_reference` (a scan over nodes with a parent gather).
   """
   keep = rt.gdn_commit == "states"
   if rt.pallas and tk.supports(q.shape[-1], v.shape[-1]):
-    return tk.tree_gdn(q, k, v, g, beta, state, parents, interpret=rt.kernels == "pallas_interpret",
+    return tk.tree_gdn(q, k, v, g, beta, state, parents, interpret=rt.interpret,
                        states=keep, max_depth=max_depth, is_path=is_path)
   if is_path:
     return gated_delta_rule_recurrent(q, k, v, g, beta, state, states=keep)

@@ -18,6 +18,7 @@ from dflash_jax.kv_cache import KVBuffer
 from dflash_jax.quants import QuantWeight
 from dflash_jax.runtime import Runtime
 from pallas_kernels import dequant_matmul as dm
+from pallas_kernels import mgpu_matmul as mgpu
 
 
 def linear(x: jax.Array, w: QuantWeight, rt: Runtime) -> jax.Array:
@@ -27,15 +28,32 @@ def linear(x: jax.Array, w: QuantWeight, rt: Runtime) -> jax.Array:
   uses HIGHEST precision); "pallas" runs pallas_kernels.dequant_matmul on the packed GGUF rows
   (operands in rt.compute_dtype: float32 means TF32 tensor cores on GPU) for the block formats
   and N it tiles, the reference otherwise; "pallas_interpret" is the same through the Pallas
-  interpreter (CPU tests).
+  interpreter (CPU tests). A `Q4KTiles` weight (rt.kernels "mosaic" / "mosaic_interpret", tiled
+  at load) runs `pallas_kernels.mgpu_matmul.q4k_matmul` (bf16 operands, float32 accumulation).
   """
   lead = x.shape[:-1]
   x2 = x.reshape(-1, x.shape[-1])
-  if rt.pallas and dm.supports(w):
-    y = dm.dequant_matmul(x2, w, compute_dtype=rt.cdt, interpret=rt.kernels == "pallas_interpret")
+  if isinstance(w, mgpu.Q4KTiles):               # tiled at load for rt.kernels "mosaic*"
+    y = _mosaic_matmul(x2, w, rt)
+  elif rt.pallas and dm.supports(w):
+    y = dm.dequant_matmul(x2, w, compute_dtype=rt.cdt, interpret=rt.interpret)
   else:
     y = dm.dequant_matmul_reference(x2, w, rt.cdt)
   return y.reshape(*lead, w.shape[0])
+
+
+# The configuration the Mosaic GPU kernel runs in GPU interpret mode (CPU tests): what the
+# interpreter can run (WGMMA operand in SMEM, one compute warpgroup), one persistent program.
+MOSAIC_INTERPRET_CONFIG = dict(kb=1, splits=1, stages=2, n_sm=1, a_operand="smem", compute_wgs=1)
+
+
+def _mosaic_matmul(x2: jax.Array, w, rt: Runtime) -> jax.Array:
+  """x2 [M, K] @ dequantize(w)^T through the Mosaic GPU Q4_K kernel -> [M, N] float32."""
+  if not rt.interpret:
+    return mgpu.q4k_matmul(x2, w)
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  with plgpu.force_gpu_interpret_mode():
+    return mgpu.q4k_matmul(x2, w, mgpu.MgpuConfig(**MOSAIC_INTERPRET_CONFIG))
 
 
 @jax.tree_util.register_dataclass

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from dflash_jax import kv_cache
 
-KERNEL_CHOICES = ("reference", "pallas", "pallas_interpret")
+KERNEL_CHOICES = ("reference", "pallas", "pallas_interpret", "mosaic", "mosaic_interpret")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 KV_DTYPES = kv_cache.FORMATS
 GDN_COMMITS = ("states", "replay")
@@ -29,7 +29,10 @@ class Runtime:
     kernels: matmul / tree Gated DeltaNet implementation: "reference" (pure JAX: dequantize
       inside the traced function + one XLA dot), "pallas" (pallas_kernels on GPU, the reference
       for weights or shapes a kernel does not cover) or "pallas_interpret" (the same kernels
-      through the Pallas interpreter; CPU tests).
+      through the Pallas interpreter; CPU tests); "mosaic" / "mosaic_interpret": as "pallas" /
+      "pallas_interpret", except that Q4_K layer weights are tiled at load (`Q4KTiles`,
+      `target_params.tile_q4k`) and multiplied by the Mosaic GPU kernel
+      (`pallas_kernels.mgpu_matmul`, Hopper; bf16 operands whatever compute_dtype).
     compute_dtype: activation / matmul operand dtype, "float32" (what the references are
       compared in) or "bfloat16"; accumulation and norms stay float32.
     kv_dtype: KV cache storage format of the target's attention layers and the draft's context
@@ -67,6 +70,16 @@ class Runtime:
     return self.kernels != "reference"
 
   @property
+  def interpret(self) -> bool:
+    """True when the kernels run through an interpreter (CPU tests)."""
+    return self.kernels.endswith("_interpret")
+
+  @property
+  def mosaic(self) -> bool:
+    """True when Q4_K layer weights run the Mosaic GPU kernel (compiled or interpreted)."""
+    return self.kernels.startswith("mosaic")
+
+  @property
   def cdt(self) -> jnp.dtype:
     """compute_dtype as a jnp dtype."""
     return jnp.dtype(self.compute_dtype)
@@ -84,13 +97,13 @@ class Runtime:
   @classmethod
   def for_backend(cls, kernels: str = "auto", **kw) -> "Runtime":
     """kernels="auto" picks "pallas" when JAX's default backend is a GPU, else "reference".
-    Raises ValueError for an unknown choice, and for "pallas" without a GPU (the kernels are
-    Pallas GPU kernels; the tests run them in interpret mode through their own entry points)."""
+    Raises ValueError for an unknown choice, and for "pallas" / "mosaic" without a GPU (the
+    kernels are Pallas GPU kernels; the tests run them in interpret mode)."""
     if kernels == "auto":
       kernels = "pallas" if jax.default_backend() == "gpu" else "reference"
     elif kernels not in KERNEL_CHOICES:
       raise ValueError(f"kernels={kernels!r}: expected 'auto' or one of {KERNEL_CHOICES}")
-    elif kernels == "pallas" and jax.default_backend() != "gpu":
-      raise ValueError(f"kernels='pallas' (--kernels) needs a GPU; JAX's backend here is "
+    elif kernels in ("pallas", "mosaic") and jax.default_backend() != "gpu":
+      raise ValueError(f"kernels={kernels!r} (--kernels) needs a GPU; JAX's backend here is "
                        f"{jax.default_backend()!r}: use 'auto' or 'reference'")
     return cls(kernels=kernels, **kw)

@@ -44,8 +44,10 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> TargetFlags:
           "'bf16'); 'auto': quantized on GPU, f32 on CPU when it fits in half the free memory "
           "(measured faster there).", flag_values=flag_values),
       kernels=flags.DEFINE_enum(
-          "kernels", "auto", ["auto", "pallas", "reference"],
-          "Matmul / tree-GDN implementation: 'auto' = Pallas kernels on GPU, pure JAX elsewhere.",
+          "kernels", "auto", ["auto", "pallas", "mosaic", "reference"],
+          "Matmul / tree-GDN implementation: 'auto' = Pallas kernels on GPU, pure JAX elsewhere; "
+          "'mosaic' = 'pallas' with Q4_K layer weights tiled at load for the Mosaic GPU kernel "
+          "(Hopper).",
           flag_values=flag_values),
       fuse_projections=flags.DEFINE_boolean(
           "fuse_projections", True, "Stack same-format projections of one input (q/k/v, "
@@ -125,10 +127,10 @@ def load(f: TargetFlags, progress=None):
   --compile_cache_dir."""
   from dflash_jax import api
   setup_compile_cache(f)
-  if f.kernels.value == "pallas":
+  if f.kernels.value in ("pallas", "mosaic"):
     import jax
     if jax.default_backend() != "gpu":
-      raise ValueError(f"--kernels=pallas needs a GPU; JAX's backend here is "
+      raise ValueError(f"--kernels={f.kernels.value} needs a GPU; JAX's backend here is "
                        f"{jax.default_backend()!r}: use --kernels=auto or --kernels=reference")
   return api.load_target(target_path(f), weights=f.weights.value,
                          compute_dtype=f.compute_dtype.value, kv_dtype=f.kv_dtype.value,

@@ -32,8 +32,9 @@ _INTERPRET = flags.DEFINE_boolean("interpret", False, "Pallas interpreter (CPU s
 _E2E = flags.DEFINE_list("e2e", ["pallas", "pallas_unfused", "reference"],
                         "End-to-end variants of the 27B-shaped random model (~17 GB each) to time: "
                         "pallas (fused projections), pallas_unfused, pallas_replay (fused, "
-                        "Runtime.gdn_commit='replay': no per-node SSM states), reference (XLA "
-                        "dequantize + dot); empty for none.")
+                        "Runtime.gdn_commit='replay': no per-node SSM states), mosaic (fused, Q4_K "
+                        "weights through the Mosaic GPU kernel), reference (XLA dequantize + dot); "
+                        "empty for none.")
 _TABLES = flags.DEFINE_list("tables", ["matmul", "tree_gdn"], "Kernel tables to run: matmul, "
                             "tree_gdn, tiles (a TileConfig sweep over --sweep), variants (kernel "
                             "variants at default tiles over --sweep), mgpu (the Mosaic GPU Q4_K "
@@ -195,7 +196,11 @@ def _e2e(sz, copy_gbs, repeats, kernels, fuse=True, gdn_commit="states"):
   cfg, f = _random_qwen35(sz)
   # bytes read per token: every matrix except the embedding (one row is gathered)
   model_bytes = f.n_tensor_bytes - f.tensors["token_embd.weight"].n_bytes
-  params = jax.device_put(target_params.load_params(f, cfg, fuse=fuse))
+  params = target_params.load_params(f, cfg, fuse=fuse)
+  if kernels.startswith("mosaic"):                 # Q4_K layer weights for the Mosaic GPU kernel
+    params = target_params.tile_q4k(params, rows_multiple=64 if kernels.endswith("_interpret")
+                                    else 128)
+  params = jax.device_put(params)
   del f
   ctx, n_tree = 512, 23
   rt = Runtime(kernels=kernels, compute_dtype="bfloat16", gdn_commit=gdn_commit)
@@ -473,7 +478,7 @@ def _print_tables(res):
   for r in res.get("tree_gdn", []):
     print(f"tree GDN {r['nodes']} nodes: kernel {r['kernel_us_per_layer']:.1f} us/layer, "
           f"reference {r['reference_us_per_layer']:.1f} us/layer")
-  for key in ("e2e", "e2e_unfused", "e2e_replay", "e2e_reference_kernels"):
+  for key in ("e2e", "e2e_unfused", "e2e_replay", "e2e_mosaic", "e2e_reference_kernels"):
     if key in res:
       e = res[key]
       print(f"{key}: AR {e['ar_ms']:.2f} ms/token (floor {e['floor_ms']:.2f} ms, "
@@ -505,6 +510,8 @@ def main(argv):
   variants = {"pallas": ("e2e", pallas, True, "states"),
               "pallas_unfused": ("e2e_unfused", pallas, False, "states"),
               "pallas_replay": ("e2e_replay", pallas, True, "replay"),
+              "mosaic": ("e2e_mosaic", "mosaic_interpret" if _INTERPRET.value else "mosaic",
+                         True, "states"),
               "reference": ("e2e_reference_kernels", "reference", True, "states")}
   for v in _E2E.value:
     if v not in variants:

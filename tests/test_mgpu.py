@@ -134,3 +134,68 @@ def test_on_gpu_matches_bf16_operand_reference(m, n, k, a_operand):
   ref = _bf16_reference(x, p)
   err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
   assert err <= 1e-5, (err, cfg)
+
+
+
+def test_model_wiring_of_the_mosaic_kernel(monkeypatch):
+  """kernels="mosaic*" on the tiny Qwen3.5 hybrid (Q4_K_M): the Q4_K layer weights are tiled at
+  load (`target_params.tile_q4k`: the fused gate|up and qkv groups, the GDN and FFN projections
+  whose N and K tile; the embedding, lm_head and other formats untouched) and `layers.linear`
+  sends exactly those to the Mosaic GPU kernel. Checked three ways, since a whole model in GPU
+  interpret mode deadlocks XLA's CPU pool (concurrent kernels, each needing its simulated
+  warpgroups' threads): (1) with the kernel call replaced by the float32 planes reference, the
+  logits of a 9-token forward equal the reference target's (relative L2 <= 1e-5: tiling, group
+  splitting and dispatch are exact); (2) one real interpret-mode call of `linear` on a tiled
+  model weight against the bf16-operand float64 product (<= 1e-5); (3) the whole prefill
+  with kernels="mosaic" lowers for an H100 without a GPU (Mosaic GPU and Triton kernels in one
+  module). Float weights are refused."""
+  import dflash_jax as dj
+  from dflash_jax import layers, target as target_lib, target_params
+  from dflash_jax.gguf_io import read_gguf
+  from dflash_jax.quants import QuantWeight
+  from dflash_jax.runtime import Runtime
+  from conftest import QWEN
+  path = os.path.join(QWEN, "model-q4_k_m.gguf")
+  ref = dj.load_target(path, kernels="reference")
+  mos = dj.load_target(path, kernels="mosaic_interpret")
+  is_w = lambda x: isinstance(x, (mm.Q4KTiles, QuantWeight))
+  leaves = [x for x in jax.tree.leaves(mos.params.layers, is_leaf=is_w) if is_w(x)]
+  tiles = [x for x in leaves if isinstance(x, mm.Q4KTiles)]
+  assert len(tiles) >= 8 and not any(x.fmt == "q4_k" and x.shape[0] % 64 == 0
+                                     for x in leaves if isinstance(x, QuantWeight))
+  assert isinstance(mos.params.embed, QuantWeight) and isinstance(mos.params.lm_head, QuantWeight)
+  ids = [1, 5, 9, 33, 100, 7, 2, 64, 80]
+  calls = []
+
+  def planes_ref(x2, w, rt):
+    calls.append(w.shape)
+    return repack.planes_matmul_reference(x2, mm.to_planes(w))
+
+  with monkeypatch.context() as mp:
+    mp.setattr(layers, "_mosaic_matmul", planes_ref)
+    lm = np.asarray(dj.forward_logits(mos, ids), np.float64)
+  lr = np.asarray(dj.forward_logits(ref, ids), np.float64)
+  assert calls and np.linalg.norm(lm - lr) / np.linalg.norm(lr) <= 1e-5
+  t = tiles[0]
+  x = np.random.default_rng(0).standard_normal((5, t.shape[1])).astype(np.float32)
+  got = np.asarray(layers.linear(jnp.asarray(x), t, mos.runtime), np.float64)
+  want = _bf16_reference(x, mm.to_planes(jax.tree.map(np.asarray, t)))
+  assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 1e-5
+  # (3) the GPU configuration of the whole prefill, lowered for an H100
+  rt = Runtime(kernels="mosaic", compute_dtype="bfloat16")
+  host = target_params.load_params(read_gguf(path), mos.config, weights="quantized")
+  tiled = target_params.tile_q4k(host, rows_multiple=128)
+  spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), tiled)
+  cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                       target_lib.init_cache(mos.config, 64, rt))
+  fn = lambda p, c, toks: target_lib.prefill(p, mos.config, toks, jnp.int32(0), jnp.int32(9), c,
+                                             rt).hidden
+  from test_kernels import H100
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Auto,),
+                                   abstract_device=jax.sharding.AbstractDevice(H100, 1, "cuda"))
+  with jax.sharding.use_abstract_mesh(mesh):      # Triton's lowering asks for a GPU model
+    txt = jax.jit(fn).trace(spec, cache, jax.ShapeDtypeStruct((9,), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in txt and "__gpu$xla.gpu.triton" in txt
+  with pytest.raises(ValueError, match="weights='quantized'"):
+    dj.load_target(path, kernels="mosaic_interpret", weights="f32")
