@@ -156,9 +156,7 @@ def load_target(gguf_path: str, *, weights: str = "auto", compute_dtype: str = "
                      f"weights='quantized' (or 'auto'), not {weights!r}")
   params = target_params.load_params(f, cfg, weights=weights, fuse=fuse_projections)
   if rt.mosaic:                     # Q4_K layer weights in the Mosaic GPU kernel's tiles
-    params = target_params.tile_q4k(
-        params, rows_multiple=64 * layers.MOSAIC_INTERPRET_CONFIG["compute_wgs"] if rt.interpret
-        else 128)
+    params = target_params.tile_q4k(params, rows_multiple=layers.mosaic_rows_multiple(rt))
   params = jax.device_put(params)
   tok = GGUFTokenizer(f.meta, path=f.path) if tokenizer else None
   return Target(cfg, params, rt, tok, f.path, weights, f.n_tensor_bytes,

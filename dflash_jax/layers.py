@@ -47,6 +47,14 @@ def linear(x: jax.Array, w: QuantWeight, rt: Runtime) -> jax.Array:
 MOSAIC_INTERPRET_CONFIG = dict(kb=1, splits=1, stages=2, n_sm=1, a_operand="smem", compute_wgs=1)
 
 
+def mosaic_rows_multiple(rt: Runtime) -> int:
+  """The multiple of N a Q4_K weight needs to run the Mosaic GPU kernel as rt runs it (the
+  interpret configuration, or the GPU default `MgpuConfig`); `target_params.tile_q4k` tiles
+  only those."""
+  return mgpu.rows_multiple(mgpu.MgpuConfig(**MOSAIC_INTERPRET_CONFIG) if rt.interpret
+                            else mgpu.MgpuConfig())
+
+
 def _mosaic_matmul(x2: jax.Array, w, rt: Runtime) -> jax.Array:
   """x2 [M, K] @ dequantize(w)^T through the Mosaic GPU Q4_K kernel -> [M, N] float32."""
   if not rt.interpret:

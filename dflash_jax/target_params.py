@@ -208,12 +208,12 @@ def load_params(f: GGUFFile, cfg: TargetConfig, *, weights: str = "quantized",
   return params
 
 
-def tile_q4k(params: TargetParams, *, rows_multiple: int = 128) -> TargetParams:
+def tile_q4k(params: TargetParams, *, rows_multiple: int) -> TargetParams:
   """Q4_K layer weights (every projection of every layer, fused groups included) in the Mosaic
   GPU kernel's layout (`pallas_kernels.mgpu_matmul.Q4KTiles`: `repack.repack`, then `to_tiles`; a
   permutation of the same bytes plus 4 per 256 weights), for rt.kernels "mosaic*"; weights of other
-  formats, or whose N is not a multiple of rows_multiple (64 x the kernel's compute
-  warpgroups) or K of 256, stay packed GGUF rows. The token embedding and the lm_head stay as
+  formats, or whose N is not a multiple of rows_multiple (`layers.mosaic_rows_multiple`: 64 x
+  the kernel's compute warpgroups) or K of 256, stay packed GGUF rows. The token embedding and the lm_head stay as
   they are (row gathers; the lm_head of a Q4_K_M file is Q6_K). Host (numpy) work at load:
   params as `load_params` returns them (weights="quantized")."""
   from pallas_kernels import mgpu_matmul, repack

@@ -21,6 +21,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.tree_gdn import ancestors  # noqa: F401  (re-exported: the one ancestor walk)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -196,16 +198,6 @@ def ancestor_matrix(parents: jax.Array, max_depth: int) -> jax.Array:
     cur = jnp.where(cur >= 0, parents[jnp.maximum(cur, 0)], -1)
     anc = anc | ((cur[:, None] == idx[None, :]) & (cur[:, None] >= 0))
   return anc
-
-
-def ancestors(parents: jax.Array, n_back: int) -> jax.Array:
-  """[N, n_back + 1] int32: column j = the j-th ancestor of each node (column 0 = the node
-  itself), -1 past the root."""
-  cols = [jnp.arange(parents.shape[0], dtype=jnp.int32)]
-  for _ in range(n_back):
-    prev = cols[-1]
-    cols.append(jnp.where(prev >= 0, parents[jnp.maximum(prev, 0)], -1))
-  return jnp.stack(cols, axis=1)
 
 
 def follow(tree: Tree, posterior: jax.Array, max_depth: int):

@@ -155,13 +155,18 @@ def default_config(m: int, n: int, k: int, n_sm: int, **kw) -> MgpuConfig:
   return dataclasses.replace(base, splits=splits, stages=stages)
 
 
+def rows_multiple(cfg: MgpuConfig) -> int:
+  """The multiple of N a weight needs under cfg: 64 rows per compute warpgroup."""
+  return cfg.compute_wgs * _WG_ROWS
+
+
 def check_shapes(m: int, t: Q4KTiles, cfg: MgpuConfig) -> None:
   """ValueError naming what does not fit: N a multiple of 64 * compute_wgs, K of
   256 * kb * splits, 1 <= M <= MAX_TOKENS (`q4k_matmul` calls the kernel per MAX_TOKENS rows),
   `smem_bytes` <= SMEM_LIMIT."""
   n, k = t.shape
-  if n % (cfg.compute_wgs * _WG_ROWS):
-    raise ValueError(f"q4k_matmul: N={n} is not a multiple of {cfg.compute_wgs * _WG_ROWS}")
+  if n % rows_multiple(cfg):
+    raise ValueError(f"q4k_matmul: N={n} is not a multiple of {rows_multiple(cfg)}")
   if k % (QK_K * cfg.kb * cfg.splits):
     raise ValueError(f"q4k_matmul: K={k} is not a multiple of 256 * kb ({cfg.kb}) * splits "
                      f"({cfg.splits})")

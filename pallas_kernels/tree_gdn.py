@@ -42,7 +42,8 @@ from jax.experimental import pallas as pl
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 
-__all__ = ["tree_gdn", "tree_gdn_reference", "supports", "gdn_step", "replay_path", "ancestor_path"]
+__all__ = ["tree_gdn", "tree_gdn_reference", "supports", "gdn_step", "replay_path", "ancestors",
+           "ancestor_path"]
 
 
 def gdn_step(s, k, v, g, beta):
@@ -98,15 +99,21 @@ def replay_path(state, k, v, g, beta, n_steps):
   return s
 
 
+def ancestors(parents, n_back: int):
+  """[N, n_back + 1] int32: column j = the j-th ancestor of each node (column 0 = the node
+  itself), -1 past the root. parents: [N] int32, parents[i] < i, -1 = root."""
+  parents = parents.astype(jnp.int32)
+  cols = [jnp.arange(parents.shape[0], dtype=jnp.int32)]
+  for _ in range(n_back):
+    prev = cols[-1]
+    cols.append(jnp.where(prev >= 0, parents[jnp.maximum(prev, 0)], -1))
+  return jnp.stack(cols, axis=1)
+
+
 def ancestor_path(parents, width: int):
   """[N, width] int32: node i's root path, root first, right-aligned (column width-1 = i
   itself, column width-1-j = its j-th ancestor), -1 before the root. width >= max depth + 1."""
-  parents = parents.astype(jnp.int32)
-  cols = [jnp.arange(parents.shape[0], dtype=jnp.int32)]
-  for _ in range(width - 1):
-    prev = cols[-1]
-    cols.append(jnp.where(prev >= 0, parents[jnp.maximum(prev, 0)], -1))
-  return jnp.stack(cols[::-1], axis=1)
+  return ancestors(parents, width - 1)[:, ::-1]
 
 
 def _is_pow2(n: int) -> bool:
@@ -118,19 +125,22 @@ def supports(dk: int, dv: int) -> bool:
   return _is_pow2(dk) and dk >= 16 and dv % 16 == 0
 
 
+def _node_update(s, a, k_ref, v_ref, g_ref, b_ref):
+  """Node a's delta-rule step on a [Dk, bv] float32 state slice, inside a kernel."""
+  kt = k_ref[a].astype(jnp.float32)                          # [Dk]
+  s = s * jnp.exp(g_ref[a])
+  delta = (v_ref[a].astype(jnp.float32) - jnp.sum(s * kt[:, None], axis=0)) * b_ref[a]   # [bv]
+  return s + kt[:, None] * delta[None, :]
+
+
 def _kernel(parents_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s0_ref, o_ref, st_ref, *,
             n_nodes: int, interpret: bool):
   h0 = s0_ref[...].astype(jnp.float32)                        # [Dk, bv]
 
   def body(t, carry):
     p = parents_ref[t]
-    sp = st_ref[jnp.maximum(p, 0)]
-    s = jnp.where(p >= 0, sp, h0)
-    s = s * jnp.exp(g_ref[t])
-    kt = k_ref[t].astype(jnp.float32)                          # [Dk]
-    kv = jnp.sum(s * kt[:, None], axis=0)                      # [bv]
-    delta = (v_ref[t].astype(jnp.float32) - kv) * b_ref[t]
-    s = s + kt[:, None] * delta[None, :]
+    s = _node_update(jnp.where(p >= 0, st_ref[jnp.maximum(p, 0)], h0), t, k_ref, v_ref, g_ref,
+                     b_ref)
     o_ref[t] = jnp.sum(s * q_ref[t].astype(jnp.float32)[:, None], axis=0)
     st_ref[t] = s
     if not interpret:
@@ -176,11 +186,7 @@ def _kernel_replay(anc_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s0_ref, o_ref, *,
                    width: int, chain: bool):
   h0 = s0_ref[...].astype(jnp.float32)                        # [Dk, bv]
 
-  def update(s, a):                                            # node a's step on state s
-    kt = k_ref[a].astype(jnp.float32)
-    s = s * jnp.exp(g_ref[a])
-    delta = (v_ref[a].astype(jnp.float32) - jnp.sum(s * kt[:, None], axis=0)) * b_ref[a]
-    return s + kt[:, None] * delta[None, :]
+  update = lambda s, a: _node_update(s, a, k_ref, v_ref, g_ref, b_ref)
 
   def out(t, s):
     o_ref[t] = jnp.sum(s * q_ref[t].astype(jnp.float32)[:, None], axis=0)

@@ -190,20 +190,19 @@ def _e2e(sz, copy_gbs, repeats, kernels, fuse=True, gdn_commit="states"):
   import jax.numpy as jnp
   import numpy as np
   from dflash_jax import target as target_lib
-  from dflash_jax import target_params
+  from dflash_jax import layers, target_params
   from dflash_jax import tree as tree_lib
   from dflash_jax.runtime import Runtime
   cfg, f = _random_qwen35(sz)
   # bytes read per token: every matrix except the embedding (one row is gathered)
   model_bytes = f.n_tensor_bytes - f.tensors["token_embd.weight"].n_bytes
+  rt = Runtime(kernels=kernels, compute_dtype="bfloat16", gdn_commit=gdn_commit)
   params = target_params.load_params(f, cfg, fuse=fuse)
-  if kernels.startswith("mosaic"):                 # Q4_K layer weights for the Mosaic GPU kernel
-    params = target_params.tile_q4k(params, rows_multiple=64 if kernels.endswith("_interpret")
-                                    else 128)
+  if rt.mosaic:                                    # Q4_K layer weights for the Mosaic GPU kernel
+    params = target_params.tile_q4k(params, rows_multiple=layers.mosaic_rows_multiple(rt))
   params = jax.device_put(params)
   del f
   ctx, n_tree = 512, 23
-  rt = Runtime(kernels=kernels, compute_dtype="bfloat16", gdn_commit=gdn_commit)
   cache = target_lib.init_cache(cfg, ctx + 64, rt)
   parents = np.asarray([-1] + [max(0, (i - 1) // 2) for i in range(1, n_tree)], np.int32)
   depths = np.zeros(n_tree, np.int32)

@@ -229,9 +229,7 @@ def test_tree_gdn_without_states_and_replay(n, hv, dk, dv, bv, max_depth):
   states-writing reference stored for it, to float32 rounding (<= 1e-6 relative)."""
   rng, seed = _fresh_rng()
   parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, n)], np.int32)
-  depths = np.zeros(n, np.int32)
-  for i in range(1, n):
-    depths[i] = depths[parents[i]] + 1
+  depths = np.array([len(root_path(parents, i)) - 1 for i in range(n)])
   md = int(depths.max()) if max_depth == "tree" else None
   args = tree_gdn_inputs(rng, n, hv, dk, dv)
   ja = list(map(jnp.asarray, args))

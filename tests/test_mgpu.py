@@ -184,7 +184,7 @@ def test_model_wiring_of_the_mosaic_kernel(monkeypatch):
   # (3) the GPU configuration of the whole prefill, lowered for an H100
   rt = Runtime(kernels="mosaic", compute_dtype="bfloat16")
   host = target_params.load_params(read_gguf(path), mos.config, weights="quantized")
-  tiled = target_params.tile_q4k(host, rows_multiple=128)
+  tiled = target_params.tile_q4k(host, rows_multiple=layers.mosaic_rows_multiple(rt))
   spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), tiled)
   cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                        target_lib.init_cache(mos.config, 64, rt))

@@ -208,19 +208,12 @@ def test_gdn_commit_replay_lossless_and_same_as_states(qwen_f32, qwen_draft, dra
   prompt = np.asarray(qwen_ref["tokens"][1, :12], np.int32)
   rng = np.random.default_rng(7)
   n = 9
-  parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
-  depths = [0] * n
-  for i in range(1, n):
-    depths[i] = depths[parents[i]] + 1
+  parents, depths = (a.tolist() for a in _random_tree(rng, n))
   tree = tree_lib.Tree(tokens=jnp.asarray(rng.integers(0, cfg.n_vocab, n), jnp.int32),
                        parents=jnp.asarray(parents, jnp.int32),
                        depths=jnp.asarray(depths, jnp.int32), valid=jnp.ones((n,), bool),
                        scores=jnp.zeros((n,), jnp.float32), max_depth=max(depths))
-  leaf = int(np.argmax(depths))
-  path = [leaf]
-  while parents[path[-1]] >= 0:
-    path.append(parents[path[-1]])
-  path = path[::-1]
+  path = root_path(parents, int(np.argmax(depths)))
   pad = jnp.asarray(path + [path[-1]] * (max(depths) + 1 - len(path)), jnp.int32)
   for n_keep in (1, len(path)):
     caches = []
