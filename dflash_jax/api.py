@@ -336,7 +336,7 @@ def resolve_config(draft: Optional[Draft], config: Optional[DecodeConfig] = None
                        "look up the measured mode; name the mode (ar, chain, ddtree)")
     dec = auto_mode.resolve(dec, target.path, draft.path if draft is not None else None, batch,
                             has_draft=draft is not None)
-  if dec.speculative and draft is None and not has_proposer:
+  if dec.uses_draft and draft is None and not has_proposer:
     raise ValueError(f"mode={dec.mode!r} needs a draft (or a proposer)")
   if draft is not None and dec.block_size not in (None, draft.config.block_size):
     raise ValueError(f"block_size={dec.block_size} differs from the draft's block_size="
@@ -466,8 +466,8 @@ def _check_types(config, sampling):
 
 
 def _draft_config(draft: Optional[Draft], dec: DecodeConfig) -> Optional[DraftConfig]:
-  """The DraftConfig the decode functions get: the draft's in speculative modes, else None."""
-  return draft.config if (draft is not None and dec.speculative) else None
+  """The DraftConfig the decode functions get: the draft's in the draft modes, else None."""
+  return draft.config if (draft is not None and dec.uses_draft) else None
 
 
 def _positive_int(name: str, value):

@@ -115,7 +115,7 @@ class SlotBatch:
     self.target = target
     if proposer is None:
       self.proposer = decode_lib.dflash_proposer
-      self.dparams = draft.params if (draft is not None and dec.speculative) else None
+      self.dparams = draft.params if (draft is not None and dec.uses_draft) else None
       dcfg = draft.config if self.dparams is not None else None
     else:
       self.proposer, self.dparams, dcfg = proposer, proposer_params, None

@@ -445,13 +445,15 @@ class DraftConfig:
                           "input_embedding_scale": f.input_embedding_scale}}
 
 
-MODES = ("ar", "chain", "ddtree")
+MODES = ("ar", "chain", "ddtree", "lookup")
+DRAFT_MODES = ("chain", "ddtree")   # the modes that run a DFlash draft (or a proposer)
 AUTO = "auto"   # resolved to one of MODES per platform and batch size (auto_mode.py)
 CHAIN_RULES = ("rejection", "match")
 DRAFT_POSITIONS = ("absolute", "window")
 # Bounds for sizes a user can set (sane limits checked before anything is allocated).
 MAX_BLOCK_SIZE = 64
 MAX_BUDGET = 256
+MAX_NGRAM = 16
 
 
 def check_int(cfg, name: str, lo: int, hi: int | None = None):
@@ -519,6 +521,20 @@ class DecodeConfig:
       quantized cache can round a last-bit difference into a flipped near tie (README
       "Limitations"). Costs: each autoregressive step computes R rows, and attention is
       elementwise instead of a dot. Prefill is shared by every mode and unchanged.
+    lookup: G > 0: prompt lookup (n-gram) drafting over the row's own recent tokens. The longest
+      n-gram (lookup_ngram_max down to lookup_ngram_min tokens) ending at the bonus token that
+      also occurs earlier in the row's last `sampling.PENALTY_WINDOW` committed tokens (prompt
+      included; the most recent occurrence) proposes the <= G tokens that followed it
+      (`tree.lookup_path`). In "chain" / "ddtree" the proposal is grafted into the draft's
+      tree as one more branch (`tree.graft_path`: nodes the tree already has are shared), so a
+      step accepts the longer of the two; mode "lookup" drafts with it alone, no draft model:
+      a round verifies [bonus, G proposed tokens] when some row has a match, else the bonus
+      alone (an autoregressive step). 0 (default) = off; "lookup" needs G >= 1, the draft modes
+      G <= L - 1. Lossless like every proposal (a grafted token is accepted only where it is the
+      target's own choice); sampled chain rows under chain_rule "rejection" verify the draft's
+      chain only.
+    lookup_ngram_min / lookup_ngram_max: n-gram lengths the lookup matches (1 <= min <= max <=
+      MAX_NGRAM).
 
   Raises ValueError naming the field (and the valid choices) for a bad value.
   """
@@ -535,6 +551,9 @@ class DecodeConfig:
   draft_window: int | None = None
   draft_positions: str = "absolute"
   invariant_rows: int = 0
+  lookup: int = 0
+  lookup_ngram_min: int = 2
+  lookup_ngram_max: int = 4
 
   def __post_init__(self):
     if self.mode not in MODES + (AUTO,):
@@ -555,10 +574,28 @@ class DecodeConfig:
     if self.draft_positions not in DRAFT_POSITIONS:
       raise ValueError(f"DecodeConfig.draft_positions={self.draft_positions!r}: expected one of "
                        f"{DRAFT_POSITIONS}")
-    check_int(self, "invariant_rows", 0, MAX_BUDGET + 1 + MAX_BLOCK_SIZE)
-    if self.invariant_rows and self.mode != AUTO and (self.mode == "ar"
+    check_int(self, "invariant_rows", 0, 2 * MAX_BUDGET + 1 + MAX_BLOCK_SIZE)
+    check_int(self, "lookup", 0, MAX_BUDGET)
+    check_int(self, "lookup_ngram_min", 1, MAX_NGRAM)
+    check_int(self, "lookup_ngram_max", self.lookup_ngram_min, MAX_NGRAM)
+    if self.mode == "lookup" and not self.lookup:
+      raise ValueError("DecodeConfig.lookup=0 with mode='lookup': set lookup >= 1 (the tokens "
+                       "a lookup proposal holds)")
+    if self.lookup and self.mode in DRAFT_MODES and self.block_size is not None:
+      self.check_lookup()
+    if self.mode == "ar" and self.lookup:
+      raise ValueError(f"DecodeConfig.lookup={self.lookup} with mode='ar': lookup drafting is "
+                       "mode 'lookup' (or a lookup branch in 'chain' / 'ddtree')")
+    if self.invariant_rows and self.mode != AUTO and (self.mode in ("ar", "lookup")
                                                       or self.block_size is not None):
       self.check_invariant_rows()
+
+  def check_lookup(self) -> None:
+    """Raises ValueError when a draft mode's lookup branch would be deeper than its block (the
+    accepted path holds at most L - 1 drafts). Needs a resolved block size."""
+    if self.lookup and self.mode in DRAFT_MODES and self.lookup > self.L - 1:
+      raise ValueError(f"DecodeConfig.lookup={self.lookup}: a {self.mode} step accepts at most "
+                       f"block_size - 1 = {self.L - 1} tokens; use lookup <= {self.L - 1}")
 
   def check_invariant_rows(self) -> None:
     """Raises ValueError when invariant_rows is on but below this mode's verify_len (needs a
@@ -569,9 +606,15 @@ class DecodeConfig:
 
   @property
   def speculative(self) -> bool:
-    """True for the modes that draft (chain, ddtree); False for autoregressive decoding.
-    Raises ValueError for an unresolved "auto"."""
+    """True for the modes that draft (chain, ddtree, lookup); False for autoregressive
+    decoding. Raises ValueError for an unresolved "auto"."""
     return self._mode() != "ar"
+
+  @property
+  def uses_draft(self) -> bool:
+    """True for the modes that run a DFlash draft or a proposer (chain, ddtree); False for
+    "ar" and "lookup" (no draft model). Raises ValueError for an unresolved "auto"."""
+    return self._mode() in DRAFT_MODES
 
   @property
   def uses_tree(self) -> bool:
@@ -580,9 +623,12 @@ class DecodeConfig:
 
   @property
   def L(self) -> int:
-    """The resolved block size (1 for "ar"). Raises ValueError while block_size is None."""
+    """The resolved block size: tokens a step commits at most (1 for "ar", 1 + lookup for
+    "lookup"). Raises ValueError while block_size is None in a draft mode."""
     if self.mode == "ar":
       return 1
+    if self.mode == "lookup":
+      return 1 + self.lookup
     if self.block_size is None:
       raise ValueError("DecodeConfig.block_size is unset: pass a draft (its block_size is "
                        "used) or block_size=")
@@ -591,13 +637,18 @@ class DecodeConfig:
   @property
   def draft_depth(self) -> int:
     """Draft rows (depths) the step uses: L-1 (chain); min(budget, L-1) (ddtree: a tree of
-    `budget` nodes below the root is never deeper than that); 0 (autoregressive)."""
-    return {"ar": 0, "chain": self.L - 1, "ddtree": min(self.budget, self.L - 1)}[self._mode()]
+    `budget` nodes below the root is never deeper than that); 0 (autoregressive, lookup)."""
+    return {"ar": 0, "lookup": 0, "chain": self.L - 1,
+            "ddtree": min(self.budget, self.L - 1)}[self._mode()]
 
   @property
   def verify_len(self) -> int:
-    """Tree nodes per verify forward: L (chain), 1 + budget (ddtree), 1 (autoregressive)."""
-    return {"ar": 1, "chain": self.L, "ddtree": self.budget + 1}[self._mode()]
+    """Tree nodes per verify forward (at most): L (chain), 1 + budget (ddtree), 1
+    (autoregressive), plus `lookup` in the modes with a lookup branch (1 + lookup for
+    "lookup")."""
+    m = self._mode()
+    return {"ar": 1, "lookup": 1, "chain": self.L, "ddtree": self.budget + 1}[m] + (
+        self.lookup if m != "ar" else 0)
 
   def _mode(self) -> str:
     if self.mode == AUTO:

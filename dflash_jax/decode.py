@@ -58,7 +58,7 @@ class Plan:
   @property
   def uses_draft(self) -> bool:
     """True when a DFlash draft runs in the loop (context cache, target features)."""
-    return self.dcfg is not None and self.dec.speculative
+    return self.dcfg is not None and self.dec.uses_draft
 
   @property
   def draft_relative(self) -> bool:
@@ -412,12 +412,16 @@ def accept(tree: tree_lib.Tree, logits: jax.Array, q_logp: Optional[jax.Array],
   path, n_acc, _ = tree_lib.follow(tree, post, dec.L - 1)        # path: [L] node ids
   emit = post if tree.is_path else post[path]
   if _uses_rejection(dec, sampled):
-    p_logp = sampling_lib.process_logits(logits, _safe(sp))
-    r_acc, r_bonus = sampling_lib.rejection_chain(key, p_logp, q_logp, tree.tokens[1:])
-    nxt = jnp.concatenate([tree.tokens[1:], jnp.zeros((1,), jnp.int32)])
+    # the chain is nodes 0..L-1 (a lookup branch grafted after them is not used by this rule)
+    chain = tree.tokens[1:dec.L]
+    p_logp = sampling_lib.process_logits(logits[:dec.L], _safe(sp))
+    r_acc, r_bonus = sampling_lib.rejection_chain(key, p_logp, q_logp, chain)
+    nxt = jnp.concatenate([chain, jnp.zeros((1,), jnp.int32)])
     r_emit = jnp.where(jnp.arange(dec.L) < r_acc, nxt, r_bonus)
     use = sp.temperature > 0
     n_acc, emit = jnp.where(use, r_acc, n_acc), jnp.where(use, r_emit, emit)
+    if not tree.is_path:
+      path = jnp.where(use, jnp.arange(dec.L, dtype=jnp.int32), path)
   return path, n_acc, emit
 
 
@@ -501,18 +505,35 @@ def _advance(s: DecodeState, emit, n_acc, eog_ids) -> DecodeState:
       n_steps=s.n_steps + 1, accept_lens=s.accept_lens.at[s.n_steps].set(n_commit))
 
 
-def _step(tparams, dparams, s: DecodeState, eog_ids, live_bound, rules, grammar, *, plan: Plan,
-          sampled: bool, proposer) -> _RowStep:
+def lookup_proposal(s: DecodeState, dec: DecodeConfig) -> tuple[jax.Array, jax.Array]:
+  """The row's prompt-lookup proposal (`tree.lookup_path` over its recent-token window and the
+  bonus token): (tokens [dec.lookup] int32, n [] int32 real tokens, 0 = no match)."""
+  hist = jnp.concatenate([s.recent, s.bonus[None]])
+  n_valid = jnp.minimum(s.pos, s.recent.shape[0]) + 1
+  return tree_lib.lookup_path(hist, n_valid, dec.lookup, dec.lookup_ngram_min,
+                              dec.lookup_ngram_max)
+
+
+def _step(tparams, dparams, s: DecodeState, eog_ids, live_bound, rules, grammar, look=None, *,
+          plan: Plan, sampled: bool, proposer) -> _RowStep:
   """One round of one row: propose -> build tree -> verify -> accept (follow) -> commit (as
   updates for the batched loop to write) -> the draft's context rows of the committed tokens.
   rules: [] bool, the same for every row (not vmapped, so a real branch): some row has
   logit_bias or penalties on (`sampling.apply_rules`; a row without them is left unchanged by
   them). grammar: the batch's grammar.GrammarTables, or None (no row is constrained): each
-  verified node is masked under the state of its own path."""
+  verified node is masked under the state of its own path. look: the row's
+  `lookup_proposal` when dec.lookup > 0 (mode "lookup": the path verified; a draft mode: grafted
+  into the draft's tree), else None."""
   dec = plan.dec
   k_draft, k_accept = jax.random.split(jax.random.fold_in(s.key, s.n_steps))
-  if dec.speculative:
+  if dec.mode == "lookup":
+    prop = Proposal(tree_lib.path_tree(jnp.concatenate([s.bonus[None], look[0]])), None, None)
+  elif dec.speculative:
     prop = proposer(tparams, dparams, s, plan=plan, key=k_draft, sampled=sampled, grammar=grammar)
+    if look is not None:
+      t = prop.tree
+      prop = dataclasses.replace(prop, tree=tree_lib.graft_path(
+          t, look[0], look[1], max_depth=max(t.max_depth, dec.lookup)))
   else:
     prop = Proposal(tree_lib.path_tree(s.bonus[None]), None, None)
   tree, q_logp = prop.tree, prop.q
@@ -606,22 +627,37 @@ def decode_loop(tparams, dparams, state: DecodeState, max_steps: jax.Array, eog_
   batch's grammar.GrammarTables when some row is constrained (a separate compiled variant;
   None: no grammar code runs).
   """
-  step = jax.vmap(functools.partial(_step, plan=plan, sampled=sampled, proposer=proposer),
-                  in_axes=(None, None, 0, None, None, None, None))
+  dec = plan.dec
+
+  def stepper(p):
+    return jax.vmap(functools.partial(_step, plan=p, sampled=sampled, proposer=proposer),
+                    in_axes=(None, None, 0, None, None, None, None, 0))
+
+  step = stepper(plan)
+  # mode "lookup": a round where no row has a lookup match is an autoregressive step
+  ar_step = stepper(dataclasses.replace(plan, dec=dataclasses.replace(dec, mode="ar", lookup=0)))
 
   def keep_going(c):
     s, i = c
-    return jnp.any(active_rows(s, plan.dec)) & (i < max_steps)
+    return jnp.any(active_rows(s, dec)) & (i < max_steps)
 
   def one_round(c):
     s, i = c
-    act = active_rows(s, plan.dec)
+    act = active_rows(s, dec)
     # Every active row's committed length is below the bound: one chunk walk for the batch.
     # Inactive rows (finished, free, or between prefill chunks) do not raise it: their step is
     # computed over a shorter context and discarded.
     bound = jnp.max(jnp.where(act, s.pos, 0))
     rules = jnp.any(act & sampling_lib.rules_on(s.samp))
-    return _commit_rows(act, step(tparams, dparams, s, eog_ids, bound, rules, grammar), s), i + 1
+    look = jax.vmap(functools.partial(lookup_proposal, dec=dec))(s) if dec.lookup else None
+    run = lambda f: _commit_rows(act, f(tparams, dparams, s, eog_ids, bound, rules, grammar,
+                                        look), s)
+    if dec.mode == "lookup":
+      # one branch runs (the predicate is the same for every row, outside the vmap)
+      s = jax.lax.cond(jnp.any(act & (look[1] > 0)), lambda: run(step), lambda: run(ar_step))
+    else:
+      s = run(step)
+    return s, i + 1
 
   return jax.lax.while_loop(keep_going, one_round, (state, jnp.int32(0)))[0]
 

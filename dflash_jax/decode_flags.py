@@ -32,6 +32,9 @@ class DecodeFlags:
   draft_window: flags.FlagHolder
   draft_positions: flags.FlagHolder
   invariant_rows: flags.FlagHolder
+  lookup: flags.FlagHolder
+  lookup_ngram_min: flags.FlagHolder
+  lookup_ngram_max: flags.FlagHolder
   temperature: flags.FlagHolder
   top_k: flags.FlagHolder
   top_p: flags.FlagHolder
@@ -46,13 +49,16 @@ class DecodeFlags:
 def define(flag_values: flags.FlagValues = flags.FLAGS, *,
            max_ctx: int = _DEFAULT.max_ctx) -> DecodeFlags:
   """Defines --mode, --block_size, --max_ctx, --budget, --tree_top_k, --chain_seed,
-  --draft_temp, --chain_rule, --draft_window, --draft_positions, --invariant_rows and the
+  --draft_temp, --chain_rule, --draft_window, --draft_positions, --invariant_rows, --lookup,
+  --lookup_ngram_min, --lookup_ngram_max and the
   sampling flags --temperature, --top_k, --top_p, --min_p,
   --seed (unset sampling flags take the GGUF's recommended values, else greedy)."""
   fv = dict(flag_values=flag_values)
   return DecodeFlags(
       mode=flags.DEFINE_enum("mode", AUTO, list(MODES) + [AUTO], "Decoding: 'chain' (DFlash), "
-                             "'ddtree' (DDTree draft tree), 'ar' (autoregressive) or 'auto' (the "
+                             "'ddtree' (DDTree draft tree), 'lookup' (prompt-lookup n-gram "
+                             "drafts, no draft model; needs --lookup), 'ar' (autoregressive) or "
+                             "'auto' (the "
                              "mode measured fastest for this platform, model pair and batch size; "
                              "ar without a draft or a measurement: see dflash_jax/auto_mode.py).",
                              **fv),
@@ -88,6 +94,15 @@ def define(flag_values: flags.FlagValues = flags.FLAGS, *,
           "attention, so chain and DDTree output equals AR output bit for bit in every "
           "--kv_dtype when all use the same value (>= the mode's verify size, e.g. 23 for "
           "DDTree at budget 22). 0 = off (faster).", **fv),
+      lookup=flags.DEFINE_integer(
+          "lookup", _DEFAULT.lookup, "Prompt-lookup drafting: up to this many tokens that followed "
+          "the latest earlier occurrence of the context's last n-gram (in the last 256 tokens). "
+          "--mode lookup drafts with it alone; chain / ddtree graft it into the draft's tree as "
+          "one more branch (<= block_size - 1). 0 = off.", **fv),
+      lookup_ngram_min=flags.DEFINE_integer("lookup_ngram_min", _DEFAULT.lookup_ngram_min,
+                                            "Shortest n-gram --lookup matches.", **fv),
+      lookup_ngram_max=flags.DEFINE_integer("lookup_ngram_max", _DEFAULT.lookup_ngram_max,
+                                            "Longest n-gram --lookup matches (tried first).", **fv),
       temperature=flags.DEFINE_float("temperature", None, "Sampling temperature; 0 = greedy. "
                                      "Default: the GGUF's general.sampling.temp, else 0.", **fv),
       top_k=flags.DEFINE_integer("top_k", None, "Sampling top-k (0 = off). Default: the GGUF's, "
@@ -118,7 +133,9 @@ def config(f: DecodeFlags, **overrides) -> DecodeConfig:
                 chain_seed=f.chain_seed.value, draft_temp=f.draft_temp.value,
                 chain_rule=f.chain_rule.value, draft_window=f.draft_window.value,
                 draft_positions=f.draft_positions.value,
-                invariant_rows=f.invariant_rows.value)
+                invariant_rows=f.invariant_rows.value, lookup=f.lookup.value,
+                lookup_ngram_min=f.lookup_ngram_min.value,
+                lookup_ngram_max=f.lookup_ngram_max.value)
   values.update(overrides)
   try:
     return DecodeConfig(**values)

@@ -89,6 +89,72 @@ def pad_tree(tree: Tree, n: int) -> Tree:
               is_path=False, max_depth=tree.max_depth)
 
 
+def lookup_path(history: jax.Array, n_valid: jax.Array, n_tokens: int, ngram_min: int,
+                ngram_max: int) -> tuple[jax.Array, jax.Array]:
+  """Prompt lookup (n-gram) proposal: the tokens that followed the most recent earlier
+  occurrence of the history's longest matching suffix (Saxena 2023, "Prompt Lookup Decoding";
+  llama.cpp's `common_ngram` lookup drafts the same way).
+
+  history: [H] int32, the row's tokens in order with the bonus token last; only the last
+    n_valid entries are real (n_valid: [] int32, <= H; earlier entries are ignored).
+  n_tokens: G, tokens to propose at most. ngram_min / ngram_max: static suffix lengths tried,
+    longest first; an occurrence must end before the suffix's own last token (its
+    continuation starts at or before the bonus token).
+  Returns (tokens [G] int32: the continuation, zeros past its end; n [] int32: how many are
+  real, 0 when no suffix of length >= ngram_min occurs earlier). Pure function, vmappable.
+  """
+  H = history.shape[0]
+  G = n_tokens
+  idx = jnp.arange(H, dtype=jnp.int32)
+  first = H - n_valid                                    # index of the oldest real entry
+  best_s, best_n = jnp.int32(-1), jnp.int32(0)
+  for n in range(min(ngram_max, H - 1), ngram_min - 1, -1):
+    # occurrence start s in [first, H - 1 - n]: history[s:s+n] == history[H-n:], s + n <= H - 1
+    m = H - n                                            # candidate starts 0..m-1
+    eq = jnp.ones((m,), bool)
+    for j in range(n):
+      eq = eq & (history[j:j + m] == history[H - n + j])
+    ok = eq & (idx[:m] >= first) & (n_valid >= n + 1)
+    s = jnp.max(jnp.where(ok, idx[:m], -1))
+    take = (best_n == 0) & (s >= 0)
+    best_s, best_n = jnp.where(take, s, best_s), jnp.where(take, n, best_n)
+  start = best_s + best_n                                # the continuation's first index
+  cont_idx = start + jnp.arange(G, dtype=jnp.int32)
+  count = jnp.where(best_n > 0, jnp.minimum(G, H - start), 0)
+  tokens = jnp.where(jnp.arange(G) < count, history[jnp.clip(cont_idx, 0, H - 1)], 0)
+  return tokens.astype(jnp.int32), count.astype(jnp.int32)
+
+
+def graft_path(tree: Tree, tokens: jax.Array, n: jax.Array, max_depth: int) -> Tree:
+  """`tree` with the path root -> tokens[0] -> .. -> tokens[n-1] added as a branch: the path
+  walks the tree's existing nodes while they match (valid, same parent, same token) and adds
+  the rest as new nodes in G = tokens.shape[0] extra slots (unused slots stay invalid: parent
+  -1, depth 0, nothing descends from them), so `follow` accepts the longer of the tree's own
+  best path and the grafted one. tokens: [G] int32; n: [] int32 (<= G) real tokens;
+  max_depth: static bound of the result's depths (>= tree.max_depth and >= G).
+  Returns a general tree (is_path False) of tree.n + G slots."""
+  G = tokens.shape[0]
+  N = tree.n
+  t = pad_tree(tree, N + G)
+  toks, parents, depths, valid, scores = t.tokens, t.parents, t.depths, t.valid, t.scores
+  cur, fresh = jnp.int32(0), jnp.bool_(False)            # fresh: left the old tree
+  for j in range(G):
+    live = j < n
+    hit = valid[:N] & (parents[:N] == cur) & (toks[:N] == tokens[j]) & ~fresh
+    found = jnp.any(hit) & live
+    new = live & ~found
+    slot = N + j
+    toks = toks.at[slot].set(jnp.where(new, tokens[j], 0))
+    parents = parents.at[slot].set(jnp.where(new, cur, -1))
+    depths = depths.at[slot].set(jnp.where(new, j + 1, 0))
+    valid = valid.at[slot].set(new)
+    scores = scores.at[slot].set(jnp.where(new, 0.0, -jnp.inf))
+    cur = jnp.where(found, jnp.argmax(hit).astype(jnp.int32), jnp.where(new, slot, cur))
+    fresh = fresh | new
+  return Tree(tokens=toks, parents=parents, depths=depths, valid=valid, scores=scores,
+              is_path=False, max_depth=max_depth)
+
+
 def top_k_rows(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   """The k largest entries of each row, by k rounds of argmax (no sort over the vocabulary).
 

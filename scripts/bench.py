@@ -41,9 +41,15 @@ _N_PROMPTS = flags.DEFINE_integer("n_prompts", 10, "First N prompts of the set."
 _LLAMA_CPP = flags.DEFINE_boolean("llama_cpp", True, "Also time llama.cpp if llama_cpp is importable.")
 _N_GEN = flags.DEFINE_integer("n_gen", 128, "Tokens to generate per prompt (EOG does not stop).")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per prompt and mode (median).")
-_MODES = flags.DEFINE_list("modes", ["ar", "chain"], "Modes to compare: ar, chain, ddtree.")
+_MODES = flags.DEFINE_list("modes", ["ar", "chain"], "Modes to compare: ar, chain, ddtree, "
+                           "lookup.")
 _BUDGETS = flags.DEFINE_list("budgets", ["22"], "DDTree budgets (one column each) when "
                              "--modes has ddtree.")
+_LOOKUPS = flags.DEFINE_list("lookups", ["8"], "Lookup proposal lengths (one 'lookup@G' column "
+                             "each) when --modes has lookup.")
+_GRAFT = flags.DEFINE_integer("graft", 0, "DecodeConfig.lookup of the chain and ddtree columns "
+                              "(a prompt-lookup branch of this many tokens grafted into the "
+                              "draft's tree; labelled '+lookupG'); 0 = none.")
 _TREE_TOP_K = flags.DEFINE_integer("tree_top_k", 8, "DDTree candidates per depth.")
 _TEMPS = flags.DEFINE_list("temperatures", ["0"], "Sampling temperatures, one column set each "
                            "(0 = greedy; > 0 samples with --top_p and --seed).")
@@ -126,12 +132,22 @@ def decode_configs(drafts):
   ({label suffix: api.Draft}; "" = --draft, else ":name" on the speculative columns)."""
   import dflash_jax as dj
   decs = {}
+  graft = {"lookup": _GRAFT.value} if _GRAFT.value else {}
+  tag = f"+lookup{_GRAFT.value}" if _GRAFT.value else ""
   for m in _MODES.value:
     if m == "ddtree":
       for b in _BUDGETS.value:
-        decs[f"ddtree@{b}"] = dj.DecodeConfig(mode="ddtree", budget=int(b),
-                                              tree_top_k=_TREE_TOP_K.value, max_ctx=_MAX_CTX.value,
+        decs[f"ddtree@{b}{tag}"] = dj.DecodeConfig(mode="ddtree", budget=int(b),
+                                                   tree_top_k=_TREE_TOP_K.value,
+                                                   max_ctx=_MAX_CTX.value,
+                                                   invariant_rows=_INVARIANT.value, **graft)
+    elif m == "lookup":
+      for g in _LOOKUPS.value:
+        decs[f"lookup@{g}"] = dj.DecodeConfig(mode="lookup", lookup=int(g), max_ctx=_MAX_CTX.value,
                                               invariant_rows=_INVARIANT.value)
+    elif m == "chain":
+      decs[f"chain{tag}"] = dj.DecodeConfig(mode=m, max_ctx=_MAX_CTX.value,
+                                            invariant_rows=_INVARIANT.value, **graft)
     else:
       decs[m] = dj.DecodeConfig(mode=m, max_ctx=_MAX_CTX.value, invariant_rows=_INVARIANT.value)
   out = {}
@@ -139,7 +155,7 @@ def decode_configs(drafts):
     samp = dj.SamplingConfig(temperature=t, top_p=_TOP_P.value if t > 0 else 1.0, seed=_SEED.value)
     for label, dec in decs.items():
       for suffix, draft in drafts.items():
-        if suffix and not dec.speculative:
+        if suffix and not dec.uses_draft:
           continue
         out[label + suffix + ("" if t == 0 else f"/T{t:g}")] = (dec, samp, draft)
   return out
