@@ -6,8 +6,8 @@ verify of a block costs many autoregressive steps (f32 dots on a 2-core CPU) it 
 all with a weak draft. So the mode is looked up in a measured table rather than assumed.
 
 The table: JSON {key: {B: {column: aggregate decode tok/s}}}, key =
-"<platform>:<device kind>|<target GGUF file name>|<draft directory name>", columns "ar",
-"chain", "ddtree@<budget>". `scripts/bench.py --batch_sizes ... --modes ar,chain,ddtree
+"<platform>:<device kind>|<target GGUF file name>|<draft directory name>" ("none" without a
+draft), columns "ar", "chain", "ddtree@<budget>", "lookup@<G>" (prompt lookup, no draft model). `scripts/bench.py --batch_sizes ... --modes ar,chain,ddtree
 --auto_table PATH` measures and writes it. Looked up in order: the user's table
 (`user_table_path()`, written by bench.py by default), then the one shipped with the package
 (`auto_modes.json`, measured on the machines this project is developed on).
@@ -15,7 +15,8 @@ The table: JSON {key: {B: {column: aggregate decode tok/s}}}, key =
 Rule (`choose`): at batch size B take the row of the largest measured batch size <= B (the
 smallest measured one if B is below all); the mode is the fastest column of that row, and a
 speculative mode only when it beats "ar" there (so auto is never slower than AR where measured).
-Without a draft, or without a table entry for this key, auto is "ar": it is the one mode that
+Without a draft only "ar" and "lookup@G" columns count. Without a table entry for this key, auto
+is "ar": it is the one mode that
 cannot be slower than autoregressive decoding, and an unmeasured speculative mode can be (run
 bench.py once on the platform to enable the draft).
 """
@@ -72,32 +73,48 @@ def load_entry(key: str, paths: Optional[list[str]] = None) -> Optional[dict[int
   return None
 
 
+def _column(name: str) -> tuple[str, Optional[int]]:
+  """("ddtree", 22) for "ddtree@22", ("lookup", 8) for "lookup@8", (name, None) otherwise."""
+  mode, _, n = name.partition("@")
+  return mode, int(n) if n else None
+
+
 def choose(entry: Optional[dict[int, dict[str, float]]], batch: int,
            has_draft: bool) -> tuple[str, Optional[int]]:
-  """(mode, ddtree budget or None) for `batch` rows by the rule in the module docstring."""
-  if not has_draft or not entry:
+  """(mode, its size or None: the ddtree budget, the lookup length) for `batch` rows by the
+  rule in the module docstring. Columns of the draft modes count only with a draft; "lookup@G"
+  (no draft model) counts either way; columns this rule cannot name (e.g. "chain+lookup8") are
+  ignored."""
+  if not entry:
     return "ar", None
   sizes = sorted(entry)
   below = [b for b in sizes if b <= batch]
   row = entry[below[-1] if below else sizes[0]]
   if "ar" not in row:
     return "ar", None
-  best = max(row, key=row.get)
-  if row[best] <= row["ar"]:
+  ok = {k: v for k, v in row.items()
+        if "+" not in k and _column(k)[0] in ("ar", "lookup", "chain", "ddtree")
+        and (has_draft or _column(k)[0] in ("ar", "lookup"))}
+  best = max(ok, key=ok.get)
+  if ok[best] <= row["ar"]:
     return "ar", None
-  if best.startswith("ddtree@"):
-    return "ddtree", int(best.split("@", 1)[1])
-  return best, None
+  return _column(best)
 
 
 def resolve(dec: DecodeConfig, target_path: str, draft_path: Optional[str], batch: int,
             has_draft: bool) -> DecodeConfig:
-  """`dec` with mode "auto" replaced by the mode `choose` picks (and its budget for ddtree);
-  other modes unchanged."""
+  """`dec` with mode "auto" replaced by the mode `choose` picks (with its budget for ddtree, its
+  length for lookup unless dec.lookup is set); other modes unchanged. A lookup length the
+  caller set (dec.lookup > 0) is kept: where auto picks "ar" it decodes in mode "lookup" with it,
+  where it picks a draft mode it grafts it (DecodeConfig.lookup)."""
   if dec.mode != "auto":
     return dec
-  mode, budget = choose(load_entry(table_key(target_path, draft_path)), batch, has_draft)
-  return dataclasses.replace(dec, mode=mode, **({"budget": budget} if budget else {}))
+  mode, size = choose(load_entry(table_key(target_path, draft_path)), batch, has_draft)
+  if mode == "ddtree":
+    return dataclasses.replace(dec, mode=mode, budget=size)
+  if mode == "lookup" or (mode == "ar" and dec.lookup):
+    return dataclasses.replace(dec, mode="lookup", lookup=dec.lookup or size)
+  return dataclasses.replace(dec, mode=mode)
 
 
 def update_table(path: str, key: str, entry: dict[int, dict[str, float]]):
@@ -120,11 +137,11 @@ def update_table(path: str, key: str, entry: dict[int, dict[str, float]]):
 def explain(target_path: str, draft_path: Optional[str], batch: int, has_draft: bool) -> str:
   """Why mode "auto" picks what it picks for `batch` rows here, in one line: the measured row
   it read (tok/s per mode) or the fallback that applied."""
-  mode, budget = choose(load_entry(table_key(target_path, draft_path)), batch, has_draft)
-  name = f"ddtree@{budget}" if budget else mode
-  if not has_draft:
-    return f"{name}: no draft"
+  mode, size = choose(load_entry(table_key(target_path, draft_path)), batch, has_draft)
+  name = f"{mode}@{size}" if size else mode
   entry = load_entry(table_key(target_path, draft_path))
+  if not has_draft and not entry:
+    return f"{name}: no draft"
   if not entry:
     return (f"{name}: no measured table for this platform and draft (fallback; "
             "`bench.py --auto_table user` measures one)")

@@ -544,7 +544,7 @@ class Engine:
     m["cancelled_total"] += int(cancelled)
     dec = self._batch.dec if self._batch else self.dec
     accept = row.accept_lens if row else []
-    per_step = (dec.budget if dec.uses_tree else dec.block_size - 1) if dec.speculative else 0
+    per_step = dec.verify_len - 1     # drafted nodes a step verifies (lookup rounds: at most)
     drafted, accepted = per_step * len(accept), int(sum(accept)) - len(accept)
     m["draft_tokens_total"] += drafted
     m["draft_accepted_total"] += accepted

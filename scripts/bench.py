@@ -47,9 +47,11 @@ _BUDGETS = flags.DEFINE_list("budgets", ["22"], "DDTree budgets (one column each
                              "--modes has ddtree.")
 _LOOKUPS = flags.DEFINE_list("lookups", ["8"], "Lookup proposal lengths (one 'lookup@G' column "
                              "each) when --modes has lookup.")
-_GRAFT = flags.DEFINE_integer("graft", 0, "DecodeConfig.lookup of the chain and ddtree columns "
-                              "(a prompt-lookup branch of this many tokens grafted into the "
-                              "draft's tree; labelled '+lookupG'); 0 = none.")
+_NGRAM_MIN = flags.DEFINE_integer("lookup_ngram_min", 2, "DecodeConfig.lookup_ngram_min of the "
+                                  "lookup columns and grafts.")
+_GRAFT = flags.DEFINE_list("graft", ["0"], "DecodeConfig.lookup values of the chain and ddtree "
+                           "columns, one column set each (a prompt-lookup branch of G tokens "
+                           "grafted into the draft's tree; labelled '+lookupG'); 0 = none.")
 _TREE_TOP_K = flags.DEFINE_integer("tree_top_k", 8, "DDTree candidates per depth.")
 _TEMPS = flags.DEFINE_list("temperatures", ["0"], "Sampling temperatures, one column set each "
                            "(0 = greedy; > 0 samples with --top_p and --seed).")
@@ -132,22 +134,24 @@ def decode_configs(drafts):
   ({label suffix: api.Draft}; "" = --draft, else ":name" on the speculative columns)."""
   import dflash_jax as dj
   decs = {}
-  graft = {"lookup": _GRAFT.value} if _GRAFT.value else {}
-  tag = f"+lookup{_GRAFT.value}" if _GRAFT.value else ""
+  grafts = [int(g) for g in _GRAFT.value]
   for m in _MODES.value:
     if m == "ddtree":
       for b in _BUDGETS.value:
-        decs[f"ddtree@{b}{tag}"] = dj.DecodeConfig(mode="ddtree", budget=int(b),
-                                                   tree_top_k=_TREE_TOP_K.value,
-                                                   max_ctx=_MAX_CTX.value,
-                                                   invariant_rows=_INVARIANT.value, **graft)
+        for g in grafts:
+          decs[f"ddtree@{b}" + (f"+lookup{g}" if g else "")] = dj.DecodeConfig(
+              mode="ddtree", budget=int(b), tree_top_k=_TREE_TOP_K.value, max_ctx=_MAX_CTX.value,
+              invariant_rows=_INVARIANT.value, lookup=g, lookup_ngram_min=_NGRAM_MIN.value)
     elif m == "lookup":
       for g in _LOOKUPS.value:
         decs[f"lookup@{g}"] = dj.DecodeConfig(mode="lookup", lookup=int(g), max_ctx=_MAX_CTX.value,
-                                              invariant_rows=_INVARIANT.value)
+                                              invariant_rows=_INVARIANT.value,
+                                              lookup_ngram_min=_NGRAM_MIN.value)
     elif m == "chain":
-      decs[f"chain{tag}"] = dj.DecodeConfig(mode=m, max_ctx=_MAX_CTX.value,
-                                            invariant_rows=_INVARIANT.value, **graft)
+      for g in grafts:
+        decs["chain" + (f"+lookup{g}" if g else "")] = dj.DecodeConfig(
+            mode=m, max_ctx=_MAX_CTX.value, invariant_rows=_INVARIANT.value, lookup=g,
+            lookup_ngram_min=_NGRAM_MIN.value)
     else:
       decs[m] = dj.DecodeConfig(mode=m, max_ctx=_MAX_CTX.value, invariant_rows=_INVARIANT.value)
   out = {}
@@ -307,12 +311,17 @@ def main(argv):
     entry = {}
     for r in rows:
       entry.setdefault(r["batch"], {})[r["mode"]] = round(r["aggregate_tok_s"], 3)
-    result["auto_mode"] = {b: "ddtree@%d" % bud if bud else m for b in entry
-                           for m, bud in [auto_mode.choose(entry, b, draft_dir != "random")]}
+    result["auto_mode"] = {b: f"{m}@{size}" if size else m for b in entry
+                           for m, size in [auto_mode.choose(entry, b, draft_dir != "random")]}
     print("mode='auto' would pick: " + ", ".join(f"B={b}: {m}" for b, m in result["auto_mode"].items()))
     if _AUTO_TABLE.value:
       out = auto_mode.user_table_path() if _AUTO_TABLE.value == "user" else _AUTO_TABLE.value
       auto_mode.update_table(out, auto_mode.table_key(path, draft_dir), entry)
+      # the columns without a draft model also serve this target without a draft
+      plain = {b: {k: v for k, v in row.items() if k == "ar" or k.startswith("lookup@")}
+               for b, row in entry.items()}
+      if any(len(row) > 1 for row in plain.values()):
+        auto_mode.update_table(out, auto_mode.table_key(path, None), plain)
       print(f"auto-mode table updated: {out}")
     if _JSON.value:
       with open(_JSON.value, "w") as fh:

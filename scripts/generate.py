@@ -90,10 +90,11 @@ def _load():
         1 if not _PROMPT_FILE.value else (_BATCH.value or dj.api.default_batch_size()),
         draft is not None), file=sys.stderr)
   if draft is None:
-    if dec.mode not in ("ar", "auto"):
+    if dec.mode not in ("ar", "auto", "lookup"):
       raise app.UsageError(f"--mode={dec.mode} needs a draft (--draft)")
-    print(f"[dflash] no draft for {os.path.basename(path)}: decoding autoregressively",
-          file=sys.stderr)
+    if dec.mode == "ar":
+      print(f"[dflash] no draft for {os.path.basename(path)}: decoding autoregressively",
+            file=sys.stderr)
   return target, draft, dec, decode_flags.sampling(_DF, target.sampling_defaults)
 
 
