@@ -67,3 +67,29 @@ def test_generate_uses_the_table(qwen_f32, qwen_draft, qwen_ref, tmp_path, monke
   res = dj.generate_batch(qwen_f32, qwen_draft, p * 2, batch_size=4, **kw)
   assert {r.mode for r in res} == {"ar"} and res[0].tokens == one.tokens
   assert dj.generate(qwen_f32, None, p[0], **kw).mode == "ar"     # no draft
+
+
+def test_choose_and_resolve_lookup_columns(qwen_f32, qwen_ref, tmp_path, monkeypatch):
+  """"lookup@G" columns count with or without a draft (no draft model); columns the rule cannot
+  name ("chain+lookup8") are ignored; a lookup length the caller set is kept; without a draft a
+  measured lookup column makes generate decode in mode "lookup" (same tokens as AR)."""
+  entry = {1: {"ar": 30.0, "lookup@4": 40.0, "chain": 35.0, "chain+lookup8": 99.0},
+           4: {"ar": 60.0, "lookup@4": 50.0}}
+  assert auto_mode.choose(entry, 1, has_draft=True) == ("lookup", 4)
+  assert auto_mode.choose(entry, 1, has_draft=False) == ("lookup", 4)
+  assert auto_mode.choose(entry, 4, has_draft=False) == ("ar", None)
+  assert auto_mode.choose({1: {"ar": 30.0, "chain": 35.0}}, 1, has_draft=False) == ("ar", None)
+  table = tmp_path / "auto.json"
+  key = auto_mode.table_key(qwen_f32.path, None)
+  table.write_text(json.dumps({key: {str(b): row for b, row in entry.items()}}))
+  monkeypatch.setattr(auto_mode, "user_table_path", lambda: str(table))
+  monkeypatch.setattr(auto_mode, "SHIPPED_TABLE", str(tmp_path / "none.json"))
+  dec = auto_mode.resolve(dj.DecodeConfig(lookup=6), qwen_f32.path, None, 1, has_draft=False)
+  assert (dec.mode, dec.lookup) == ("lookup", 6)
+  dec = auto_mode.resolve(dj.DecodeConfig(lookup=6), qwen_f32.path, None, 4, has_draft=False)
+  assert (dec.mode, dec.lookup) == ("lookup", 6)       # auto says AR, the caller asked for lookup
+  p = qwen_ref["tokens"][0, :12]
+  kw = dict(max_new_tokens=6, max_ctx=64, eog_ids=())
+  r = dj.generate(qwen_f32, None, p, **kw)
+  assert r.mode == "lookup" and r.tokens == dj.generate(qwen_f32, None, p, mode="ar", **kw).tokens
+  assert "lookup@4: fastest measured at B=1" in auto_mode.explain(qwen_f32.path, None, 1, False)
