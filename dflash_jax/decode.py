@@ -5,7 +5,9 @@ verify -> follow -> commit.
 Every mode verifies a tree in one target forward (`target.verify`): DFlash chain (arXiv:
 2602.06036) verifies the path `[bonus, d_1..d_{L-1}]` of the draft's top-1 tokens; DDTree
 (arXiv:2604.12989) a best-first tree of the draft's likeliest prefixes; autoregressive decoding
-the root alone. `tree.follow` accepts the longest root path the target's argmax agrees with; the
+the root alone; prompt lookup (`DecodeConfig.lookup`) the path of an n-gram match's continuation
+(mode "lookup", a root-only round when no row has a match) or that path grafted into the draft's
+tree as one more branch. `tree.follow` accepts the longest root path the target's argmax agrees with; the
 target's argmax after it is the next bonus token. `target.commit_path` commits it without
 replay: KV rows gathered onto the path (in place for a path tree), SSM state = the state
 captured after the last kept node, conv state = the last K-1 kept inputs.
