@@ -7,8 +7,8 @@ all with a weak draft. So the mode is looked up in a measured table rather than 
 
 The table: JSON {key: {B: {column: aggregate decode tok/s}}}, key =
 "<platform>:<device kind>|<target GGUF file name>|<draft directory name>" ("none" without a
-draft), columns "ar", "chain", "ddtree@<budget>", "lookup@<G>" (prompt lookup, no draft model). `scripts/bench.py --batch_sizes ... --modes ar,chain,ddtree
---auto_table PATH` measures and writes it. Looked up in order: the user's table
+draft), columns "ar", "chain", "ddtree@<budget>", "lookup@<G>" (prompt lookup, no draft model).
+`scripts/bench.py --batch_sizes ... --modes ar,chain,ddtree --auto_table PATH` measures and writes it. Looked up in order: the user's table
 (`user_table_path()`, written by bench.py by default), then the one shipped with the package
 (`auto_modes.json`, measured on the machines this project is developed on).
 
@@ -16,8 +16,7 @@ Rule (`choose`): at batch size B take the row of the largest measured batch size
 smallest measured one if B is below all); the mode is the fastest column of that row, and a
 speculative mode only when it beats "ar" there (so auto is never slower than AR where measured).
 Without a draft only "ar" and "lookup@G" columns count. Without a table entry for this key, auto
-is "ar": it is the one mode that
-cannot be slower than autoregressive decoding, and an unmeasured speculative mode can be (run
+is "ar": it is the one mode that cannot be slower than autoregressive decoding, and an unmeasured speculative mode can be (run
 bench.py once on the platform to enable the draft).
 """
 
@@ -92,9 +91,8 @@ def choose(entry: Optional[dict[int, dict[str, float]]], batch: int,
   row = entry[below[-1] if below else sizes[0]]
   if "ar" not in row:
     return "ar", None
-  ok = {k: v for k, v in row.items()
-        if "+" not in k and _column(k)[0] in ("ar", "lookup", "chain", "ddtree")
-        and (has_draft or _column(k)[0] in ("ar", "lookup"))}
+  usable = ("ar", "lookup", "chain", "ddtree") if has_draft else ("ar", "lookup")
+  ok = {k: v for k, v in row.items() if "+" not in k and _column(k)[0] in usable}
   best = max(ok, key=ok.get)
   if ok[best] <= row["ar"]:
     return "ar", None
@@ -137,9 +135,9 @@ def update_table(path: str, key: str, entry: dict[int, dict[str, float]]):
 def explain(target_path: str, draft_path: Optional[str], batch: int, has_draft: bool) -> str:
   """Why mode "auto" picks what it picks for `batch` rows here, in one line: the measured row
   it read (tok/s per mode) or the fallback that applied."""
-  mode, size = choose(load_entry(table_key(target_path, draft_path)), batch, has_draft)
-  name = f"{mode}@{size}" if size else mode
   entry = load_entry(table_key(target_path, draft_path))
+  mode, size = choose(entry, batch, has_draft)
+  name = f"{mode}@{size}" if size else mode
   if not has_draft and not entry:
     return f"{name}: no draft"
   if not entry:

@@ -581,7 +581,7 @@ class DecodeConfig:
     if self.mode == "lookup" and not self.lookup:
       raise ValueError("DecodeConfig.lookup=0 with mode='lookup': set lookup >= 1 (the tokens "
                        "a lookup proposal holds)")
-    if self.lookup and self.mode in DRAFT_MODES and self.block_size is not None:
+    if self.block_size is not None:
       self.check_lookup()
     if self.mode == "ar" and self.lookup:
       raise ValueError(f"DecodeConfig.lookup={self.lookup} with mode='ar': lookup drafting is "

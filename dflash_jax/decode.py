@@ -636,8 +636,6 @@ def decode_loop(tparams, dparams, state: DecodeState, max_steps: jax.Array, eog_
                     in_axes=(None, None, 0, None, None, None, None, 0))
 
   step = stepper(plan)
-  # mode "lookup": a round where no row has a lookup match is an autoregressive step
-  ar_step = stepper(dataclasses.replace(plan, dec=dataclasses.replace(dec, mode="ar", lookup=0)))
 
   def keep_going(c):
     s, i = c
@@ -655,7 +653,10 @@ def decode_loop(tparams, dparams, state: DecodeState, max_steps: jax.Array, eog_
     run = lambda f: _commit_rows(act, f(tparams, dparams, s, eog_ids, bound, rules, grammar,
                                         look), s)
     if dec.mode == "lookup":
-      # one branch runs (the predicate is the same for every row, outside the vmap)
+      # a round where no row has a lookup match is an autoregressive step; one branch runs (the
+      # predicate is the same for every row, outside the vmap)
+      ar_step = stepper(dataclasses.replace(plan, dec=dataclasses.replace(dec, mode="ar",
+                                                                          lookup=0)))
       s = jax.lax.cond(jnp.any(act & (look[1] > 0)), lambda: run(step), lambda: run(ar_step))
     else:
       s = run(step)

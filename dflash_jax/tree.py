@@ -114,7 +114,7 @@ def lookup_path(history: jax.Array, n_valid: jax.Array, n_tokens: int, ngram_min
     eq = jnp.ones((m,), bool)
     for j in range(n):
       eq = eq & (history[j:j + m] == history[H - n + j])
-    ok = eq & (idx[:m] >= first) & (n_valid >= n + 1)
+    ok = eq & (idx[:m] >= first)                         # implies n_valid >= n + 1
     s = jnp.max(jnp.where(ok, idx[:m], -1))
     take = (best_n == 0) & (s >= 0)
     best_s, best_n = jnp.where(take, s, best_s), jnp.where(take, n, best_n)

@@ -134,26 +134,24 @@ def decode_configs(drafts):
   ({label suffix: api.Draft}; "" = --draft, else ":name" on the speculative columns)."""
   import dflash_jax as dj
   decs = {}
-  grafts = [int(g) for g in _GRAFT.value]
+  common = dict(max_ctx=_MAX_CTX.value, invariant_rows=_INVARIANT.value,
+                lookup_ngram_min=_NGRAM_MIN.value)
+  grafts = [(g, f"+lookup{g}" if g else "") for g in (int(x) for x in _GRAFT.value)]
   for m in _MODES.value:
     if m == "ddtree":
       for b in _BUDGETS.value:
-        for g in grafts:
-          decs[f"ddtree@{b}" + (f"+lookup{g}" if g else "")] = dj.DecodeConfig(
-              mode="ddtree", budget=int(b), tree_top_k=_TREE_TOP_K.value, max_ctx=_MAX_CTX.value,
-              invariant_rows=_INVARIANT.value, lookup=g, lookup_ngram_min=_NGRAM_MIN.value)
+        for g, tag in grafts:
+          decs[f"ddtree@{b}{tag}"] = dj.DecodeConfig(mode="ddtree", budget=int(b),
+                                                     tree_top_k=_TREE_TOP_K.value, lookup=g,
+                                                     **common)
     elif m == "lookup":
       for g in _LOOKUPS.value:
-        decs[f"lookup@{g}"] = dj.DecodeConfig(mode="lookup", lookup=int(g), max_ctx=_MAX_CTX.value,
-                                              invariant_rows=_INVARIANT.value,
-                                              lookup_ngram_min=_NGRAM_MIN.value)
+        decs[f"lookup@{g}"] = dj.DecodeConfig(mode="lookup", lookup=int(g), **common)
     elif m == "chain":
-      for g in grafts:
-        decs["chain" + (f"+lookup{g}" if g else "")] = dj.DecodeConfig(
-            mode=m, max_ctx=_MAX_CTX.value, invariant_rows=_INVARIANT.value, lookup=g,
-            lookup_ngram_min=_NGRAM_MIN.value)
+      for g, tag in grafts:
+        decs[f"chain{tag}"] = dj.DecodeConfig(mode=m, lookup=g, **common)
     else:
-      decs[m] = dj.DecodeConfig(mode=m, max_ctx=_MAX_CTX.value, invariant_rows=_INVARIANT.value)
+      decs[m] = dj.DecodeConfig(mode=m, **common)
   out = {}
   for t in (float(x) for x in _TEMPS.value):
     samp = dj.SamplingConfig(temperature=t, top_p=_TOP_P.value if t > 0 else 1.0, seed=_SEED.value)

@@ -18,6 +18,7 @@ import time
 from absl import app, flags, logging
 
 from dflash_jax import decode_flags, target_flags
+from dflash_jax.config import DRAFT_MODES
 
 _TF = target_flags.define()
 _DF = decode_flags.define()
@@ -90,7 +91,7 @@ def _load():
         1 if not _PROMPT_FILE.value else (_BATCH.value or dj.api.default_batch_size()),
         draft is not None), file=sys.stderr)
   if draft is None:
-    if dec.mode not in ("ar", "auto", "lookup"):
+    if dec.mode in DRAFT_MODES:
       raise app.UsageError(f"--mode={dec.mode} needs a draft (--draft)")
     if dec.mode == "ar":
       print(f"[dflash] no draft for {os.path.basename(path)}: decoding autoregressively",
