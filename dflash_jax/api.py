@@ -14,6 +14,7 @@ import numpy as np
 
 from dflash_jax import auto_mode, batching, kv_cache
 from dflash_jax import decode as decode_lib
+from dflash_jax import ngram as ngram_lib
 from dflash_jax import draft as draft_lib
 from dflash_jax import draft_io
 from dflash_jax import grammar as grammar_lib
@@ -386,9 +387,12 @@ def check_config(target: Target, draft: Optional[Draft], dec: DecodeConfig, batc
   """Checks made before anything is compiled or allocated: tree_top_k within the vocabulary; the
   decode state of `batch` rows must fit in the memory available (ValueError saying how much it
   needs and has; lower max_ctx or the batch size); warns when max_ctx exceeds the model's trained
-  context length (`context_length`)."""
+  context length (`context_length`); loads dec.lookup_table (FileNotFoundError / ValueError
+  naming it)."""
   if dec.uses_tree and dec.tree_top_k > target.config.n_vocab:
     raise ValueError(f"tree_top_k={dec.tree_top_k} exceeds the vocabulary ({target.config.n_vocab})")
+  if dec.lookup_table:   # FileNotFoundError / ValueError naming the table; kept for the batch
+    ngram_lib.load_cached(dec.lookup_table, target.config.n_vocab)
   need, have = state_bytes(target, draft, dec, batch), available_bytes()
   if have is not None and need > have:
     rows = f" x batch {batch}" if batch > 1 else ""

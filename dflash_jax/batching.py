@@ -19,6 +19,7 @@ import numpy as np
 
 from dflash_jax import decode as decode_lib
 from dflash_jax import grammar as grammar_lib
+from dflash_jax import ngram as ngram_lib
 from dflash_jax import prompt_cache as pc
 from dflash_jax.sampling import SamplingConfig
 
@@ -121,6 +122,9 @@ class SlotBatch:
       self.proposer, self.dparams, dcfg = proposer, proposer_params, None
     self.plan = decode_lib.Plan(target.config, dcfg, dec, target.runtime)
     self.eog = eog
+    # the static n-gram table of --lookup_table (one build per process and path)
+    self.table = (ngram_lib.load_cached(dec.lookup_table, target.config.n_vocab)
+                  if dec.lookup_table else None)
     self.state = decode_lib.init_state(self.plan, batch)
     self.grammars = grammar_lib.GrammarBank(target.config.n_vocab)   # constrained rows' automata
     self.sampled_rows: set[int] = set()      # slots last prefilled with temperature > 0
@@ -230,8 +234,8 @@ class SlotBatch:
     if len(slots) > batch:
       raise ValueError(f"{len(slots)} rows do not fit a batch of {batch}")
     new = SlotBatch.__new__(SlotBatch)
-    new.target, new.proposer, new.dparams, new.plan, new.eog = (
-        self.target, self.proposer, self.dparams, self.plan, self.eog)
+    new.target, new.proposer, new.dparams, new.plan, new.eog, new.table = (
+        self.target, self.proposer, self.dparams, self.plan, self.eog, self.table)
     idx = np.zeros(batch, np.int32)
     idx[:len(slots)] = slots
     new.state = _move_rows(self.state, jnp.asarray(idx), jnp.int32(len(slots)), plan=self.plan,
@@ -279,7 +283,8 @@ class SlotBatch:
     t0 = time.perf_counter()
     decode_lib.decode_loop.lower(
         self.target.params, self.dparams, self.state, jnp.int32(0), self.eog,
-        self._tables(grammar), plan=self.plan, sampled=sampled, proposer=self.proposer).compile()
+        self._tables(grammar), self.table, plan=self.plan, sampled=sampled,
+        proposer=self.proposer).compile()
     _row_view.lower(self.state, jnp.int32(0)).compile()
     self._compiled.add(key)
     return time.perf_counter() - t0
@@ -290,8 +295,8 @@ class SlotBatch:
     grammar variant when any slot is constrained."""
     self.state = decode_lib.decode_loop(
         self.target.params, self.dparams, self.state, jnp.int32(max_steps), self.eog,
-        self._tables(self.grammars.active), plan=self.plan, sampled=bool(self.sampled_rows),
-        proposer=self.proposer)
+        self._tables(self.grammars.active), self.table, plan=self.plan,
+        sampled=bool(self.sampled_rows), proposer=self.proposer)
 
   def _host(self):
     """(n_out, active, out, finite) as host arrays, read once per state (cached until the state

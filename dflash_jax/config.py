@@ -535,6 +535,14 @@ class DecodeConfig:
       chain only.
     lookup_ngram_min / lookup_ngram_max: n-gram lengths the lookup matches (1 <= min <= max <=
       MAX_NGRAM).
+    lookup_table: "" (default: off) or a static n-gram table (`dflash_jax.ngram`: an .npz written
+      by `ngram.save`, or a token-shard directory such as the target's generated training data,
+      built when loaded): a round whose row has no prompt-lookup match proposes the table's
+      chain of most frequent next tokens instead (`ngram.table_path`; llama.cpp's static lookup
+      cache, REST). Needs lookup >= 1 (the chain's length). Lossless like every proposal.
+    lookup_table_expect: a table chain is proposed only when its expected accepted length under
+      the table's shares is >= this (tokens; 0 = always). A verify of a few tokens costs ~2
+      autoregressive steps on a 2-core CPU, about one on a GPU: lower it where verify is cheap.
 
   Raises ValueError naming the field (and the valid choices) for a bad value.
   """
@@ -554,6 +562,8 @@ class DecodeConfig:
   lookup: int = 0
   lookup_ngram_min: int = 2
   lookup_ngram_max: int = 4
+  lookup_table: str = ""
+  lookup_table_expect: float = 2.0
 
   def __post_init__(self):
     if self.mode not in MODES + (AUTO,):
@@ -578,6 +588,12 @@ class DecodeConfig:
     check_int(self, "lookup", 0, MAX_BUDGET)
     check_int(self, "lookup_ngram_min", 1, MAX_NGRAM)
     check_int(self, "lookup_ngram_max", self.lookup_ngram_min, MAX_NGRAM)
+    if not isinstance(self.lookup_table, str):
+      raise ValueError(f"DecodeConfig.lookup_table={self.lookup_table!r}: expected a path (str)")
+    check_number(self, "lookup_table_expect", 0.0, math.inf)
+    if self.lookup_table and not self.lookup:
+      raise ValueError("DecodeConfig.lookup_table is set with lookup=0: set lookup >= 1 (the "
+                       "length of the table's proposals)")
     if self.mode == "lookup" and not self.lookup:
       raise ValueError("DecodeConfig.lookup=0 with mode='lookup': set lookup >= 1 (the tokens "
                        "a lookup proposal holds)")

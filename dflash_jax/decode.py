@@ -34,6 +34,7 @@ from dflash_jax import draft as draft_lib
 from dflash_jax import draft2 as draft2_lib
 from dflash_jax import grammar as grammar_lib
 from dflash_jax import layers
+from dflash_jax import ngram as ngram_lib
 from dflash_jax import sampling as sampling_lib
 from dflash_jax import target as target_lib
 from dflash_jax import tree as tree_lib
@@ -507,13 +508,20 @@ def _advance(s: DecodeState, emit, n_acc, eog_ids) -> DecodeState:
       n_steps=s.n_steps + 1, accept_lens=s.accept_lens.at[s.n_steps].set(n_commit))
 
 
-def lookup_proposal(s: DecodeState, dec: DecodeConfig) -> tuple[jax.Array, jax.Array]:
+def lookup_proposal(s: DecodeState, dec: DecodeConfig,
+                    table: Optional[ngram_lib.NgramTable] = None) -> tuple[jax.Array, jax.Array]:
   """The row's prompt-lookup proposal (`tree.lookup_path` over its recent-token window and the
-  bonus token): (tokens [dec.lookup] int32, n [] int32 real tokens, 0 = no match)."""
+  bonus token), or where that finds no match and `table` is given, the static n-gram table's
+  (`ngram.table_path`, gated by dec.lookup_table_expect): (tokens [dec.lookup] int32, n []
+  int32 real tokens, 0 = no proposal)."""
   hist = jnp.concatenate([s.recent, s.bonus[None]])
   n_valid = jnp.minimum(s.pos, s.recent.shape[0]) + 1
-  return tree_lib.lookup_path(hist, n_valid, dec.lookup, dec.lookup_ngram_min,
-                              dec.lookup_ngram_max)
+  tok, n = tree_lib.lookup_path(hist, n_valid, dec.lookup, dec.lookup_ngram_min,
+                                dec.lookup_ngram_max)
+  if table is None:
+    return tok, n
+  t_tok, t_n = ngram_lib.table_path(table, hist, n_valid, dec.lookup, dec.lookup_table_expect)
+  return jnp.where(n > 0, tok, t_tok), jnp.where(n > 0, n, t_n)
 
 
 def _step(tparams, dparams, s: DecodeState, eog_ids, live_bound, rules, grammar, look=None, *,
@@ -617,7 +625,8 @@ def _commit_rows(act: jax.Array, r: _RowStep, old: DecodeState) -> DecodeState:
 @functools.partial(jax.jit, static_argnames=("plan", "sampled", "proposer"),
                    donate_argnames=("state",))
 def decode_loop(tparams, dparams, state: DecodeState, max_steps: jax.Array, eog_ids: jax.Array,
-                grammar: Optional[grammar_lib.GrammarTables] = None, *, plan: Plan,
+                grammar: Optional[grammar_lib.GrammarTables] = None,
+                table: Optional[ngram_lib.NgramTable] = None, *, plan: Plan,
                 sampled: bool = False, proposer=dflash_proposer) -> DecodeState:
   """Run decode steps while any row is active (not done, length budget and context left), at
   most max_steps more rounds. Each round steps every row at once (`_step` vmapped over the
@@ -627,9 +636,13 @@ def decode_loop(tparams, dparams, state: DecodeState, max_steps: jax.Array, eog_
   static; False = greedy variant (argmax everywhere), True = each row samples with its own
   SamplingParams and key from the state (rows with temperature 0 stay greedy). grammar: the
   batch's grammar.GrammarTables when some row is constrained (a separate compiled variant;
-  None: no grammar code runs).
+  None: no grammar code runs). table: the static n-gram table of dec.lookup_table (required
+  then, `ngram.load_cached`), else None.
   """
   dec = plan.dec
+  if bool(dec.lookup_table) != (table is not None):
+    raise ValueError(f"decode_loop: DecodeConfig.lookup_table={dec.lookup_table!r} but table is "
+                     f"{'None' if table is None else 'given'}")
 
   def stepper(p):
     return jax.vmap(functools.partial(_step, plan=p, sampled=sampled, proposer=proposer),
@@ -649,14 +662,16 @@ def decode_loop(tparams, dparams, state: DecodeState, max_steps: jax.Array, eog_
     # computed over a shorter context and discarded.
     bound = jnp.max(jnp.where(act, s.pos, 0))
     rules = jnp.any(act & sampling_lib.rules_on(s.samp))
-    look = jax.vmap(functools.partial(lookup_proposal, dec=dec))(s) if dec.lookup else None
+    look = (jax.vmap(functools.partial(lookup_proposal, dec=dec, table=table))(s)
+            if dec.lookup else None)
     run = lambda f: _commit_rows(act, f(tparams, dparams, s, eog_ids, bound, rules, grammar,
                                         look), s)
     if dec.mode == "lookup":
       # a round where no row has a lookup match is an autoregressive step; one branch runs (the
       # predicate is the same for every row, outside the vmap)
       ar_step = stepper(dataclasses.replace(plan, dec=dataclasses.replace(dec, mode="ar",
-                                                                          lookup=0)))
+                                                                          lookup=0,
+                                                                          lookup_table="")))
       s = jax.lax.cond(jnp.any(act & (look[1] > 0)), lambda: run(step), lambda: run(ar_step))
     else:
       s = run(step)

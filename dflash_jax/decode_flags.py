@@ -35,6 +35,8 @@ class DecodeFlags:
   lookup: flags.FlagHolder
   lookup_ngram_min: flags.FlagHolder
   lookup_ngram_max: flags.FlagHolder
+  lookup_table: flags.FlagHolder
+  lookup_table_expect: flags.FlagHolder
   temperature: flags.FlagHolder
   top_k: flags.FlagHolder
   top_p: flags.FlagHolder
@@ -50,7 +52,7 @@ def define(flag_values: flags.FlagValues = flags.FLAGS, *,
            max_ctx: int = _DEFAULT.max_ctx) -> DecodeFlags:
   """Defines --mode, --block_size, --max_ctx, --budget, --tree_top_k, --chain_seed,
   --draft_temp, --chain_rule, --draft_window, --draft_positions, --invariant_rows, --lookup,
-  --lookup_ngram_min, --lookup_ngram_max and the
+  --lookup_ngram_min, --lookup_ngram_max, --lookup_table, --lookup_table_expect and the
   sampling flags --temperature, --top_k, --top_p, --min_p,
   --seed (unset sampling flags take the GGUF's recommended values, else greedy)."""
   fv = dict(flag_values=flag_values)
@@ -103,6 +105,15 @@ def define(flag_values: flags.FlagValues = flags.FLAGS, *,
                                             "Shortest n-gram --lookup matches.", **fv),
       lookup_ngram_max=flags.DEFINE_integer("lookup_ngram_max", _DEFAULT.lookup_ngram_max,
                                             "Longest n-gram --lookup matches (tried first).", **fv),
+      lookup_table=flags.DEFINE_string(
+          "lookup_table", _DEFAULT.lookup_table, "A static n-gram table (an .npz from "
+          "dflash_jax.ngram.save, or a token-shard directory such as checkpoints/train_data/"
+          "<target>/, built when loaded): where the context has no --lookup match, propose the "
+          "table's chain of most frequent next tokens (needs --lookup). Empty = off.", **fv),
+      lookup_table_expect=flags.DEFINE_float(
+          "lookup_table_expect", _DEFAULT.lookup_table_expect, "Propose a --lookup_table chain "
+          "only when its expected accepted length (tokens, from the table's counts) is at least "
+          "this; 0 = always (where a verify costs about one step, e.g. on a GPU).", **fv),
       temperature=flags.DEFINE_float("temperature", None, "Sampling temperature; 0 = greedy. "
                                      "Default: the GGUF's general.sampling.temp, else 0.", **fv),
       top_k=flags.DEFINE_integer("top_k", None, "Sampling top-k (0 = off). Default: the GGUF's, "
@@ -135,7 +146,8 @@ def config(f: DecodeFlags, **overrides) -> DecodeConfig:
                 draft_positions=f.draft_positions.value,
                 invariant_rows=f.invariant_rows.value, lookup=f.lookup.value,
                 lookup_ngram_min=f.lookup_ngram_min.value,
-                lookup_ngram_max=f.lookup_ngram_max.value)
+                lookup_ngram_max=f.lookup_ngram_max.value, lookup_table=f.lookup_table.value,
+                lookup_table_expect=f.lookup_table_expect.value)
   values.update(overrides)
   try:
     return DecodeConfig(**values)

@@ -1,0 +1,223 @@
+"""A static n-gram table of the target's own text, as a draft-free proposer: the most frequent
+next token after each context of n_min..n_max tokens in a corpus of token sequences (the target's
+generated training data, `checkpoints/train_data/<target>/`), looked up inside the compiled decode
+loop when the row's own context has no prompt-lookup match.
+
+The idea is llama.cpp's static n-gram cache (`llama-lookup-create` / `--lookup-cache-static`,
+after REST, He et al. 2023, "REST: Retrieval-Based Speculative Decoding"): a table of what usually
+comes next. Here it is built from the target's own greedy answers, so it proposes what this target
+tends to write. Any proposal is verified by the target, so output stays identical to
+autoregressive decoding whatever the table holds (hash collisions included: they only cost
+acceptance).
+
+Layout: one sorted array of 32-bit context hashes over every order (the order is part of the
+hash), with the top next token and its share of the context's occurrences. A lookup is one
+`jnp.searchsorted` per order and proposed token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FORMAT = 1
+MAX_ORDER = 8
+_PRIME = 0x01000193            # FNV-1a's 32-bit prime
+_SEED = 0x811C9DC5             # FNV-1a's 32-bit offset basis
+
+
+def context_hash(xp, cols: Sequence, n: int):
+  """32-bit FNV-1a-style hash of an n-token context, the order n mixed in first.
+
+  xp: numpy or jax.numpy; cols: n arrays of token ids (any shape, same shape), oldest first.
+  Returns uint32 of that shape; the same values under numpy and JAX (uint32 wraps in both)."""
+  u = xp.uint32
+  h = xp.full(cols[0].shape, _SEED, dtype=u) ^ u(n)
+  h = h * u(_PRIME)
+  for c in cols:
+    h = (h ^ c.astype(u)) * u(_PRIME)
+  return h
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("keys", "next", "share"),
+                   meta_fields=("n_min", "n_max", "vocab"))
+@dataclasses.dataclass(frozen=True)
+class NgramTable:
+  """keys: [K] uint32 sorted context hashes (every order in [n_min, n_max]); next: [K] int32 the
+  most frequent next token of that context; share: [K] float32 its share of the context's
+  occurrences (0, 1]. vocab: ids are < vocab. A jax pytree (n_min / n_max / vocab static)."""
+
+  keys: np.ndarray
+  next: np.ndarray
+  share: np.ndarray
+  n_min: int
+  n_max: int
+  vocab: int
+
+  @property
+  def size(self) -> int:
+    return int(self.keys.shape[0])
+
+
+def build(seqs: Sequence[tuple[np.ndarray, int]], vocab: int, *, n_min: int = 1, n_max: int = 4,
+          min_count: int = 2) -> NgramTable:
+  """The table of a corpus.
+
+  seqs: (tokens [T] int, start) pairs: the contexts that predict tokens[start:] are counted (for
+    training shards: prompt + response with start = the prompt's length, so the table learns what
+    the target writes, with the prompt's end as context). vocab: ids must be < vocab.
+  n_min / n_max: context lengths kept (1 <= n_min <= n_max <= MAX_ORDER).
+  min_count: a context seen fewer times is left out (fewer, noisier entries).
+  Raises ValueError for out-of-range ids or orders."""
+  if not 1 <= n_min <= n_max <= MAX_ORDER:
+    raise ValueError(f"n-gram orders n_min={n_min}, n_max={n_max}: need 1 <= n_min <= n_max <= "
+                     f"{MAX_ORDER}")
+  hs, nx = [], []
+  for toks, start in seqs:
+    t = np.asarray(toks, np.int64)
+    if t.size and (t.min() < 0 or t.max() >= vocab):
+      raise ValueError(f"token id out of range [0, {vocab}) in the n-gram corpus")
+    for n in range(n_min, n_max + 1):
+      lo = max(int(start), n)
+      if t.size <= lo:
+        continue
+      idx = np.arange(lo, t.size)
+      hs.append(context_hash(np, [t[idx - n + j] for j in range(n)], n))
+      nx.append(t[idx])
+  if not hs:
+    return NgramTable(np.zeros(0, np.uint32), np.zeros(0, np.int32), np.zeros(0, np.float32),
+                      n_min, n_max, vocab)
+  pair = (np.concatenate(hs).astype(np.uint64) << np.uint64(32)) | np.concatenate(nx).astype(np.uint64)
+  up, cnt = np.unique(pair, return_counts=True)               # sorted by (hash, next)
+  key = (up >> np.uint64(32)).astype(np.uint32)
+  nxt = (up & np.uint64(0xFFFFFFFF)).astype(np.int32)
+  first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+  total = np.add.reduceat(cnt, first)
+  # the top next token of each context: the first of its largest counts (lowest id on ties)
+  seg = np.repeat(np.arange(first.size), np.diff(np.r_[first, key.size]))
+  order = np.lexsort((-cnt, seg))
+  top = order[first]
+  keep = total >= min_count
+  return NgramTable(keys=key[first][keep], next=nxt[top][keep],
+                    share=(cnt[top] / total).astype(np.float32)[keep], n_min=n_min, n_max=n_max,
+                    vocab=vocab)
+
+
+def from_shards(data_dir: str, vocab: int, **kw) -> NgramTable:
+  """`build` over a token-shard directory (`train.shards`, validated as read: a corrupt shard is a
+  ValueError naming its file): each sequence's response tokens with its prompt as context."""
+  from dflash_jax.train import shards
+  seqs = shards.read_shards(data_dir, vocab)
+  return build([(s.tokens, s.prompt_len) for s in seqs], vocab, **kw)
+
+
+def save(table: NgramTable, path: str) -> None:
+  """Writes the table as a compressed .npz (format tag, arrays, orders, vocab)."""
+  np.savez_compressed(path, format=np.int32(FORMAT), keys=table.keys, next=table.next,
+                      share=table.share, n_min=np.int32(table.n_min), n_max=np.int32(table.n_max),
+                      vocab=np.int64(table.vocab))
+
+
+def _check(table: NgramTable, path: str, vocab: int) -> NgramTable:
+  bad = None
+  k = table.keys
+  if not (k.ndim == 1 and table.next.shape == k.shape and table.share.shape == k.shape):
+    bad = "array shapes differ"
+  elif k.size and np.any(k[1:] <= k[:-1]):
+    bad = "keys are not strictly increasing"
+  elif k.size and (table.next.min() < 0 or table.next.max() >= vocab):
+    bad = f"next-token ids outside [0, {vocab})"
+  elif k.size and not (np.all(table.share > 0) and np.all(table.share <= 1)):
+    bad = "shares outside (0, 1]"
+  elif table.vocab != vocab:
+    bad = f"built for a vocabulary of {table.vocab}, the target has {vocab}"
+  elif not 1 <= table.n_min <= table.n_max <= MAX_ORDER:
+    bad = f"orders {table.n_min}..{table.n_max}"
+  if bad:
+    raise ValueError(f"n-gram table {path}: {bad}")
+  return table
+
+
+def load(path: str, vocab: int) -> NgramTable:
+  """A table from `path`: an .npz written by `save`, or a token-shard directory (built with the
+  defaults of `build`). Checked against the target's vocabulary; raises FileNotFoundError for a
+  missing path and ValueError naming the file for a corrupt or mismatched one."""
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"n-gram table {path!r} not found (an .npz from "
+                            "dflash_jax.ngram.save, or a token-shard directory)")
+  if os.path.isdir(path):
+    return _check(from_shards(path, vocab), path, vocab)
+  try:
+    with np.load(path, allow_pickle=False) as f:
+      if int(f["format"]) != FORMAT:
+        raise ValueError(f"n-gram table {path}: format {int(f['format'])}, expected {FORMAT}")
+      t = NgramTable(keys=f["keys"].astype(np.uint32), next=f["next"].astype(np.int32),
+                     share=f["share"].astype(np.float32), n_min=int(f["n_min"]),
+                     n_max=int(f["n_max"]), vocab=int(f["vocab"]))
+  except ValueError:
+    raise
+  except Exception as e:   # zip / npy errors of a truncated or foreign file
+    raise ValueError(f"n-gram table {path}: unreadable ({type(e).__name__}: {e})") from None
+  return _check(t, path, vocab)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_cached(path: str, mtime: float, vocab: int) -> NgramTable:
+  return load(path, vocab)
+
+
+def load_cached(path: str, vocab: int) -> NgramTable:
+  """`load`, kept in memory per (path, modification time, vocab): every batch of a process that
+  names the same table shares one build."""
+  if not os.path.exists(path):
+    return load(path, vocab)          # raises the clear error
+  return _load_cached(os.path.abspath(path), os.path.getmtime(path), vocab)
+
+
+def table_path(table: NgramTable, history: jax.Array, n_valid: jax.Array, n_tokens: int,
+               min_expected: float) -> tuple[jax.Array, jax.Array]:
+  """The table's proposal after `history`: G times, the top next token of the longest context
+  (n_max down to n_min tokens, the proposal so far included) the table holds; stops at the first
+  context it does not hold. The proposal is kept only when its expected accepted length under the
+  table's shares, sum_k prod_{j<=k} share_j, is >= min_expected (else n = 0).
+
+  history: [H] int32, the row's tokens with the bonus token last; only the last n_valid are real.
+  Returns (tokens [G] int32, zeros past n; n [] int32). Pure function, vmappable."""
+  G, nmax = n_tokens, table.n_max
+  H = history.shape[0]
+  if H < nmax:
+    history = jnp.concatenate([jnp.zeros((nmax - H,), history.dtype), history])
+    H = nmax
+  buf = jnp.concatenate([history[H - nmax:], jnp.zeros((G,), history.dtype)])   # [nmax + G]
+  real = jnp.minimum(n_valid, nmax)                      # real tokens before the proposal
+  K = table.keys.shape[0]
+  if K == 0:
+    return jnp.zeros((G,), jnp.int32), jnp.int32(0)
+  keys, nexts, shares = jnp.asarray(table.keys), jnp.asarray(table.next), jnp.asarray(table.share)
+  alive, prob, expect = jnp.bool_(True), jnp.float32(1.0), jnp.float32(0.0)
+  count = jnp.int32(0)
+  for g in range(G):
+    end = nmax + g                                       # the context ends before buf[end]
+    found, tok, share = jnp.bool_(False), jnp.int32(0), jnp.float32(0.0)
+    for n in range(nmax, table.n_min - 1, -1):
+      cols = [buf[end - n + j] for j in range(n)]
+      h = context_hash(jnp, cols, n)
+      j = jnp.clip(jnp.searchsorted(keys, h), 0, K - 1)
+      hit = (keys[j] == h) & (real + g >= n) & ~found
+      tok = jnp.where(hit, nexts[j], tok)
+      share = jnp.where(hit, shares[j], share)
+      found = found | hit
+    alive = alive & found
+    prob = jnp.where(alive, prob * share, prob)
+    expect = expect + jnp.where(alive, prob, 0.0)
+    count = count + alive.astype(jnp.int32)
+    buf = buf.at[end].set(jnp.where(alive, tok, 0))
+  n = jnp.where(expect >= min_expected, count, 0).astype(jnp.int32)
+  tokens = jnp.where(jnp.arange(G) < n, buf[nmax:], 0).astype(jnp.int32)
+  return tokens, n
