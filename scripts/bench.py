@@ -52,6 +52,11 @@ _NGRAM_MIN = flags.DEFINE_integer("lookup_ngram_min", 2, "DecodeConfig.lookup_ng
 _GRAFT = flags.DEFINE_list("graft", ["0"], "DecodeConfig.lookup values of the chain and ddtree "
                            "columns, one column set each (a prompt-lookup branch of G tokens "
                            "grafted into the draft's tree; labelled '+lookupG'); 0 = none.")
+_TABLE = flags.DEFINE_string("lookup_table", "", "A static n-gram table (dflash_jax.ngram: .npz or "
+                             "a token-shard directory): every lookup column and lookup graft is "
+                             "repeated with it, labelled '+tableE' (E: --table_expects).")
+_TABLE_EXPECTS = flags.DEFINE_list("table_expects", ["2"], "DecodeConfig.lookup_table_expect "
+                                   "values of the --lookup_table columns (one set each).")
 _TREE_TOP_K = flags.DEFINE_integer("tree_top_k", 8, "DDTree candidates per depth.")
 _TEMPS = flags.DEFINE_list("temperatures", ["0"], "Sampling temperatures, one column set each "
                            "(0 = greedy; > 0 samples with --top_p and --seed).")
@@ -137,21 +142,30 @@ def decode_configs(drafts):
   common = dict(max_ctx=_MAX_CTX.value, invariant_rows=_INVARIANT.value,
                 lookup_ngram_min=_NGRAM_MIN.value)
   grafts = [(g, f"+lookup{g}" if g else "") for g in (int(x) for x in _GRAFT.value)]
+  # (label suffix, fields) of the n-gram table variants; applied where a lookup is on
+  tables = [("", {})] + [(f"+table{float(e):g}", dict(lookup_table=_TABLE.value,
+                                                     lookup_table_expect=float(e)))
+                         for e in (_TABLE_EXPECTS.value if _TABLE.value else [])]
   for m in _MODES.value:
-    if m == "ddtree":
-      for b in _BUDGETS.value:
+    for ttag, tkw in tables:
+      if m == "ddtree":
+        for b in _BUDGETS.value:
+          for g, tag in grafts:
+            if g or not ttag:
+              decs[f"ddtree@{b}{tag}{ttag}"] = dj.DecodeConfig(
+                  mode="ddtree", budget=int(b), tree_top_k=_TREE_TOP_K.value, lookup=g,
+                  **(tkw if g else {}), **common)
+      elif m == "lookup":
+        for g in _LOOKUPS.value:
+          decs[f"lookup@{g}{ttag}"] = dj.DecodeConfig(mode="lookup", lookup=int(g), **tkw,
+                                                      **common)
+      elif m == "chain":
         for g, tag in grafts:
-          decs[f"ddtree@{b}{tag}"] = dj.DecodeConfig(mode="ddtree", budget=int(b),
-                                                     tree_top_k=_TREE_TOP_K.value, lookup=g,
-                                                     **common)
-    elif m == "lookup":
-      for g in _LOOKUPS.value:
-        decs[f"lookup@{g}"] = dj.DecodeConfig(mode="lookup", lookup=int(g), **common)
-    elif m == "chain":
-      for g, tag in grafts:
-        decs[f"chain{tag}"] = dj.DecodeConfig(mode=m, lookup=g, **common)
-    else:
-      decs[m] = dj.DecodeConfig(mode=m, **common)
+          if g or not ttag:
+            decs[f"chain{tag}{ttag}"] = dj.DecodeConfig(mode=m, lookup=g, **(tkw if g else {}),
+                                                        **common)
+      elif not ttag:
+        decs[m] = dj.DecodeConfig(mode=m, **common)
   out = {}
   for t in (float(x) for x in _TEMPS.value):
     samp = dj.SamplingConfig(temperature=t, top_p=_TOP_P.value if t > 0 else 1.0, seed=_SEED.value)

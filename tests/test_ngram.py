@@ -1,0 +1,205 @@
+"""Static n-gram table proposals (`dflash_jax.ngram`, `DecodeConfig.lookup_table`): the table
+against a plain-Python count of the corpus, the in-loop proposal against a plain-Python spec,
+the file format's checks, and losslessness (exact token equality with autoregressive greedy
+decoding) of mode "lookup" and of chain / DDTree grafts with a table."""
+
+import collections
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dflash_jax as dj
+from dflash_jax import ngram
+from test_draft_and_decode import _random_draft
+
+
+def _counts(seqs, n_min, n_max):
+  """{context tuple: Counter(next token)} over the positions each sequence predicts."""
+  tab = collections.defaultdict(collections.Counter)
+  for toks, start in seqs:
+    t = [int(x) for x in toks]
+    for n in range(n_min, n_max + 1):
+      for i in range(max(start, n), len(t)):
+        tab[tuple(t[i - n:i])][t[i]] += 1
+  return tab
+
+
+def _corpus(rng, vocab, n_seqs=30):
+  return [(rng.integers(0, vocab, int(rng.integers(3, 40))), int(rng.integers(0, 5)))
+          for _ in range(n_seqs)]
+
+
+def _ref_lookup(tab, ctx, min_count):
+  """(next, share) of the longest context in tab (n_max down to n_min) seen >= min_count times;
+  None when the longest context present is rarer (the table has no entry for it either)."""
+  c = tab.get(tuple(ctx))
+  if c is None or sum(c.values()) < min_count:
+    return None
+  best = max(c.values())
+  return min(k for k, v in c.items() if v == best), best / sum(c.values())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_build_matches_plain_counts(seed):
+  rng = np.random.default_rng(seed)
+  vocab, n_min, n_max, min_count = 7, 1, 3, 2
+  seqs = _corpus(rng, vocab)
+  table = ngram.build(seqs, vocab, n_min=n_min, n_max=n_max, min_count=min_count)
+  tab = _counts(seqs, n_min, n_max)
+  want = {k: _ref_lookup(tab, k, min_count) for k in tab}
+  want = {k: v for k, v in want.items() if v is not None}
+  hashes = {k: int(ngram.context_hash(np, [np.asarray([x]) for x in k], len(k))[0]) for k in tab}
+  assert len(set(hashes.values())) == len(hashes)        # no collisions in this small corpus
+  assert table.size == len(want)
+  keys = table.keys.tolist()
+  for k, (nxt, share) in want.items():
+    j = keys.index(hashes[k])
+    assert table.next[j] == nxt and abs(table.share[j] - share) < 1e-6, k
+
+
+def test_context_hash_same_in_numpy_and_jax():
+  rng = np.random.default_rng(0)
+  cols = [rng.integers(0, 49152, 64).astype(np.int32) for _ in range(4)]
+  for n in range(1, 5):
+    a = ngram.context_hash(np, cols[:n], n)
+    b = ngram.context_hash(jnp, [jnp.asarray(c) for c in cols[:n]], n)
+    assert a.dtype == np.uint32 and np.array_equal(a, np.asarray(b))
+
+
+def _path_reference(tab, hist, n_valid, G, n_min, n_max, min_count, min_expected):
+  """The spec in plain Python: G times, the top next token of the longest context (the proposal
+  so far included; only real tokens count) with a table entry; stop at the first miss; keep the
+  chain when the sum of its running share products is >= min_expected."""
+  ctx = [int(x) for x in hist[len(hist) - n_valid:]]
+  out, prob, expect = [], 1.0, 0.0
+  for _ in range(G):
+    hit = None
+    for n in range(min(n_max, len(ctx)), n_min - 1, -1):
+      if tuple(ctx[-n:]) in tab and sum(tab[tuple(ctx[-n:])].values()) >= min_count:
+        hit = _ref_lookup(tab, ctx[-n:], min_count)
+        break
+    if hit is None:
+      break
+    prob *= hit[1]
+    expect += prob
+    out.append(hit[0])
+    ctx.append(hit[0])
+  return out if expect >= min_expected else []
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_table_path_matches_the_reference(seed):
+  rng = np.random.default_rng(seed)
+  vocab, n_min, n_max, min_count, G, H = 5, 1, 3, 2, 6, 12
+  seqs = _corpus(rng, vocab, 40)
+  table = ngram.build(seqs, vocab, n_min=n_min, n_max=n_max, min_count=min_count)
+  tab = _counts(seqs, n_min, n_max)
+  n_prop = 0
+  for _ in range(30):
+    hist = rng.integers(0, vocab, H).astype(np.int32)
+    n_valid = int(rng.integers(1, H + 1))
+    for min_expected in (0.0, 1.5):
+      tok, n = ngram.table_path(table, jnp.asarray(hist), jnp.int32(n_valid), G, min_expected)
+      want = _path_reference(tab, hist, n_valid, G, n_min, n_max, min_count, min_expected)
+      assert int(n) == len(want), (hist, n_valid, min_expected)
+      assert np.asarray(tok)[:len(want)].tolist() == want
+      assert not np.asarray(tok)[len(want):].any()
+      n_prop += len(want)
+  assert n_prop > 50                                    # the cases do propose
+  empty = ngram.build([], vocab)
+  tok, n = ngram.table_path(empty, jnp.asarray(hist), jnp.int32(H), G, 0.0)
+  assert int(n) == 0 and not np.asarray(tok).any()
+
+
+def test_file_checks(tmp_path):
+  rng = np.random.default_rng(0)
+  table = ngram.build(_corpus(rng, 9), 9, min_count=1)
+  path = str(tmp_path / "t.npz")
+  ngram.save(table, path)
+  back = ngram.load(path, 9)
+  for f in ("keys", "next", "share"):
+    assert np.array_equal(getattr(back, f), getattr(table, f))
+  assert (back.n_min, back.n_max, back.vocab) == (table.n_min, table.n_max, 9)
+  with pytest.raises(ValueError, match=r"t\.npz: built for a vocabulary of 9, the target has 10"):
+    ngram.load(path, 10)
+  with pytest.raises(FileNotFoundError, match="missing.npz"):
+    ngram.load(str(tmp_path / "missing.npz"), 9)
+  data = open(path, "rb").read()
+  bad = str(tmp_path / "cut.npz")
+  open(bad, "wb").write(data[:len(data) // 2])
+  with pytest.raises(ValueError, match=r"cut\.npz: unreadable"):
+    ngram.load(bad, 9)
+  unsorted = str(tmp_path / "unsorted.npz")
+  ngram.save(ngram.NgramTable(table.keys[::-1].copy(), table.next[::-1].copy(),
+                              table.share[::-1].copy(), 1, 4, 9), unsorted)
+  with pytest.raises(ValueError, match=r"unsorted\.npz: keys are not strictly increasing"):
+    ngram.load(unsorted, 9)
+  with pytest.raises(ValueError, match="token id out of range"):
+    ngram.build([(np.asarray([1, 2, 12]), 0)], 9)
+
+
+def test_config_errors(tmp_path):
+  with pytest.raises(ValueError, match="lookup_table is set with lookup=0"):
+    dj.DecodeConfig(mode="chain", lookup_table="x")
+  with pytest.raises(ValueError, match="lookup_table_expect=-1"):
+    dj.DecodeConfig(mode="lookup", lookup=4, lookup_table="x", lookup_table_expect=-1.0)
+
+
+def test_missing_table_is_a_clear_error(smol):
+  with pytest.raises(FileNotFoundError, match="no_such_table.npz"):
+    dj.generate(smol, None, [1, 2, 3], max_new_tokens=4, mode="lookup", lookup=4,
+                lookup_table="/nonexistent/no_such_table.npz")
+
+
+@pytest.mark.parametrize("which", ["tiny_hybrid", "smollm2"])
+def test_table_modes_lossless(which, tmp_path, qwen_f32, qwen_ref, qwen_draft, smol, smol_prompts):
+  """A table built from the target's own greedy answer to one prompt: decoding that prompt again
+  with the table accepts several tokens a step where prompt lookup alone does not, and mode
+  "lookup", chain and DDTree with the table graft give autoregressive output token for token
+  (on a second prompt the table knows less of, too)."""
+  if which == "tiny_hybrid":
+    target, draft = qwen_f32, qwen_draft
+    prompts = [qwen_ref["tokens"][1, :16], qwen_ref["tokens"][2, :12]]
+  else:
+    target, draft = smol, _random_draft(smol)
+    prompts = [np.asarray(smol_prompts[0]["prompt_ids"], np.int32),
+               np.asarray(smol_prompts[3]["prompt_ids"], np.int32)]
+  V = target.config.n_vocab
+  ars = [dj.generate(target, None, p, max_new_tokens=40, mode="ar", max_ctx=256, eog_ids=())
+         for p in prompts]
+  path = str(tmp_path / f"{which}.npz")
+  first = np.concatenate([prompts[0], np.asarray(ars[0].tokens, np.int32)])
+  ngram.save(ngram.build([(first, len(prompts[0]))], V, n_min=2, n_max=4, min_count=1), path)
+  kw = dict(max_new_tokens=40, max_ctx=256, eog_ids=(), lookup_table=path,
+            lookup_table_expect=0.0)
+  for i, (prompt, ar) in enumerate(zip(prompts, ars)):
+    plain = dj.generate(target, None, prompt, mode="lookup", lookup=6, max_new_tokens=40,
+                        max_ctx=256, eog_ids=())
+    runs = {"lookup": dj.generate(target, None, prompt, mode="lookup", lookup=6, **kw),
+            "chain": dj.generate(target, draft, prompt, mode="chain", lookup=8, **kw),
+            "ddtree": dj.generate(target, draft, prompt, mode="ddtree", budget=6, tree_top_k=2,
+                                  lookup=5, **kw)}
+    for name, r in runs.items():
+      assert r.tokens == ar.tokens, (which, i, name)
+      assert sum(r.accept_lens) == 39, (which, i, name)
+    if i == 0:   # the table holds this very answer
+      assert np.mean(runs["lookup"].accept_lens) > 3.0, runs["lookup"].accept_lens
+      assert np.mean(runs["lookup"].accept_lens) > np.mean(plain.accept_lens) + 1.0
+      assert np.mean(runs["chain"].accept_lens) > 3.0, runs["chain"].accept_lens
+
+
+def test_table_batched_rows_equal_one_row(smol, smol_prompts, tmp_path):
+  """Batched mode "lookup" with a table: each row's output equals its own AR output."""
+  prompts = [smol_prompts[i]["prompt_ids"] for i in (0, 3, 5)]
+  ars = [dj.generate(smol, None, p, max_new_tokens=24, mode="ar", max_ctx=256, eog_ids=())
+         for p in prompts]
+  seqs = [(np.concatenate([np.asarray(p, np.int32), np.asarray(a.tokens[:12], np.int32)]), len(p))
+          for p, a in zip(prompts, ars)]
+  path = str(tmp_path / "t.npz")
+  ngram.save(ngram.build(seqs, smol.config.n_vocab, min_count=1), path)
+  res = dj.generate_batch(smol, None, prompts, max_new_tokens=24, batch_size=2, mode="lookup",
+                          lookup=4, max_ctx=256, eog_ids=(), lookup_table=path,
+                          lookup_table_expect=0.5)
+  for r, a in zip(res, ars):
+    assert r.tokens == a.tokens
