@@ -122,8 +122,9 @@ class SlotBatch:
       self.proposer, self.dparams, dcfg = proposer, proposer_params, None
     self.plan = decode_lib.Plan(target.config, dcfg, dec, target.runtime)
     self.eog = eog
-    # the static n-gram table of --lookup_table (one build per process and path)
-    self.table = (ngram_lib.load_cached(dec.lookup_table, target.config.n_vocab)
+    # the static n-gram table of --lookup_table (one build per process and path), on the device
+    # once here rather than copied from host arrays at every decode_loop call
+    self.table = (jax.device_put(ngram_lib.load_cached(dec.lookup_table, target.config.n_vocab))
                   if dec.lookup_table else None)
     self.state = decode_lib.init_state(self.plan, batch)
     self.grammars = grammar_lib.GrammarBank(target.config.n_vocab)   # constrained rows' automata
