@@ -104,10 +104,15 @@ def resolve(dec: DecodeConfig, target_path: str, draft_path: Optional[str], batc
   """`dec` with mode "auto" replaced by the mode `choose` picks (with its budget for ddtree, its
   length for lookup unless dec.lookup is set); other modes unchanged. A lookup length the
   caller set (dec.lookup > 0) is kept: where auto picks "ar" it decodes in mode "lookup" with it,
-  where it picks a draft mode it grafts it (DecodeConfig.lookup)."""
+  where it picks a draft mode it grafts it (DecodeConfig.lookup). Raises ValueError when
+  dec.table_mix > 0 and the pick runs no draft ("ar" / "lookup")."""
   if dec.mode != "auto":
     return dec
   mode, size = choose(load_entry(table_key(target_path, draft_path)), batch, has_draft)
+  if dec.table_mix and mode not in ("chain", "ddtree"):
+    raise ValueError(f"table_mix={dec.table_mix}: mode 'auto' picks {mode!r} here for batch "
+                     f"{batch}, which runs no draft to mix the table into; name mode 'chain' or "
+                     "'ddtree'")
   if mode == "ddtree":
     return dataclasses.replace(dec, mode=mode, budget=size)
   if mode == "lookup" or (mode == "ar" and dec.lookup):

@@ -543,6 +543,10 @@ class DecodeConfig:
     lookup_table_expect: a table chain is proposed only when its expected accepted length under
       the table's shares is >= this (tokens; 0 = always). A verify of a few tokens costs ~2
       autoregressive steps on a 2-core CPU, about one on a GPU: lower it where verify is cheap.
+    table_mix: w > 0 (chain / ddtree with a lookup_table): each draft row is mixed with the
+      table's top next token after the chain so far, q = (p + w s delta_t) / (1 + w s)
+      (`ngram.mix_rows`), before the chain or tree is built from the rows; 0 (default) = off.
+      Lossless like every proposal (sampled chains draw from, and are verified against, q).
 
   Raises ValueError naming the field (and the valid choices) for a bad value.
   """
@@ -564,6 +568,7 @@ class DecodeConfig:
   lookup_ngram_max: int = 4
   lookup_table: str = ""
   lookup_table_expect: float = 2.0
+  table_mix: float = 0.0
 
   def __post_init__(self):
     if self.mode not in MODES + (AUTO,):
@@ -591,9 +596,16 @@ class DecodeConfig:
     if not isinstance(self.lookup_table, str):
       raise ValueError(f"DecodeConfig.lookup_table={self.lookup_table!r}: expected a path (str)")
     check_number(self, "lookup_table_expect", 0.0, math.inf)
-    if self.lookup_table and not self.lookup:
-      raise ValueError("DecodeConfig.lookup_table is set with lookup=0: set lookup >= 1 (the "
-                       "length of the table's proposals)")
+    check_number(self, "table_mix", 0.0, math.inf)
+    if self.table_mix and not self.lookup_table:
+      raise ValueError(f"DecodeConfig.table_mix={self.table_mix}: set lookup_table (the n-gram "
+                       "table the draft's rows are mixed with)")
+    if self.table_mix and self.mode in ("ar", "lookup"):
+      raise ValueError(f"DecodeConfig.table_mix={self.table_mix} with mode={self.mode!r}: the "
+                       "table is mixed into a draft's rows (mode 'chain' or 'ddtree')")
+    if self.lookup_table and not (self.lookup or self.table_mix):
+      raise ValueError("DecodeConfig.lookup_table is set with lookup=0 and table_mix=0: set "
+                       "lookup >= 1 (the length of the table's proposals) or table_mix > 0")
     if self.mode == "lookup" and not self.lookup:
       raise ValueError("DecodeConfig.lookup=0 with mode='lookup': set lookup >= 1 (the tokens "
                        "a lookup proposal holds)")

@@ -310,8 +310,11 @@ class LogitsProposer:
   rows_fn: object
 
   def __call__(self, tparams, dparams, s: DecodeState, *, plan: "Plan", key: jax.Array,
-               sampled: bool, grammar=None) -> Proposal:
+               sampled: bool, grammar=None, table=None) -> Proposal:
     dlogits, cache = self.rows_fn(tparams, dparams, s, dcfg=plan.dcfg, dec=plan.dec, rt=plan.rt)
+    if table is not None and plan.dec.table_mix > 0:
+      hist, n_valid = _history(s)
+      dlogits = ngram_lib.mix_rows(table, dlogits, hist, n_valid, plan.dec.table_mix)
     tree, q = build_verify_tree(dlogits, s.bonus, plan.dec, s.samp, key, sampled, grammar,
                                 s.gstate)
     return Proposal(tree, q, cache)
@@ -321,7 +324,7 @@ _ROWS_PROPOSER = LogitsProposer(draft_rows)
 
 
 def dflash_proposer(tparams, dparams, s: DecodeState, *, plan: "Plan", key: jax.Array,
-                    sampled: bool, grammar=None) -> Proposal:
+                    sampled: bool, grammar=None, table=None) -> Proposal:
   """The DFlash draft as proposer (one row; the loop vmaps it over the batch). A proposer is
   any function with this signature returning a `Proposal` (tests pass oracles through
   `LogitsProposer`).
@@ -332,12 +335,15 @@ def dflash_proposer(tparams, dparams, s: DecodeState, *, plan: "Plan", key: jax.
   temperature with q = the selector's softmax over its candidates (the z-lab package's
   sampling); DDTree and grammar-constrained chains use the selector's rows (its greedy path's
   scores as log-probs over the candidates) like DFlash-1's.
-  key: [] PRNG key for the draws. grammar: the batch's GrammarTables or None.
+  key: [] PRNG key for the draws. grammar: the batch's GrammarTables or None. table: the static
+  n-gram table the rows are mixed with when dec.table_mix > 0 (`ngram.mix_rows`; DFlash-2 then
+  builds from its rows too), else unused.
   """
   dcfg, dec = plan.dcfg, plan.dec
-  if dcfg.dflash2 is None or grammar is not None or dec.mode != "chain":
+  mixing = table is not None and dec.table_mix > 0
+  if dcfg.dflash2 is None or grammar is not None or dec.mode != "chain" or mixing:
     return _ROWS_PROPOSER(tparams, dparams, s, plan=plan, key=key, sampled=sampled,
-                          grammar=grammar)
+                          grammar=grammar, table=table)
   rejection = _uses_rejection(dec, sampled)
   tokens, q = draft2_lib.propose_path(
       dparams, dcfg, tparams.embed, tparams.lm_head, s.bonus, s.pos, s.draft, plan.rt,
@@ -508,14 +514,20 @@ def _advance(s: DecodeState, emit, n_acc, eog_ids) -> DecodeState:
       n_steps=s.n_steps + 1, accept_lens=s.accept_lens.at[s.n_steps].set(n_commit))
 
 
+def _history(s: DecodeState) -> tuple[jax.Array, jax.Array]:
+  """The row's recent committed tokens with the bonus token last ([W + 1] int32) and how many of
+  them are real (the rest are the window's padding before position 0)."""
+  return (jnp.concatenate([s.recent, s.bonus[None]]),
+          jnp.minimum(s.pos, s.recent.shape[0]) + 1)
+
+
 def lookup_proposal(s: DecodeState, dec: DecodeConfig,
                     table: Optional[ngram_lib.NgramTable] = None) -> tuple[jax.Array, jax.Array]:
   """The row's prompt-lookup proposal (`tree.lookup_path` over its recent-token window and the
   bonus token), or where that finds no match and `table` is given, the static n-gram table's
   (`ngram.table_path`, gated by dec.lookup_table_expect): (tokens [dec.lookup] int32, n []
   int32 real tokens, 0 = no proposal)."""
-  hist = jnp.concatenate([s.recent, s.bonus[None]])
-  n_valid = jnp.minimum(s.pos, s.recent.shape[0]) + 1
+  hist, n_valid = _history(s)
   tok, n = tree_lib.lookup_path(hist, n_valid, dec.lookup, dec.lookup_ngram_min,
                                 dec.lookup_ngram_max)
   if table is None:
@@ -524,8 +536,8 @@ def lookup_proposal(s: DecodeState, dec: DecodeConfig,
   return jnp.where(n > 0, tok, t_tok), jnp.where(n > 0, n, t_n)
 
 
-def _step(tparams, dparams, s: DecodeState, eog_ids, live_bound, rules, grammar, look=None, *,
-          plan: Plan, sampled: bool, proposer) -> _RowStep:
+def _step(tparams, dparams, s: DecodeState, eog_ids, live_bound, rules, grammar, look=None,
+          table=None, *, plan: Plan, sampled: bool, proposer) -> _RowStep:
   """One round of one row: propose -> build tree -> verify -> accept (follow) -> commit (as
   updates for the batched loop to write) -> the draft's context rows of the committed tokens.
   rules: [] bool, the same for every row (not vmapped, so a real branch): some row has
@@ -533,13 +545,16 @@ def _step(tparams, dparams, s: DecodeState, eog_ids, live_bound, rules, grammar,
   them). grammar: the batch's grammar.GrammarTables, or None (no row is constrained): each
   verified node is masked under the state of its own path. look: the row's
   `lookup_proposal` when dec.lookup > 0 (mode "lookup": the path verified; a draft mode: grafted
-  into the draft's tree), else None."""
+  into the draft's tree), else None. table: the static n-gram table, passed to the proposer when
+  dec.table_mix > 0 (the draft's rows mixed with it, `ngram.mix_rows`)."""
   dec = plan.dec
   k_draft, k_accept = jax.random.split(jax.random.fold_in(s.key, s.n_steps))
   if dec.mode == "lookup":
     prop = Proposal(tree_lib.path_tree(jnp.concatenate([s.bonus[None], look[0]])), None, None)
   elif dec.speculative:
-    prop = proposer(tparams, dparams, s, plan=plan, key=k_draft, sampled=sampled, grammar=grammar)
+    mix = {"table": table} if dec.table_mix > 0 else {}
+    prop = proposer(tparams, dparams, s, plan=plan, key=k_draft, sampled=sampled, grammar=grammar,
+                    **mix)
     if look is not None:
       t = prop.tree
       prop = dataclasses.replace(prop, tree=tree_lib.graft_path(
@@ -646,7 +661,7 @@ def decode_loop(tparams, dparams, state: DecodeState, max_steps: jax.Array, eog_
 
   def stepper(p):
     return jax.vmap(functools.partial(_step, plan=p, sampled=sampled, proposer=proposer),
-                    in_axes=(None, None, 0, None, None, None, None, 0))
+                    in_axes=(None, None, 0, None, None, None, None, 0, None))
 
   step = stepper(plan)
 
@@ -665,7 +680,7 @@ def decode_loop(tparams, dparams, state: DecodeState, max_steps: jax.Array, eog_
     look = (jax.vmap(functools.partial(lookup_proposal, dec=dec, table=table))(s)
             if dec.lookup else None)
     run = lambda f: _commit_rows(act, f(tparams, dparams, s, eog_ids, bound, rules, grammar,
-                                        look), s)
+                                        look, table), s)
     if dec.mode == "lookup":
       # a round where no row has a lookup match is an autoregressive step; one branch runs (the
       # predicate is the same for every row, outside the vmap)

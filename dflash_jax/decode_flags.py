@@ -37,6 +37,7 @@ class DecodeFlags:
   lookup_ngram_max: flags.FlagHolder
   lookup_table: flags.FlagHolder
   lookup_table_expect: flags.FlagHolder
+  table_mix: flags.FlagHolder
   temperature: flags.FlagHolder
   top_k: flags.FlagHolder
   top_p: flags.FlagHolder
@@ -52,7 +53,7 @@ def define(flag_values: flags.FlagValues = flags.FLAGS, *,
            max_ctx: int = _DEFAULT.max_ctx) -> DecodeFlags:
   """Defines --mode, --block_size, --max_ctx, --budget, --tree_top_k, --chain_seed,
   --draft_temp, --chain_rule, --draft_window, --draft_positions, --invariant_rows, --lookup,
-  --lookup_ngram_min, --lookup_ngram_max, --lookup_table, --lookup_table_expect and the
+  --lookup_ngram_min, --lookup_ngram_max, --lookup_table, --lookup_table_expect, --table_mix and the
   sampling flags --temperature, --top_k, --top_p, --min_p,
   --seed (unset sampling flags take the GGUF's recommended values, else greedy)."""
   fv = dict(flag_values=flag_values)
@@ -114,6 +115,10 @@ def define(flag_values: flags.FlagValues = flags.FLAGS, *,
           "lookup_table_expect", _DEFAULT.lookup_table_expect, "Propose a --lookup_table chain "
           "only when its expected accepted length (tokens, from the table's counts) is at least "
           "this; 0 = always (where a verify costs about one step, e.g. on a GPU).", **fv),
+      table_mix=flags.DEFINE_float(
+          "table_mix", _DEFAULT.table_mix, "chain / ddtree with --lookup_table: mix each draft "
+          "row with the table's next token after the chain so far, weight w on the table's "
+          "share (q = (p + w s delta_t) / (1 + w s)). 0 = off.", **fv),
       temperature=flags.DEFINE_float("temperature", None, "Sampling temperature; 0 = greedy. "
                                      "Default: the GGUF's general.sampling.temp, else 0.", **fv),
       top_k=flags.DEFINE_integer("top_k", None, "Sampling top-k (0 = off). Default: the GGUF's, "
@@ -147,7 +152,7 @@ def config(f: DecodeFlags, **overrides) -> DecodeConfig:
                 invariant_rows=f.invariant_rows.value, lookup=f.lookup.value,
                 lookup_ngram_min=f.lookup_ngram_min.value,
                 lookup_ngram_max=f.lookup_ngram_max.value, lookup_table=f.lookup_table.value,
-                lookup_table_expect=f.lookup_table_expect.value)
+                lookup_table_expect=f.lookup_table_expect.value, table_mix=f.table_mix.value)
   values.update(overrides)
   try:
     return DecodeConfig(**values)

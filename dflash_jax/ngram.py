@@ -180,6 +180,36 @@ def load_cached(path: str, vocab: int) -> NgramTable:
   return _load_cached(os.path.abspath(path), os.path.getmtime(path), vocab)
 
 
+def _lookup(table: NgramTable, buf: jax.Array, end: int, n_real: jax.Array):
+  """The table's top next token after buf[:end] (longest order held first; an order n counts
+  only when n <= n_real, the real tokens before `end`): (found [] bool, token [] int32, share []
+  float32). buf: [E] int32, end a Python int <= E."""
+  keys, nexts, shares = jnp.asarray(table.keys), jnp.asarray(table.next), jnp.asarray(table.share)
+  K = keys.shape[0]
+  found, tok, share = jnp.bool_(False), jnp.int32(0), jnp.float32(0.0)
+  for n in range(table.n_max, table.n_min - 1, -1):
+    if n > end:
+      continue
+    cols = [buf[end - n + j] for j in range(n)]
+    h = context_hash(jnp, cols, n)
+    j = jnp.clip(jnp.searchsorted(keys, h), 0, K - 1)
+    hit = (keys[j] == h) & (n_real >= n) & ~found
+    tok = jnp.where(hit, nexts[j], tok)
+    share = jnp.where(hit, shares[j], share)
+    found = found | hit
+  return found, tok.astype(jnp.int32), share
+
+
+def _context(table: NgramTable, history: jax.Array, n_new: int) -> jax.Array:
+  """[n_max + n_new] int32: the last n_max tokens of history (zero-padded in front), then room
+  for n_new proposed tokens."""
+  nmax, H = table.n_max, history.shape[0]
+  if H < nmax:
+    history = jnp.concatenate([jnp.zeros((nmax - H,), history.dtype), history])
+    H = nmax
+  return jnp.concatenate([history[H - nmax:], jnp.zeros((n_new,), history.dtype)]).astype(jnp.int32)
+
+
 def table_path(table: NgramTable, history: jax.Array, n_valid: jax.Array, n_tokens: int,
                min_expected: float) -> tuple[jax.Array, jax.Array]:
   """The table's proposal after `history`: G times, the top next token of the longest context
@@ -190,29 +220,15 @@ def table_path(table: NgramTable, history: jax.Array, n_valid: jax.Array, n_toke
   history: [H] int32, the row's tokens with the bonus token last; only the last n_valid are real.
   Returns (tokens [G] int32, zeros past n; n [] int32). Pure function, vmappable."""
   G, nmax = n_tokens, table.n_max
-  H = history.shape[0]
-  if H < nmax:
-    history = jnp.concatenate([jnp.zeros((nmax - H,), history.dtype), history])
-    H = nmax
-  buf = jnp.concatenate([history[H - nmax:], jnp.zeros((G,), history.dtype)])   # [nmax + G]
-  real = jnp.minimum(n_valid, nmax)                      # real tokens before the proposal
-  K = table.keys.shape[0]
-  if K == 0:
+  if table.size == 0:
     return jnp.zeros((G,), jnp.int32), jnp.int32(0)
-  keys, nexts, shares = jnp.asarray(table.keys), jnp.asarray(table.next), jnp.asarray(table.share)
+  buf = _context(table, history, G)                      # [nmax + G]
+  real = jnp.minimum(n_valid, nmax)                      # real tokens before the proposal
   alive, prob, expect = jnp.bool_(True), jnp.float32(1.0), jnp.float32(0.0)
   count = jnp.int32(0)
   for g in range(G):
     end = nmax + g                                       # the context ends before buf[end]
-    found, tok, share = jnp.bool_(False), jnp.int32(0), jnp.float32(0.0)
-    for n in range(nmax, table.n_min - 1, -1):
-      cols = [buf[end - n + j] for j in range(n)]
-      h = context_hash(jnp, cols, n)
-      j = jnp.clip(jnp.searchsorted(keys, h), 0, K - 1)
-      hit = (keys[j] == h) & (real + g >= n) & ~found
-      tok = jnp.where(hit, nexts[j], tok)
-      share = jnp.where(hit, shares[j], share)
-      found = found | hit
+    found, tok, share = _lookup(table, buf, end, real + g)
     alive = alive & found
     prob = jnp.where(alive, prob * share, prob)
     expect = expect + jnp.where(alive, prob, 0.0)
@@ -221,3 +237,39 @@ def table_path(table: NgramTable, history: jax.Array, n_valid: jax.Array, n_toke
   n = jnp.where(expect >= min_expected, count, 0).astype(jnp.int32)
   tokens = jnp.where(jnp.arange(G) < n, buf[nmax:], 0).astype(jnp.int32)
   return tokens, n
+
+
+def mix_rows(table: NgramTable, dlogits: jax.Array, history: jax.Array, n_valid: jax.Array,
+             weight: float) -> jax.Array:
+  """The draft's rows mixed with the table, offset by offset: row k becomes the log of
+  q_k = (p_k + w s_k delta_{t_k}) / (1 + w s_k), p_k = softmax(dlogits[k]), where (t_k, s_k) is
+  the table's top next token and share after `history` and the mixture's argmax tokens at
+  offsets < k (q_k = p_k where the table holds no context). So the chain (the rows' argmax)
+  takes the table's token where p_k(t) + w s >= p_k's top probability, and DDTree's best-first
+  tree is built over the q's. A DFlash draft's rows do not depend on the tokens chosen before
+  them (one forward over [bonus, MASK...]), so the mixture needs no further draft pass.
+  Measured on held-out greedy text (bench_out/train/fusion_study.py).
+
+  dlogits: [D, V] float32 draft logits for offsets 1..D; history: [H] int32 the row's tokens
+  with the bonus token last, the last n_valid real; weight: w >= 0 (0 returns log p).
+  Returns [D, V] float32 log-probs (valid logits for argmax, sampling and tree building).
+  Pure function, vmappable. A two-component mixture whose second component is a point mass: the
+  static table (REST; llama.cpp's static lookup cache) as a second expert beside the draft."""
+  D = dlogits.shape[0]
+  lp = jax.nn.log_softmax(dlogits.astype(jnp.float32), axis=-1)
+  if table.size == 0 or weight <= 0:
+    return lp
+  nmax = table.n_max
+  buf = _context(table, history, D)
+  real = jnp.minimum(n_valid, nmax)
+  rows = []
+  for k in range(D):
+    found, tok, share = _lookup(table, buf, nmax + k, real + k)
+    ws = jnp.where(found, jnp.float32(weight) * share, 0.0)
+    norm = jnp.log1p(ws)
+    row = lp[k] - norm
+    at_t = jnp.logaddexp(lp[k, tok], jnp.log(jnp.maximum(ws, 1e-30))) - norm
+    row = jnp.where(found, row.at[tok].set(at_t), row)
+    rows.append(row)
+    buf = buf.at[nmax + k].set(jnp.argmax(row).astype(jnp.int32))
+  return jnp.stack(rows)

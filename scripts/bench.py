@@ -57,6 +57,9 @@ _TABLE = flags.DEFINE_string("lookup_table", "", "A static n-gram table (dflash_
                              "repeated with it, labelled '+tableE' (E: --table_expects).")
 _TABLE_EXPECTS = flags.DEFINE_list("table_expects", ["2"], "DecodeConfig.lookup_table_expect "
                                    "values of the --lookup_table columns (one set each).")
+_TABLE_MIXES = flags.DEFINE_list("table_mixes", [], "DecodeConfig.table_mix values (needs "
+                                 "--lookup_table): every chain and ddtree column is repeated "
+                                 "with its draft rows mixed with the table, labelled '+mixW'.")
 _TREE_TOP_K = flags.DEFINE_integer("tree_top_k", 8, "DDTree candidates per depth.")
 _TEMPS = flags.DEFINE_list("temperatures", ["0"], "Sampling temperatures, one column set each "
                            "(0 = greedy; > 0 samples with --top_p and --seed).")
@@ -146,15 +149,26 @@ def decode_configs(drafts):
   tables = [("", {})] + [(f"+table{float(e):g}", dict(lookup_table=_TABLE.value,
                                                      lookup_table_expect=float(e)))
                          for e in (_TABLE_EXPECTS.value if _TABLE.value else [])]
+  if _TABLE_MIXES.value and not _TABLE.value:
+    raise app.UsageError("--table_mixes needs --lookup_table")
+  # (label suffix, fields) of the table-mixed draft columns
+  mixes = [("", {})] + [(f"+mix{float(w):g}", dict(table_mix=float(w))) for w in _TABLE_MIXES.value]
+
+  def draft_cols(label, g, ttag, tkw, **kw):
+    for mtag, mkw in mixes:
+      table = dict(tkw) if g else {}
+      if mkw:
+        table = {"lookup_table": _TABLE.value, **table, **mkw}
+      decs[f"{label}{mtag}"] = dj.DecodeConfig(lookup=g, **kw, **table, **common)
+
   for m in _MODES.value:
     for ttag, tkw in tables:
       if m == "ddtree":
         for b in _BUDGETS.value:
           for g, tag in grafts:
             if g or not ttag:
-              decs[f"ddtree@{b}{tag}{ttag}"] = dj.DecodeConfig(
-                  mode="ddtree", budget=int(b), tree_top_k=_TREE_TOP_K.value, lookup=g,
-                  **(tkw if g else {}), **common)
+              draft_cols(f"ddtree@{b}{tag}{ttag}", g, ttag, tkw, mode="ddtree", budget=int(b),
+                         tree_top_k=_TREE_TOP_K.value)
       elif m == "lookup":
         for g in _LOOKUPS.value:
           decs[f"lookup@{g}{ttag}"] = dj.DecodeConfig(mode="lookup", lookup=int(g), **tkw,
@@ -162,8 +176,7 @@ def decode_configs(drafts):
       elif m == "chain":
         for g, tag in grafts:
           if g or not ttag:
-            decs[f"chain{tag}{ttag}"] = dj.DecodeConfig(mode=m, lookup=g, **(tkw if g else {}),
-                                                        **common)
+            draft_cols(f"chain{tag}{ttag}", g, ttag, tkw, mode=m)
       elif not ttag:
         decs[m] = dj.DecodeConfig(mode=m, **common)
   out = {}
