@@ -262,14 +262,20 @@ def mix_rows(table: NgramTable, dlogits: jax.Array, history: jax.Array, n_valid:
   nmax = table.n_max
   buf = _context(table, history, D)
   real = jnp.minimum(n_valid, nmax)
-  rows = []
+  top = jnp.argmax(lp, axis=-1).astype(jnp.int32)                 # [D] the draft's top tokens
+  top_lp = jnp.max(lp, axis=-1)
+  toks, wss = [], []
   for k in range(D):
+    # only scalars in the sequential part: the mixed row's argmax is t or the draft's top
     found, tok, share = _lookup(table, buf, nmax + k, real + k)
     ws = jnp.where(found, jnp.float32(weight) * share, 0.0)
-    norm = jnp.log1p(ws)
-    row = lp[k] - norm
-    at_t = jnp.logaddexp(lp[k, tok], jnp.log(jnp.maximum(ws, 1e-30))) - norm
-    row = jnp.where(found, row.at[tok].set(at_t), row)
-    rows.append(row)
-    buf = buf.at[nmax + k].set(jnp.argmax(row).astype(jnp.int32))
-  return jnp.stack(rows)
+    at_t = jnp.logaddexp(lp[k, tok], jnp.log(jnp.maximum(ws, 1e-30)))
+    wins = found & ((tok == top[k]) | (at_t > top_lp[k]) | ((at_t == top_lp[k]) & (tok < top[k])))
+    buf = buf.at[nmax + k].set(jnp.where(wins, tok, top[k]))
+    toks.append(tok)
+    wss.append(ws)
+  toks, wss = jnp.stack(toks), jnp.stack(wss)                     # [D], [D] (0 where not held)
+  at_t = jnp.logaddexp(jnp.take_along_axis(lp, toks[:, None], axis=1)[:, 0],
+                       jnp.log(jnp.maximum(wss, 1e-30)))
+  mixed = lp.at[jnp.arange(D), toks].set(jnp.where(wss > 0, at_t, lp[jnp.arange(D), toks]))
+  return mixed - jnp.log1p(wss)[:, None]

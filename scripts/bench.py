@@ -156,6 +156,8 @@ def decode_configs(drafts):
 
   def draft_cols(label, g, ttag, tkw, **kw):
     for mtag, mkw in mixes:
+      if mkw and g and not ttag:
+        continue      # the table would also feed the lookup graft: that column is "+tableE+mixW"
       table = dict(tkw) if g else {}
       if mkw:
         table = {"lookup_table": _TABLE.value, **table, **mkw}

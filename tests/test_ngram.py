@@ -1,10 +1,12 @@
 """Static n-gram table proposals (`dflash_jax.ngram`, `DecodeConfig.lookup_table`): the table
 against a plain-Python count of the corpus, the in-loop proposal against a plain-Python spec,
 the file format's checks, and losslessness (exact token equality with autoregressive greedy
-decoding) of mode "lookup" and of chain / DDTree grafts with a table."""
+decoding) of mode "lookup", of chain / DDTree grafts with a table and of draft rows mixed with
+it (`DecodeConfig.table_mix`; its sampled exactness is in test_sampling.py)."""
 
 import collections
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -112,6 +114,56 @@ def test_table_path_matches_the_reference(seed):
   assert int(n) == 0 and not np.asarray(tok).any()
 
 
+def _mix_reference(tab, dlogits, hist, n_valid, w, n_min, n_max, min_count):
+  """ngram.mix_rows in float64 numpy from plain counts: row k = log((p_k + w s delta_t) /
+  (1 + w s)) for the longest held context of the real history plus the mixed chain so far."""
+  ctx = [int(x) for x in hist[len(hist) - n_valid:]]
+  out = []
+  for row in np.asarray(dlogits, np.float64):
+    p = np.exp(row - row.max())
+    p /= p.sum()
+    hit = None
+    for n in range(min(n_max, len(ctx)), n_min - 1, -1):
+      if tuple(ctx[-n:]) in tab and sum(tab[tuple(ctx[-n:])].values()) >= min_count:
+        hit = _ref_lookup(tab, ctx[-n:], min_count)
+        break
+    if hit is not None:
+      q = p.copy()
+      q[hit[0]] += w * hit[1]
+      q /= 1.0 + w * hit[1]
+    else:
+      q = p
+    out.append(np.log(q))
+    ctx.append(int(np.argmax(q)))
+  return np.stack(out)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_mix_rows_matches_float64_reference(seed):
+  """Max abs error of the mixed log-probs <= 1e-5 (float32 against float64), the same argmax
+  chain, and the table's token does win some rows (the case is not vacuous)."""
+  rng = np.random.default_rng(seed)
+  vocab, n_min, n_max, min_count, D, H = 6, 1, 3, 2, 7, 10
+  seqs = _corpus(rng, vocab, 40)
+  table = ngram.build(seqs, vocab, n_min=n_min, n_max=n_max, min_count=min_count)
+  tab = _counts(seqs, n_min, n_max)
+  won = 0
+  for _ in range(20):
+    dlogits = (rng.standard_normal((D, vocab)) * 2.0).astype(np.float32)
+    hist = rng.integers(0, vocab, H).astype(np.int32)
+    n_valid = int(rng.integers(1, H + 1))
+    for w in (0.5, 3.0):
+      got = np.asarray(ngram.mix_rows(table, jnp.asarray(dlogits), jnp.asarray(hist),
+                                      jnp.int32(n_valid), w))
+      want = _mix_reference(tab, dlogits, hist, n_valid, w, n_min, n_max, min_count)
+      assert np.max(np.abs(got - want)) <= 1e-5
+      assert np.array_equal(got.argmax(-1), want.argmax(-1))
+      won += int(np.sum(want.argmax(-1) != dlogits.argmax(-1)))
+  assert won > 20
+  lp = np.asarray(ngram.mix_rows(table, jnp.asarray(dlogits), jnp.asarray(hist), jnp.int32(H), 0.0))
+  assert np.allclose(lp, np.asarray(jax.nn.log_softmax(jnp.asarray(dlogits), -1)), atol=1e-6)
+
+
 def test_file_checks(tmp_path):
   rng = np.random.default_rng(0)
   table = ngram.build(_corpus(rng, 9), 9, min_count=1)
@@ -144,6 +196,23 @@ def test_config_errors(tmp_path):
     dj.DecodeConfig(mode="chain", lookup_table="x")
   with pytest.raises(ValueError, match="lookup_table_expect=-1"):
     dj.DecodeConfig(mode="lookup", lookup=4, lookup_table="x", lookup_table_expect=-1.0)
+  with pytest.raises(ValueError, match="table_mix=0.5: set lookup_table"):
+    dj.DecodeConfig(mode="chain", table_mix=0.5)
+  with pytest.raises(ValueError, match="table_mix=0.5 with mode='lookup'"):
+    dj.DecodeConfig(mode="lookup", lookup=4, lookup_table="x", table_mix=0.5)
+  with pytest.raises(ValueError, match="table_mix=-1"):
+    dj.DecodeConfig(mode="chain", lookup_table="x", table_mix=-1.0)
+  dj.DecodeConfig(mode="ddtree", lookup_table="x", table_mix=0.5)     # no lookup needed
+
+
+def test_auto_with_table_mix_needs_a_draft_mode(monkeypatch):
+  from dflash_jax import auto_mode
+  monkeypatch.setattr(auto_mode, "choose", lambda entry, batch, has_draft: ("lookup", 4))
+  with pytest.raises(ValueError, match="table_mix=0.5: mode 'auto' picks 'lookup'"):
+    auto_mode.resolve(dj.DecodeConfig(lookup_table="x", table_mix=0.5), "t.gguf", "d", 1, True)
+  monkeypatch.setattr(auto_mode, "choose", lambda entry, batch, has_draft: ("ddtree", 12))
+  dec = auto_mode.resolve(dj.DecodeConfig(lookup_table="x", table_mix=0.5), "t.gguf", "d", 1, True)
+  assert (dec.mode, dec.budget, dec.table_mix) == ("ddtree", 12, 0.5)
 
 
 def test_missing_table_is_a_clear_error(smol):
@@ -179,7 +248,10 @@ def test_table_modes_lossless(which, tmp_path, qwen_f32, qwen_ref, qwen_draft, s
     runs = {"lookup": dj.generate(target, None, prompt, mode="lookup", lookup=6, **kw),
             "chain": dj.generate(target, draft, prompt, mode="chain", lookup=8, **kw),
             "ddtree": dj.generate(target, draft, prompt, mode="ddtree", budget=6, tree_top_k=2,
-                                  lookup=5, **kw)}
+                                  lookup=5, **kw),
+            "chain+mix": dj.generate(target, draft, prompt, mode="chain", table_mix=4.0, **kw),
+            "ddtree+mix": dj.generate(target, draft, prompt, mode="ddtree", budget=6,
+                                      tree_top_k=2, table_mix=4.0, **kw)}
     for name, r in runs.items():
       assert r.tokens == ar.tokens, (which, i, name)
       assert sum(r.accept_lens) == 39, (which, i, name)
@@ -187,6 +259,8 @@ def test_table_modes_lossless(which, tmp_path, qwen_f32, qwen_ref, qwen_draft, s
       assert np.mean(runs["lookup"].accept_lens) > 3.0, runs["lookup"].accept_lens
       assert np.mean(runs["lookup"].accept_lens) > np.mean(plain.accept_lens) + 1.0
       assert np.mean(runs["chain"].accept_lens) > 3.0, runs["chain"].accept_lens
+      # weight 4 > any draft probability: the table's tokens win wherever it holds the context
+      assert np.mean(runs["chain+mix"].accept_lens) > 3.0, runs["chain+mix"].accept_lens
 
 
 def test_table_batched_rows_equal_one_row(smol, smol_prompts, tmp_path):

@@ -128,9 +128,11 @@ def _proposer(kind, n_vocab):
   return decode.LogitsProposer(prop)
 
 
-def _sample_many(target, draft, prompt, dec, cfg: SamplingConfig, n, proposer=None, pparams=None):
+def _sample_many(target, draft, prompt, dec, cfg: SamplingConfig, n, proposer=None, pparams=None,
+                 table=None):
   """[n, N_TOKENS] int32: the first N_TOKENS generated tokens of n independent runs (seeds
-  cfg.seed * n + 0..n-1), prefill + decode loop of a one-slot batch vmapped over the seeds."""
+  cfg.seed * n + 0..n-1), prefill + decode loop of a one-slot batch vmapped over the seeds.
+  table: the n-gram table of dec.lookup_table (an NgramTable), if set."""
   dcfg = draft.config if (draft is not None and proposer is None and dec.mode != "ar") else None
   dparams = pparams if proposer is not None else (draft.params if dcfg is not None else None)
   proposer = proposer or decode.dflash_proposer
@@ -145,8 +147,8 @@ def _sample_many(target, draft, prompt, dec, cfg: SamplingConfig, n, proposer=No
                               jnp.int32(0), jnp.int32(len(prompt)), jnp.bool_(True), eog, seed,
                               jnp.int32(N_TOKENS), sp, jnp.asarray(batching.tokens_before([], 0)),
                               plan=plan, sampled=True)
-    st = decode.decode_loop(target.params, dparams, st, jnp.int32(1 << 20), eog, plan=plan,
-                            sampled=True, proposer=proposer)
+    st = decode.decode_loop(target.params, dparams, st, jnp.int32(1 << 20), eog, None, table,
+                            plan=plan, sampled=True, proposer=proposer)
     return st.out[0, :N_TOKENS]
 
   seeds = jnp.arange(n, dtype=jnp.int32) + jnp.int32(cfg.seed * n)
@@ -216,6 +218,25 @@ def test_sampled_sequences_match_autoregressive(qwen_f32, qwen_draft, exact_join
   prop = _proposer(proposer, qwen_f32.config.n_vocab) if proposer else None
   samples = _sample_many(qwen_f32, qwen_draft, prompt, dec, CFG, N_SAMPLES, prop,
                          tables if proposer else None)
+  assert _chi_square_p(samples, joint) > 1e-4
+
+
+@pytest.mark.parametrize("mode,rule", [("chain", "rejection"), ("chain", "match"),
+                                       ("ddtree", "rejection")])
+def test_sampled_table_mix_matches_autoregressive(qwen_f32, qwen_draft, exact_joint, mode, rule):
+  """Draft rows mixed with an adversarial n-gram table (`DecodeConfig.table_mix`: after every
+  token the table's next token is the target's second choice, share 1, weight 4, so the mixed
+  chain is mostly that token): the sampled sequences still follow the exact autoregressive
+  distribution (the rejection rule draws from and verifies against the mixed rows)."""
+  from dflash_jax import ngram
+  prompt, joint, tables = exact_joint
+  V = qwen_f32.config.n_vocab
+  second = np.asarray(tables["second"])
+  table = ngram.build([(np.asarray([a, second[a]]), 1) for a in range(V)], V, n_min=1, n_max=1,
+                      min_count=1)
+  dec = dj.api.resolve_config(qwen_draft, dj.DecodeConfig(
+      mode=mode, chain_rule=rule, budget=6, lookup_table="in-memory", table_mix=4.0, **SMALL_CTX))
+  samples = _sample_many(qwen_f32, qwen_draft, prompt, dec, CFG, N_SAMPLES, table=table)
   assert _chi_square_p(samples, joint) > 1e-4
 
 
