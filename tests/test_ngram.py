@@ -69,6 +69,22 @@ def test_context_hash_same_in_numpy_and_jax():
     assert a.dtype == np.uint32 and np.array_equal(a, np.asarray(b))
 
 
+def _ref_longest(tab, ctx, n_min, n_max, min_count):
+  """_ref_lookup of the longest context ending ctx (n_max down to n_min) the table holds, or None."""
+  for n in range(min(n_max, len(ctx)), n_min - 1, -1):
+    if tuple(ctx[-n:]) in tab and sum(tab[tuple(ctx[-n:])].values()) >= min_count:
+      return _ref_lookup(tab, ctx[-n:], min_count)
+  return None
+
+
+def _random_table(seed, vocab, n_min, n_max, min_count):
+  """(rng, table, plain counts) of a random 40-sequence corpus."""
+  rng = np.random.default_rng(seed)
+  seqs = _corpus(rng, vocab, 40)
+  return (rng, ngram.build(seqs, vocab, n_min=n_min, n_max=n_max, min_count=min_count),
+          _counts(seqs, n_min, n_max))
+
+
 def _path_reference(tab, hist, n_valid, G, n_min, n_max, min_count, min_expected):
   """The spec in plain Python: G times, the top next token of the longest context (the proposal
   so far included; only real tokens count) with a table entry; stop at the first miss; keep the
@@ -76,11 +92,7 @@ def _path_reference(tab, hist, n_valid, G, n_min, n_max, min_count, min_expected
   ctx = [int(x) for x in hist[len(hist) - n_valid:]]
   out, prob, expect = [], 1.0, 0.0
   for _ in range(G):
-    hit = None
-    for n in range(min(n_max, len(ctx)), n_min - 1, -1):
-      if tuple(ctx[-n:]) in tab and sum(tab[tuple(ctx[-n:])].values()) >= min_count:
-        hit = _ref_lookup(tab, ctx[-n:], min_count)
-        break
+    hit = _ref_longest(tab, ctx, n_min, n_max, min_count)
     if hit is None:
       break
     prob *= hit[1]
@@ -92,11 +104,8 @@ def _path_reference(tab, hist, n_valid, G, n_min, n_max, min_count, min_expected
 
 @pytest.mark.parametrize("seed", range(4))
 def test_table_path_matches_the_reference(seed):
-  rng = np.random.default_rng(seed)
   vocab, n_min, n_max, min_count, G, H = 5, 1, 3, 2, 6, 12
-  seqs = _corpus(rng, vocab, 40)
-  table = ngram.build(seqs, vocab, n_min=n_min, n_max=n_max, min_count=min_count)
-  tab = _counts(seqs, n_min, n_max)
+  rng, table, tab = _random_table(seed, vocab, n_min, n_max, min_count)
   n_prop = 0
   for _ in range(30):
     hist = rng.integers(0, vocab, H).astype(np.int32)
@@ -122,11 +131,7 @@ def _mix_reference(tab, dlogits, hist, n_valid, w, n_min, n_max, min_count):
   for row in np.asarray(dlogits, np.float64):
     p = np.exp(row - row.max())
     p /= p.sum()
-    hit = None
-    for n in range(min(n_max, len(ctx)), n_min - 1, -1):
-      if tuple(ctx[-n:]) in tab and sum(tab[tuple(ctx[-n:])].values()) >= min_count:
-        hit = _ref_lookup(tab, ctx[-n:], min_count)
-        break
+    hit = _ref_longest(tab, ctx, n_min, n_max, min_count)
     if hit is not None:
       q = p.copy()
       q[hit[0]] += w * hit[1]
@@ -142,11 +147,8 @@ def _mix_reference(tab, dlogits, hist, n_valid, w, n_min, n_max, min_count):
 def test_mix_rows_matches_float64_reference(seed):
   """Max abs error of the mixed log-probs <= 1e-5 (float32 against float64), the same argmax
   chain, and the table's token does win some rows (the case is not vacuous)."""
-  rng = np.random.default_rng(seed)
   vocab, n_min, n_max, min_count, D, H = 6, 1, 3, 2, 7, 10
-  seqs = _corpus(rng, vocab, 40)
-  table = ngram.build(seqs, vocab, n_min=n_min, n_max=n_max, min_count=min_count)
-  tab = _counts(seqs, n_min, n_max)
+  rng, table, tab = _random_table(seed, vocab, n_min, n_max, min_count)
   won = 0
   for _ in range(20):
     dlogits = (rng.standard_normal((D, vocab)) * 2.0).astype(np.float32)
