@@ -187,9 +187,7 @@ def _lookup(table: NgramTable, buf: jax.Array, end: int, n_real: jax.Array):
   keys, nexts, shares = jnp.asarray(table.keys), jnp.asarray(table.next), jnp.asarray(table.share)
   K = keys.shape[0]
   found, tok, share = jnp.bool_(False), jnp.int32(0), jnp.float32(0.0)
-  for n in range(table.n_max, table.n_min - 1, -1):
-    if n > end:
-      continue
+  for n in range(table.n_max, table.n_min - 1, -1):   # end >= n_max (see _context)
     cols = [buf[end - n + j] for j in range(n)]
     h = context_hash(jnp, cols, n)
     j = jnp.clip(jnp.searchsorted(keys, h), 0, K - 1)

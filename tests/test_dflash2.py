@@ -161,6 +161,8 @@ def test_traced_calls_match_package(qwen_f32, d2, ref2):
     feats = np.asarray(feats)
     near = (ref2[prefix + "path_margin"] < 1e-4) | (ref2[prefix + "topk_gap"] < 1e-4)
     skip = near | (ref2[prefix + "block_len"] != cfg.block_size)   # the loop's last short blocks
+    if prefix == "trace_":   # 39 calls, each an eager forward over a new context length: every 3rd
+      skip = skip | (np.arange(len(starts)) % 3 != 0)
     checked = 0
     for c, start in enumerate(starts):
       if skip[c]:
@@ -306,7 +308,7 @@ def test_upgrade_from_dflash1_starts_at_its_logits(qwen_f32, qwen_draft):
 def test_train_save_load_and_decode_a_dflash2_draft(tmp_path, qwen_f32, qwen_ref):
   """A DFlash-2 draft trains with the online-feature trainer (loss falls: selector CE, unary CE,
   KL), saves in the z-lab DFlash-2 format (architectures, dflash_config fields, the codebooks
-  without `.weight`), loads back to the same config, and decodes losslessly (chain and DDTree ==
+  without `.weight`), loads back to the same config, and decodes losslessly (chain ==
   autoregressive greedy)."""
   from dflash_jax import train
   from dflash_jax.train import datagen
@@ -337,10 +339,9 @@ def test_train_save_load_and_decode_a_dflash2_draft(tmp_path, qwen_f32, qwen_ref
   assert loaded.config == cfg
   prompt = qwen_ref["tokens"][1, :15]
   ar = dj.generate(qwen_f32, None, prompt, max_new_tokens=24, mode="ar", max_ctx=64, eog_ids=())
-  for mode in ("chain", "ddtree"):
-    r = dj.generate(qwen_f32, loaded, prompt, max_new_tokens=24, mode=mode, max_ctx=64,
-                    eog_ids=(), budget=6)
-    assert r.tokens == ar.tokens, mode
+  r = dj.generate(qwen_f32, loaded, prompt, max_new_tokens=24, mode="chain", max_ctx=64,
+                  eog_ids=())       # DDTree with a DFlash-2 draft: the test above
+  assert r.tokens == ar.tokens
 
 
 def test_dflash2_objective_against_float64(qwen_f32, d2):

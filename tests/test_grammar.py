@@ -142,14 +142,14 @@ def test_constrained_speculative_equals_constrained_ar(smol, smol_draft, smol_gr
 
 @pytest.mark.slow
 def test_constrained_sampling_and_mixed_batch(smol, smol_draft, smol_grammar):
-  """Sampled chain (rejection rule) and DDTree (match rule) outputs stay inside the language;
-  in a batch, an unconstrained row decodes exactly as it does alone."""
+  """A sampled chain's (rejection rule) output stays inside the language (DDTree's masked tree:
+  test_constrained_speculative_equals_constrained_ar); in a batch, an unconstrained row decodes
+  exactly as it does alone."""
   ids = cli.build_prompt(smol, "Describe someone as JSON.", chat=True)
   eog = set(smol.tokenizer.eog_ids)
-  for mode, seed in (("chain", 1), ("ddtree", 2)):
-    r = dj.generate(smol, smol_draft, ids, max_new_tokens=32, mode=mode, grammar=smol_grammar,
-                    max_ctx=160, temperature=1.0, seed=seed)
-    _check_output(smol_grammar, r.tokens, eog)
+  r = dj.generate(smol, smol_draft, ids, max_new_tokens=32, mode="chain", grammar=smol_grammar,
+                  max_ctx=160, temperature=1.0, seed=1)
+  _check_output(smol_grammar, r.tokens, eog)
   plain = cli.build_prompt(smol, "Name a colour.", chat=True)
   alone = dj.generate(smol, smol_draft, plain, max_new_tokens=16, mode="chain", max_ctx=160)
   both = dj.generate_batch(smol, smol_draft, [ids, plain], max_new_tokens=16, mode="chain",

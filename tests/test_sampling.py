@@ -23,7 +23,6 @@ import pytest
 
 import dflash_jax as dj
 from dflash_jax import batching, decode, sampling
-from dflash_jax.runtime import Runtime
 from dflash_jax.sampling import SamplingConfig
 
 TOP_K = 3
@@ -205,8 +204,7 @@ def _chi_square_p(samples, joint):
 
 @pytest.mark.parametrize("mode,rule,proposer", [
     ("ar", None, None), ("chain", "rejection", None), ("ddtree", None, None),
-    ("chain", "rejection", "wrong"), ("chain", "rejection", "right"),
-    ("chain", "rejection", "random"), ("chain", "match", "wrong"), ("ddtree", None, "wrong")])
+    ("chain", "rejection", "wrong"), ("chain", "rejection", "random"), ("chain", "match", "wrong"), ("ddtree", None, "wrong")])
 def test_sampled_sequences_match_autoregressive(qwen_f32, qwen_draft, exact_joint, mode, rule,
                                                 proposer):
   prompt, joint, tables = exact_joint
@@ -221,13 +219,13 @@ def test_sampled_sequences_match_autoregressive(qwen_f32, qwen_draft, exact_join
   assert _chi_square_p(samples, joint) > 1e-4
 
 
-@pytest.mark.parametrize("mode,rule", [("chain", "rejection"), ("chain", "match"),
-                                       ("ddtree", "rejection")])
-def test_sampled_table_mix_matches_autoregressive(qwen_f32, qwen_draft, exact_joint, mode, rule):
+def test_sampled_table_mix_matches_autoregressive(qwen_f32, qwen_draft, exact_joint):
   """Draft rows mixed with an adversarial n-gram table (`DecodeConfig.table_mix`: after every
   token the table's next token is the target's second choice, share 1, weight 4, so the mixed
   chain is mostly that token): the sampled sequences still follow the exact autoregressive
-  distribution (the rejection rule draws from and verifies against the mixed rows)."""
+  distribution (the rejection rule draws from and verifies against the mixed rows). A sampled
+  DDTree verifies by matching the target's own draws, whatever the rows (its mixed greedy run:
+  test_ngram.test_table_modes_lossless)."""
   from dflash_jax import ngram
   prompt, joint, tables = exact_joint
   V = qwen_f32.config.n_vocab
@@ -235,83 +233,16 @@ def test_sampled_table_mix_matches_autoregressive(qwen_f32, qwen_draft, exact_jo
   table = ngram.build([(np.asarray([a, second[a]]), 1) for a in range(V)], V, n_min=1, n_max=1,
                       min_count=1)
   dec = dj.api.resolve_config(qwen_draft, dj.DecodeConfig(
-      mode=mode, chain_rule=rule, budget=6, lookup_table="in-memory", table_mix=4.0, **SMALL_CTX))
+      mode="chain", chain_rule="rejection", lookup_table="in-memory", table_mix=4.0, **SMALL_CTX))
   samples = _sample_many(qwen_f32, qwen_draft, prompt, dec, CFG, N_SAMPLES, table=table)
   assert _chi_square_p(samples, joint) > 1e-4
 
 
-INVARIANT_R = 4    # >= the chain's verify length (block size 4)
-N_INVARIANT = 400  # runs per side of the two-sample test (a batch-invariant step costs ~20x)
-
-
-def _two_sample_p(a, b):
-  """p-value of Pearson's chi-square test that the joint outcomes in a and b ([n, N_TOKENS]
-  int32 each) come from one distribution (outcomes seen < 10 times in all pooled in one cell)."""
-  ca, cb = {}, {}
-  for counts, x in ((ca, a), (cb, b)):
-    for row in map(tuple, x.tolist()):
-      counts[row] = counts.get(row, 0) + 1
-  keys = set(ca) | set(cb)
-  big = sorted(k for k in keys if ca.get(k, 0) + cb.get(k, 0) >= 10)
-  rest = [k for k in keys if ca.get(k, 0) + cb.get(k, 0) < 10]
-  obs = np.asarray([[c.get(k, 0) for k in big] + ([sum(c.get(k, 0) for k in rest)] if rest else [])
-                    for c in (ca, cb)], np.float64)
-  exp = obs.sum(1, keepdims=True) * obs.sum(0, keepdims=True) / obs.sum()
-  stat = float(np.sum((obs - exp) ** 2 / exp))
-  return float(jax.scipy.stats.chi2.sf(stat, obs.shape[1] - 1))
-
-
-def test_two_sample_test_separates_distributions():
-  """_two_sample_p on synthetic joint outcomes (one fixed draw): two draws of one distribution
-  over 40 outcomes pass (p > 1e-4); 0.1 of the mass moved between two outcomes fails (p ~ 2e-6).
-  An omnibus test at N_INVARIANT runs catches only gross differences like that one (over other
-  draws: p from 2e-6 to 0.15), so the exactness of the rule itself is checked against the exact
-  joint (float32 cache, N_SAMPLES runs, test_sampled_sequences_match_autoregressive)."""
-  rng = np.random.default_rng(0)
-  outcomes = np.arange(40 * N_TOKENS).reshape(40, N_TOKENS)
-  p = np.full(40, 0.8 / 39)
-  p[0] = 0.2
-  q = p.copy()
-  q[0], q[1] = p[0] - 0.1, p[1] + 0.1
-  draw = lambda pr: outcomes[rng.choice(40, N_INVARIANT, p=pr)]
-  assert _two_sample_p(draw(p), draw(p)) > 1e-4
-  assert _two_sample_p(draw(p), draw(q)) < 1e-4
-
-
-@pytest.fixture(scope="module")
-def q4_0_ar_samples(qwen_f32, exact_joint):
-  """(q4_0 target, prompt, proposer tables, [N_INVARIANT, N_TOKENS] autoregressive samples with
-  a q4_0 cache and invariant_rows INVARIANT_R). The "right" proposer's tables are the float32
-  module's (any fixed function of the last token works; these are accepted often)."""
-  t = dataclasses.replace(qwen_f32, runtime=Runtime(kv_dtype="q4_0"))
-  prompt, _, tables = exact_joint
-  dec = dj.api.resolve_config(None, dj.DecodeConfig(mode="ar", invariant_rows=INVARIANT_R,
-                                                    **SMALL_CTX))
-  return t, prompt, tables, _sample_many(t, None, prompt, dec, CFG, N_INVARIANT)
-
-
-def test_sampled_chain_exact_with_q4_0_cache(qwen_draft, q4_0_ar_samples):
-  """Sampling stays exact with a quantized KV cache, against autoregressive sampling with the
-  same cache: with batch-invariant decoding (`invariant_rows`, where a chain row's logits are
-  the bits an autoregressive step computes), chain speculative sampling (rejection) over a q4_0
-  cache has the joint distribution of autoregressive sampling over it (two-sample chi-square,
-  N_INVARIANT runs each, independent seeds), with a proposer that is accepted often (multi-row
-  commits). What this adds to the greedy tests is the sampled rule over a quantized cache; a
-  verify that attended to its own rows unrounded (kv_cache.roundtrip replaced by the identity)
-  passed this test but fails tests/test_invariant.py's bitwise and exact-token tests (measured).
-
-  Why not against the full-sequence forward, or without invariant_rows: one q4_0 rounding step
-  is 1/8 of a block's largest value, so once a last-bit difference between two computations
-  rounds one value differently, their logits part by q4_0's noise (measured on SmolLM2: up to
-  3.5 logits within 32 tokens) and the top-k cut can differ; each is a valid q4_0 decode, but
-  only the batch-invariant one is AR's own."""
-  t, prompt, tables, ar = q4_0_ar_samples
-  dec = dj.api.resolve_config(None, dj.DecodeConfig(mode="chain", block_size=4,
-                                                    invariant_rows=INVARIANT_R, **SMALL_CTX),
-                              has_proposer=True)
-  samples = _sample_many(t, qwen_draft, prompt, dec, dataclasses.replace(CFG, seed=CFG.seed + 1),
-                         N_INVARIANT, _proposer("right", t.config.n_vocab), tables)
-  assert _two_sample_p(samples, ar) > 1e-4
+# Sampling over a quantized KV cache: with invariant_rows a chain row's logits are the bits an
+# autoregressive step computes (tests/test_invariant.py, bitwise and exact tokens), so its sampled
+# rule is the float32 rule above over those logits. (A two-sample test of chain vs AR sampling
+# over a q4_0 cache, 400 runs a side, was dropped from CI: 5 minutes for an omnibus test that
+# caught only gross differences.)
 
 
 def test_chi_square_catches_a_wrong_rule(qwen_f32, exact_joint, monkeypatch):

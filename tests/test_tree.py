@@ -15,7 +15,7 @@ from dflash_jax import tree as tree_lib
 from dflash_jax.runtime import Runtime
 from conftest import rel_err
 from kernel_inputs import root_path
-from test_draft_and_decode import _compiled_counts, _oracle_run, _random_draft
+from test_draft_and_decode import _compiled_counts, _oracle_run
 
 
 def _brute_force_best(logp, budget, top_k):
@@ -150,7 +150,7 @@ def test_ddtree_lossless_through_second_ranked_siblings(which, qwen_f32, qwen_re
   assert tree.accept_lens[:n] == [min(p + 8, 16) for p in pattern[:n]]
 
 
-def test_chain_shaped_tree_reproduces_chain(qwen_f32, qwen_draft, draft_ref, smol, smol_prompts):
+def test_chain_shaped_tree_reproduces_chain(qwen_f32, qwen_draft, draft_ref):
   p = draft_ref["prompt_ids"]
   ch = dj.generate(qwen_f32, qwen_draft, p, max_new_tokens=40, mode="chain", max_ctx=256)
   tr = dj.generate(qwen_f32, qwen_draft, p, max_new_tokens=40, mode="ddtree", max_ctx=256,
@@ -160,12 +160,7 @@ def test_chain_shaped_tree_reproduces_chain(qwen_f32, qwen_draft, draft_ref, smo
   tr = dj.generate(qwen_f32, qwen_draft, p, max_new_tokens=40, mode="ddtree", max_ctx=256,
                    budget=4, tree_top_k=2)
   assert tr.tokens == ch.tokens and max(tr.accept_lens) <= 5
-  d = _random_draft(smol)
-  ids = smol_prompts[4]["prompt_ids"]
-  ch = dj.generate(smol, d, ids, max_new_tokens=32, mode="chain", max_ctx=512)
-  tr = dj.generate(smol, d, ids, max_new_tokens=32, mode="ddtree", max_ctx=512, budget=15, tree_top_k=1)
-  ar = dj.generate(smol, d, ids, max_new_tokens=32, mode="ar", max_ctx=512)
-  assert tr.tokens == ch.tokens == ar.tokens and tr.accept_lens == ch.accept_lens
+  # (DDTree on the dense SmolLM2: test_ddtree_lossless_through_second_ranked_siblings)
 
 
 def test_ddtree_fixture_draft_lossless_and_no_recompile(qwen_f32, qwen_draft, qwen_ref, draft_ref):
