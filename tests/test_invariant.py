@@ -217,8 +217,9 @@ def test_verify_rows_are_bitwise_invariant_tiny_hybrid(qwen_f32, qwen_ref):
 def test_invariant_rows_exact_tiny_hybrid(qwen_f32, qwen_draft, qwen_ref):
   """Tiny Qwen3.5 hybrid (Gated DeltaNet tree states beside the attention caches), a q4_0 cache
   (the coarsest format; the formats share every code path but their encoding, which
-  test_kv_cache checks per format), invariant_rows 23: an oracle chain committing 1..16 tokens a step and DDTree with the
-  fixture draft equal autoregressive greedy output token for token (no tie allowance)."""
+  test_kv_cache checks per format), invariant_rows 23: an oracle chain committing 1..16 tokens
+  a step and DDTree with the fixture draft equal autoregressive greedy output token for token
+  (no tie allowance)."""
   t = _with_kv(qwen_f32, "q4_0", "")
   prompt = qwen_ref["tokens"][2, :16]
   truth = dj.generate(t, None, prompt, max_new_tokens=160, mode="ar", max_ctx=256,

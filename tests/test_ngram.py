@@ -227,7 +227,8 @@ def test_table_modes_lossless(tmp_path, qwen_f32, qwen_ref, qwen_draft):
   with the table accepts several tokens a step where prompt lookup alone does not, and mode
   "lookup", chain and DDTree with the table graft or the table mixture give autoregressive
   output token for token (on a second prompt the table knows less of, too); on the tiny Qwen3.5
-  hybrid (Gated DeltaNet rollback). The dense path with a table: test_table_batched_rows_equal_one_row."""
+  hybrid (Gated DeltaNet rollback). The dense path with a table:
+  test_table_batched_rows_equal_one_row."""
   target, draft = qwen_f32, qwen_draft
   prompts = [qwen_ref["tokens"][1, :16], qwen_ref["tokens"][2, :12]]
   V = target.config.n_vocab
