@@ -215,7 +215,7 @@ class SlotBatch:
           jnp.asarray(np.pad(chunk, (0, c - n))), jnp.int32(s0), jnp.int32(n),
           jnp.bool_(s0 + n >= ids.size), self.eog, jnp.int32(sampling.seed), jnp.int32(max_new),
           sampling.params(), jnp.asarray(tokens_before(ids, s0)), tables, jnp.int32(gstart),
-          plan=self.plan, sampled=not sampling.greedy)
+          plan=self.plan.prefill, sampled=not sampling.greedy)
       if checkpoints is not None and self.recurrent:
         checkpoints[s0 + n] = _recurrent_state(self.state, jnp.int32(slot))
       yield s0 + n
@@ -266,7 +266,7 @@ class SlotBatch:
     decode_lib.prefill_chunk.lower(
         self.target.params, self.dparams, self.state, z, jnp.zeros((c,), jnp.int32), z, z,
         jnp.bool_(True), self.eog, z, z, sampling.params(), jnp.asarray(tokens_before([], 0)),
-        self._tables(grammar), z, plan=self.plan,
+        self._tables(grammar), z, plan=self.plan.prefill,
         sampled=not sampling.greedy).compile()
     _host_view.lower(self.state, dec=self.dec).compile()
     self._compiled.add(key)

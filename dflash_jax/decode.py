@@ -74,6 +74,42 @@ class Plan:
     """Target layer ids whose outputs feed the draft (empty without a draft)."""
     return tuple(self.dcfg.target_layer_ids) if self.uses_draft else ()
 
+  @property
+  def prefill(self) -> "PrefillPlan":
+    """The part of the plan a prefill chunk depends on (`prefill_chunk`'s static argument): the
+    modes share one compiled prefill (chain and DDTree with the same draft: the same program)."""
+    return PrefillPlan(self.tcfg, self.dcfg if self.uses_draft else None, self.rt,
+                       self.draft_relative)
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class PrefillPlan:
+  """Everything static about a prefill chunk (`Plan.prefill`), as one hashable value: the decode
+  mode, block size, budget and lookup settings are not in it, so one compiled prefill serves
+  every mode whose state has the same shapes.
+
+  Attributes:
+    tcfg: TargetConfig. dcfg: DraftConfig when a DFlash draft runs (its context cache is fed the
+      chunk's target features), else None. rt: the target's Runtime. draft_relative: the
+      draft's context keys are stored unrotated (Plan.draft_relative).
+  """
+
+  tcfg: TargetConfig
+  dcfg: Optional[DraftConfig]
+  rt: Runtime
+  draft_relative: bool
+
+  @property
+  def uses_draft(self) -> bool:
+    """True when the chunk's target features feed a DFlash draft's context cache."""
+    return self.dcfg is not None
+
+  @property
+  def feature_layers(self) -> tuple[int, ...]:
+    """Target layer ids whose outputs feed the draft (empty without a draft)."""
+    return tuple(self.dcfg.target_layer_ids) if self.uses_draft else ()
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +206,7 @@ def _recent_pos(end: jax.Array) -> jax.Array:
 
 
 def _prefill_row(tparams, dparams, row: DecodeState, k_all, v_all, slot, tokens, start, n_valid,
-                 eog_ids, final, before, grammar, gstart, *, plan: Plan, sampled: bool):
+                 eog_ids, final, before, grammar, gstart, *, plan: PrefillPlan, sampled: bool):
   """One prefill chunk of one row (see `prefill_chunk`). row: the row's state without its K/V
   and draft caches (target.k / .v and draft None); k_all / v_all: the batch's target caches,
   read in place at row `slot`. Returns (new row, target K rows [n_attn, T, Hkv, Dh], V rows,
@@ -216,7 +252,7 @@ def prefill_chunk(tparams, dparams, state: DecodeState, slot: jax.Array, tokens:
                   start: jax.Array, n_valid: jax.Array, final: jax.Array, eog_ids: jax.Array,
                   seed: jax.Array, max_new: jax.Array, samp: sampling_lib.SamplingParams,
                   before: jax.Array, grammar: Optional[grammar_lib.GrammarTables] = None,
-                  gstart: Optional[jax.Array] = None, *, plan: Plan,
+                  gstart: Optional[jax.Array] = None, *, plan: PrefillPlan,
                   sampled: bool = False) -> DecodeState:
   """Prefill one chunk of a prompt into row `slot` of the batch (the other rows are untouched).
 
@@ -238,7 +274,12 @@ def prefill_chunk(tparams, dparams, state: DecodeState, slot: jax.Array, tokens:
   Only row `slot` is read and written: its K/V and draft caches in place in the donated state
   (attention reads the row's chunks where they lie; the new rows are dynamic-update-slices), its
   small state (positions, SSM / conv state, ...) sliced out and written back.
+  plan: the decode Plan's `prefill` part (a PrefillPlan; raises TypeError for a whole Plan, which
+  would compile one prefill per mode).
   """
+  if not isinstance(plan, PrefillPlan):
+    raise TypeError(f"prefill_chunk: plan must be a PrefillPlan (Plan.prefill), got "
+                    f"{type(plan).__name__}")
   tk, tv, dc = state.target.k, state.target.v, state.draft
   small = dataclasses.replace(state, target=dataclasses.replace(state.target, k=None, v=None),
                               draft=None)

@@ -7,6 +7,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import dflash_jax as dj
 from dflash_jax import decode, draft_io
@@ -134,6 +135,41 @@ def test_no_recompile_across_prompts_and_lengths(qwen_f32, qwen_draft, qwen_ref)
   dj.generate(qwen_f32, qwen_draft, qwen_ref["tokens"][1, :11], max_new_tokens=12, **kw,
               on_tokens=lambda ids: None, steps_per_call=2)
   assert _compiled_counts() == before
+
+
+def test_modes_share_one_compiled_prefill(qwen_f32, qwen_draft, qwen_ref):
+  """Chain and DDTree with the same draft run the same prefill program (Plan.prefill leaves the
+  mode, budget and lookup out of prefill_chunk's static key): the second mode's prefill compiles
+  nothing, its first token is the same, and a whole Plan is refused by name."""
+  from dflash_jax import batching, sampling
+  t, d = qwen_f32, qwen_draft
+  ids = np.asarray(qwen_ref["tokens"][0, :20], np.int32)
+  plans = [decode.Plan(t.config, d.config, dj.api.resolve_config(d, dj.DecodeConfig(mode=m, max_ctx=256,
+                                                                                     budget=8)),
+                       t.runtime) for m in ("chain", "ddtree")]
+  assert plans[0] != plans[1] and plans[0].prefill == plans[1].prefill
+
+  def prefill(plan):
+    st = decode.init_state(plan, 1)
+    toks = np.zeros(32, np.int32)
+    toks[:ids.size] = ids
+    return decode.prefill_chunk(t.params, d.params, st, jnp.int32(0), jnp.asarray(toks),
+                                jnp.int32(0), jnp.int32(ids.size), jnp.bool_(True),
+                                jnp.asarray([-1], jnp.int32), jnp.int32(0), jnp.int32(8),
+                                sampling.SamplingConfig().params(),
+                                jnp.asarray(batching.tokens_before([], 0)), plan=plan.prefill)
+
+  first = prefill(plans[0])
+  n = decode.prefill_chunk._cache_size()
+  second = prefill(plans[1])
+  assert decode.prefill_chunk._cache_size() == n
+  assert int(second.bonus[0]) == int(first.bonus[0])
+  with pytest.raises(TypeError, match="PrefillPlan"):
+    decode.prefill_chunk(t.params, d.params, decode.init_state(plans[0], 1), jnp.int32(0),
+                         jnp.zeros(32, jnp.int32), jnp.int32(0), jnp.int32(1), jnp.bool_(True),
+                         jnp.asarray([-1], jnp.int32), jnp.int32(0), jnp.int32(8),
+                         sampling.SamplingConfig().params(),
+                         jnp.asarray(batching.tokens_before([], 0)), plan=plans[0])
 
 
 def test_streaming_yields_the_same_tokens(qwen_f32, qwen_draft, qwen_ref):

@@ -145,7 +145,7 @@ def _sample_many(target, draft, prompt, dec, cfg: SamplingConfig, n, proposer=No
     st = decode.prefill_chunk(target.params, dparams, st, jnp.int32(0), jnp.asarray(toks),
                               jnp.int32(0), jnp.int32(len(prompt)), jnp.bool_(True), eog, seed,
                               jnp.int32(N_TOKENS), sp, jnp.asarray(batching.tokens_before([], 0)),
-                              plan=plan, sampled=True)
+                              plan=plan.prefill, sampled=True)
     st = decode.decode_loop(target.params, dparams, st, jnp.int32(1 << 20), eog, None, table,
                             plan=plan, sampled=True, proposer=proposer)
     return st.out[0, :N_TOKENS]
