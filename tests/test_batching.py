@@ -138,7 +138,7 @@ def test_prefill_chunk_copies_no_cache(qwen_f32, qwen_draft, mode):
       qwen_f32.params, b.dparams, b.state, jnp.int32(1), jnp.zeros(dec.prefill_chunk, jnp.int32),
       jnp.int32(0), jnp.int32(3), jnp.bool_(True), b.eog, jnp.int32(0), jnp.int32(3),
       dj.SamplingConfig().params(), jnp.asarray(batching.tokens_before([], 0)),
-      plan=b.plan).compile().as_text()
+      plan=b.plan.prefill).compile().as_text()
   bad = _whole_cache_ops(hlo, b.state, allow_ssm_select=False)
   assert not bad, bad
 
