@@ -72,7 +72,7 @@ class Plan:
   @property
   def feature_layers(self) -> tuple[int, ...]:
     """Target layer ids whose outputs feed the draft (empty without a draft)."""
-    return tuple(self.dcfg.target_layer_ids) if self.uses_draft else ()
+    return self.prefill.feature_layers
 
   @property
   def prefill(self) -> "PrefillPlan":

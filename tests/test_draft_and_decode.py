@@ -144,32 +144,28 @@ def test_modes_share_one_compiled_prefill(qwen_f32, qwen_draft, qwen_ref):
   from dflash_jax import batching, sampling
   t, d = qwen_f32, qwen_draft
   ids = np.asarray(qwen_ref["tokens"][0, :20], np.int32)
-  plans = [decode.Plan(t.config, d.config, dj.api.resolve_config(d, dj.DecodeConfig(mode=m, max_ctx=256,
-                                                                                     budget=8)),
+  plans = [decode.Plan(t.config, d.config,
+                       dj.api.resolve_config(d, dj.DecodeConfig(mode=m, max_ctx=256, budget=8)),
                        t.runtime) for m in ("chain", "ddtree")]
   assert plans[0] != plans[1] and plans[0].prefill == plans[1].prefill
 
-  def prefill(plan):
-    st = decode.init_state(plan, 1)
+  def prefill(plan, key):
+    """Prefill the prompt into a fresh one-slot state of `plan`, with `key` as the static plan."""
     toks = np.zeros(32, np.int32)
     toks[:ids.size] = ids
-    return decode.prefill_chunk(t.params, d.params, st, jnp.int32(0), jnp.asarray(toks),
-                                jnp.int32(0), jnp.int32(ids.size), jnp.bool_(True),
-                                jnp.asarray([-1], jnp.int32), jnp.int32(0), jnp.int32(8),
-                                sampling.SamplingConfig().params(),
-                                jnp.asarray(batching.tokens_before([], 0)), plan=plan.prefill)
+    return decode.prefill_chunk(t.params, d.params, decode.init_state(plan, 1), jnp.int32(0),
+                                jnp.asarray(toks), jnp.int32(0), jnp.int32(ids.size),
+                                jnp.bool_(True), jnp.asarray([-1], jnp.int32), jnp.int32(0),
+                                jnp.int32(8), sampling.SamplingConfig().params(),
+                                jnp.asarray(batching.tokens_before([], 0)), plan=key)
 
-  first = prefill(plans[0])
+  first = prefill(plans[0], plans[0].prefill)
   n = decode.prefill_chunk._cache_size()
-  second = prefill(plans[1])
+  second = prefill(plans[1], plans[1].prefill)
   assert decode.prefill_chunk._cache_size() == n
   assert int(second.bonus[0]) == int(first.bonus[0])
   with pytest.raises(TypeError, match="PrefillPlan"):
-    decode.prefill_chunk(t.params, d.params, decode.init_state(plans[0], 1), jnp.int32(0),
-                         jnp.zeros(32, jnp.int32), jnp.int32(0), jnp.int32(1), jnp.bool_(True),
-                         jnp.asarray([-1], jnp.int32), jnp.int32(0), jnp.int32(8),
-                         sampling.SamplingConfig().params(),
-                         jnp.asarray(batching.tokens_before([], 0)), plan=plans[0])
+    prefill(plans[0], plans[0])
 
 
 def test_streaming_yields_the_same_tokens(qwen_f32, qwen_draft, qwen_ref):
