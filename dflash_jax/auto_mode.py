@@ -7,7 +7,9 @@ all with a weak draft. So the mode is looked up in a measured table rather than 
 
 The table: JSON {key: {B: {column: aggregate decode tok/s}}}, key =
 "<platform>:<device kind>|<target GGUF file name>|<draft directory name>" ("none" without a
-draft), columns "ar", "chain", "ddtree@<budget>", "lookup@<G>" (prompt lookup, no draft model).
+draft), columns "ar", "chain", "ddtree@<budget>", "lookup@<G>" (prompt lookup, no draft model),
+"lookup@<G>+table<E>" (prompt lookup falling back to a static n-gram table, `ngram.py`, with
+`lookup_table_expect` E; no draft model).
 `scripts/bench.py --batch_sizes ... --modes ar,chain,ddtree --auto_table PATH` measures and writes it. Looked up in order: the user's table
 (`user_table_path()`, written by bench.py by default), then the one shipped with the package
 (`auto_modes.json`, measured on the machines this project is developed on).
@@ -15,7 +17,10 @@ draft), columns "ar", "chain", "ddtree@<budget>", "lookup@<G>" (prompt lookup, n
 Rule (`choose`): at batch size B take the row of the largest measured batch size <= B (the
 smallest measured one if B is below all); the mode is the fastest column of that row, and a
 speculative mode only when it beats "ar" there (so auto is never slower than AR where measured).
-Without a draft only "ar" and "lookup@G" columns count. Without a table entry for this key, auto
+Without a draft only "ar" and "lookup@G" columns count; "lookup@G+tableE" columns count only when
+the caller gives an n-gram table (`DecodeConfig.lookup_table`: with mode "auto" and no lookup
+length it names a table auto may use; `cli.find_table_dir` finds the one shipped for the target,
+which generate.py and the server pass). Without a table entry for this key, auto
 is "ar": it is the one mode that cannot be slower than autoregressive decoding, and an unmeasured speculative mode can be (run
 bench.py once on the platform to enable the draft).
 """
@@ -26,7 +31,8 @@ import dataclasses
 import functools
 import json
 import os
-from typing import Optional
+import re
+from typing import NamedTuple, Optional
 
 import jax
 
@@ -72,30 +78,60 @@ def load_entry(key: str, paths: Optional[list[str]] = None) -> Optional[dict[int
   return None
 
 
-def _column(name: str) -> tuple[str, Optional[int]]:
-  """("ddtree", 22) for "ddtree@22", ("lookup", 8) for "lookup@8", (name, None) otherwise."""
+class Pick(NamedTuple):
+  """What auto decodes with: mode, its size (the ddtree budget, the lookup length; None for ar /
+  chain) and, for a "lookup@G+tableE" column, the table threshold E (else None)."""
+  mode: str
+  size: Optional[int] = None
+  table_expect: Optional[float] = None
+
+  @property
+  def name(self) -> str:
+    """The column name ("ddtree@8", "lookup@4+table2", "ar")."""
+    base = f"{self.mode}@{self.size}" if self.size else self.mode
+    return base if self.table_expect is None else f"{base}+table{self.table_expect:g}"
+
+
+_TABLE_COLUMN = re.compile(r"^lookup@(\d+)\+table(\d+(?:\.\d*)?)$")
+
+
+def _column(name: str) -> Optional[Pick]:
+  """Pick("ddtree", 22) for "ddtree@22", Pick("lookup", 8) for "lookup@8", Pick("lookup", 4,
+  2.0) for "lookup@4+table2", Pick(name) for "ar" / "chain"; None for a column this rule cannot
+  name (e.g. "chain+lookup8", "chain+mix0.5")."""
+  m = _TABLE_COLUMN.match(name)
+  if m:
+    return Pick("lookup", int(m.group(1)), float(m.group(2)))
+  if "+" in name:
+    return None
   mode, _, n = name.partition("@")
-  return mode, int(n) if n else None
+  try:
+    return Pick(mode, int(n) if n else None)
+  except ValueError:
+    return None
 
 
-def choose(entry: Optional[dict[int, dict[str, float]]], batch: int,
-           has_draft: bool) -> tuple[str, Optional[int]]:
-  """(mode, its size or None: the ddtree budget, the lookup length) for `batch` rows by the
-  rule in the module docstring. Columns of the draft modes count only with a draft; "lookup@G"
-  (no draft model) counts either way; columns this rule cannot name (e.g. "chain+lookup8") are
-  ignored."""
+def choose(entry: Optional[dict[int, dict[str, float]]], batch: int, has_draft: bool,
+           has_table: bool = False) -> Pick:
+  """The Pick for `batch` rows by the rule in the module docstring. Columns of the draft modes
+  count only with a draft; "lookup@G" (no draft model) counts either way, "lookup@G+tableE"
+  only with a table (has_table); columns this rule cannot name are ignored."""
   if not entry:
-    return "ar", None
+    return Pick("ar")
   sizes = sorted(entry)
   below = [b for b in sizes if b <= batch]
   row = entry[below[-1] if below else sizes[0]]
   if "ar" not in row:
-    return "ar", None
+    return Pick("ar")
   usable = ("ar", "lookup", "chain", "ddtree") if has_draft else ("ar", "lookup")
-  ok = {k: v for k, v in row.items() if "+" not in k and _column(k)[0] in usable}
+  ok = {}
+  for k, v in row.items():
+    pick = _column(k)
+    if pick and pick.mode in usable and (pick.table_expect is None or has_table):
+      ok[k] = v
   best = max(ok, key=ok.get)
   if ok[best] <= row["ar"]:
-    return "ar", None
+    return Pick("ar")
   return _column(best)
 
 
@@ -104,15 +140,24 @@ def resolve(dec: DecodeConfig, target_path: str, draft_path: Optional[str], batc
   """`dec` with mode "auto" replaced by the mode `choose` picks (with its budget for ddtree, its
   length for lookup unless dec.lookup is set); other modes unchanged. A lookup length the
   caller set (dec.lookup > 0) is kept: where auto picks "ar" it decodes in mode "lookup" with it,
-  where it picks a draft mode it grafts it (DecodeConfig.lookup). Raises ValueError when
-  dec.table_mix > 0 and the pick runs no draft ("ar" / "lookup")."""
+  where it picks a draft mode it grafts it (DecodeConfig.lookup), with dec.lookup_table as set.
+  With a dec.lookup_table the "lookup@G+tableE" columns count: such a pick decodes in mode
+  "lookup" with the table and lookup_table_expect = the measured E. With dec.lookup = 0 and
+  table_mix = 0 the table is only offered: a pick of another column decodes without it. Raises
+  ValueError when dec.table_mix > 0 and the pick runs no draft ("ar" / "lookup")."""
   if dec.mode != "auto":
     return dec
-  mode, size = choose(load_entry(table_key(target_path, draft_path)), batch, has_draft)
+  mode, size, expect = choose(load_entry(table_key(target_path, draft_path)), batch, has_draft,
+                              has_table=bool(dec.lookup_table))
   if dec.table_mix and mode not in ("chain", "ddtree"):
     raise ValueError(f"table_mix={dec.table_mix}: mode 'auto' picks {mode!r} here for batch "
                      f"{batch}, which runs no draft to mix the table into; name mode 'chain' or "
                      "'ddtree'")
+  if expect is not None:
+    return dataclasses.replace(dec, mode="lookup", lookup=dec.lookup or size,
+                               lookup_table_expect=expect)
+  if dec.lookup_table and not dec.lookup and not dec.table_mix:
+    dec = dataclasses.replace(dec, lookup_table="")      # offered to auto, not picked
   if mode == "ddtree":
     return dataclasses.replace(dec, mode=mode, budget=size)
   if mode == "lookup" or (mode == "ar" and dec.lookup):
@@ -137,12 +182,13 @@ def update_table(path: str, key: str, entry: dict[int, dict[str, float]]):
   os.replace(tmp, path)
 
 
-def explain(target_path: str, draft_path: Optional[str], batch: int, has_draft: bool) -> str:
+def explain(target_path: str, draft_path: Optional[str], batch: int, has_draft: bool,
+            has_table: bool = False) -> str:
   """Why mode "auto" picks what it picks for `batch` rows here, in one line: the measured row
-  it read (tok/s per mode) or the fallback that applied."""
+  it read (tok/s per mode) or the fallback that applied. has_table: an n-gram table is
+  available (the "lookup@G+tableE" columns count)."""
   entry = load_entry(table_key(target_path, draft_path))
-  mode, size = choose(entry, batch, has_draft)
-  name = f"{mode}@{size}" if size else mode
+  name = choose(entry, batch, has_draft, has_table).name
   if not has_draft and not entry:
     return f"{name}: no draft"
   if not entry:

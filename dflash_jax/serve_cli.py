@@ -73,7 +73,7 @@ def build_engine() -> serve.Engine:
   target = target_flags.load(_TF)
   draft_dir = _DRAFT.value if _DRAFT.value is not None else cli.find_draft_dir(target)
   draft = dj.load_draft(draft_dir, target) if draft_dir and draft_dir != "none" else None
-  dec = decode_flags.config(_DF)
+  dec = cli.offer_shipped_table(decode_flags.config(_DF), target, _DF.lookup_table.present)
   if dec.mode not in ("ar", "auto") and draft is None:
     raise app.UsageError(f"--mode={dec.mode} needs a draft (--draft)")
   defaults = decode_flags.sampling(_DF, target.sampling_defaults)
@@ -84,6 +84,7 @@ def build_engine() -> serve.Engine:
                         _MAX_BATCH.value, _STEPS_PER_CALL.value, prompt_cache_bytes=_PROMPT_CACHE.value,
                         parse_special=_TF.parse_special.value)
   dj.api.check_config(target, draft, decs[engine.max_batch], engine.max_batch)
+  dj.api.check_config(target, draft, decs[1])     # loads an n-gram table auto picked for one row
   engine.warm_up([1], [engine.default_variant()])
   return engine
 

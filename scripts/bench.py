@@ -338,8 +338,8 @@ def main(argv):
     entry = {}
     for r in rows:
       entry.setdefault(r["batch"], {})[r["mode"]] = round(r["aggregate_tok_s"], 3)
-    result["auto_mode"] = {b: f"{m}@{size}" if size else m for b in entry
-                           for m, size in [auto_mode.choose(entry, b, draft_dir != "random")]}
+    result["auto_mode"] = {b: auto_mode.choose(entry, b, draft_dir != "random",
+                                               has_table=bool(_TABLE.value)).name for b in entry}
     print("mode='auto' would pick: " + ", ".join(f"B={b}: {m}" for b, m in result["auto_mode"].items()))
     if _AUTO_TABLE.value:
       out = auto_mode.user_table_path() if _AUTO_TABLE.value == "user" else _AUTO_TABLE.value

@@ -83,13 +83,13 @@ def _load():
     if draft_dir and draft_dir != "none":
       bar.set_postfix_str(os.path.basename(draft_dir.rstrip("/")))
       draft = dj.load_draft(draft_dir, target)
-  dec = decode_flags.config(_DF)
+  dec = cli.offer_shipped_table(decode_flags.config(_DF), target, _DF.lookup_table.present)
   if dec.mode == "auto":
     from dflash_jax import auto_mode
     print("[dflash] mode auto -> " + auto_mode.explain(
         target.path, draft.path if draft is not None else None,
         1 if not _PROMPT_FILE.value else (_BATCH.value or dj.api.default_batch_size()),
-        draft is not None), file=sys.stderr)
+        draft is not None, has_table=bool(dec.lookup_table)), file=sys.stderr)
   if draft is None:
     if dec.mode in DRAFT_MODES:
       raise app.UsageError(f"--mode={dec.mode} needs a draft (--draft)")

@@ -2,12 +2,16 @@
 slower than AR at that batch size; AR without a draft or a measurement) and its use by
 generate / generate_batch."""
 
+import dataclasses
 import json
+import os
+import types
 
 import pytest
 
 import dflash_jax as dj
 from dflash_jax import auto_mode
+from dflash_jax.auto_mode import Pick
 
 ENTRY = {1: {"ar": 30.0, "chain": 45.0, "ddtree@8": 50.0},
          4: {"ar": 60.0, "chain": 70.0, "ddtree@8": 55.0},
@@ -20,14 +24,14 @@ ENTRY = {1: {"ar": 30.0, "chain": 45.0, "ddtree@8": 50.0},
     (8, ("ar", None)), (64, ("ar", None)),        # chain measured slower than AR: not taken
 ])
 def test_choose_rule(batch, want):
-  assert auto_mode.choose(ENTRY, batch, has_draft=True) == want
+  assert auto_mode.choose(ENTRY, batch, has_draft=True) == Pick(*want)
 
 
 def test_choose_fallbacks():
-  assert auto_mode.choose(ENTRY, 1, has_draft=False) == ("ar", None)
-  assert auto_mode.choose(None, 1, has_draft=True) == ("ar", None)
-  assert auto_mode.choose({2: {"ar": 1.0, "chain": 9.0}}, 1, has_draft=True) == ("chain", None)
-  assert auto_mode.choose({1: {"chain": 9.0}}, 1, has_draft=True) == ("ar", None)  # no AR to beat
+  assert auto_mode.choose(ENTRY, 1, has_draft=False) == Pick("ar")
+  assert auto_mode.choose(None, 1, has_draft=True) == Pick("ar")
+  assert auto_mode.choose({2: {"ar": 1.0, "chain": 9.0}}, 1, has_draft=True) == Pick("chain")
+  assert auto_mode.choose({1: {"chain": 9.0}}, 1, has_draft=True) == Pick("ar")  # no AR to beat
 
 
 def test_unresolved_auto_is_an_error():
@@ -75,10 +79,10 @@ def test_choose_and_resolve_lookup_columns(qwen_f32, qwen_ref, tmp_path, monkeyp
   measured lookup column makes generate decode in mode "lookup" (same tokens as AR)."""
   entry = {1: {"ar": 30.0, "lookup@4": 40.0, "chain": 35.0, "chain+lookup8": 99.0},
            4: {"ar": 60.0, "lookup@4": 50.0}}
-  assert auto_mode.choose(entry, 1, has_draft=True) == ("lookup", 4)
-  assert auto_mode.choose(entry, 1, has_draft=False) == ("lookup", 4)
-  assert auto_mode.choose(entry, 4, has_draft=False) == ("ar", None)
-  assert auto_mode.choose({1: {"ar": 30.0, "chain": 35.0}}, 1, has_draft=False) == ("ar", None)
+  assert auto_mode.choose(entry, 1, has_draft=True) == Pick("lookup", 4)
+  assert auto_mode.choose(entry, 1, has_draft=False) == Pick("lookup", 4)
+  assert auto_mode.choose(entry, 4, has_draft=False) == Pick("ar")
+  assert auto_mode.choose({1: {"ar": 30.0, "chain": 35.0}}, 1, has_draft=False) == Pick("ar")
   table = tmp_path / "auto.json"
   key = auto_mode.table_key(qwen_f32.path, None)
   table.write_text(json.dumps({key: {str(b): row for b, row in entry.items()}}))
@@ -93,3 +97,67 @@ def test_choose_and_resolve_lookup_columns(qwen_f32, qwen_ref, tmp_path, monkeyp
   r = dj.generate(qwen_f32, None, p, **kw)
   assert r.mode == "lookup" and r.tokens == dj.generate(qwen_f32, None, p, mode="ar", **kw).tokens
   assert "lookup@4: fastest measured at B=1" in auto_mode.explain(qwen_f32.path, None, 1, False)
+
+
+def test_table_columns(tmp_path, monkeypatch):
+  """"lookup@G+tableE" columns count only when the caller offers a table (has_table); resolve
+  decodes such a pick in mode "lookup" with the table and the measured threshold E, drops an
+  offered table that was not picked, keeps a lookup length the caller set, and refuses a
+  table_mix that the pick cannot run."""
+  entry = {1: {"ar": 30.0, "lookup@4": 33.0, "lookup@4+table2": 36.0, "lookup@8+table0.5": 35.0},
+           4: {"ar": 60.0, "lookup@4": 50.0, "lookup@4+table2": 55.0}}
+  assert auto_mode.choose(entry, 1, has_draft=False) == Pick("lookup", 4)
+  assert auto_mode.choose(entry, 1, has_draft=False, has_table=True) == Pick("lookup", 4, 2.0)
+  assert auto_mode.choose(entry, 4, has_draft=True, has_table=True) == Pick("ar")
+  assert Pick("lookup", 4, 2.0).name == "lookup@4+table2" and Pick("ddtree", 8).name == "ddtree@8"
+  assert auto_mode.choose({1: {"ar": 1.0, "lookup@8+table0.5": 2.0}}, 1, False,
+                          True) == Pick("lookup", 8, 0.5)
+  table = tmp_path / "auto.json"
+  key = auto_mode.table_key("t.gguf", None)
+  table.write_text(json.dumps({key: {str(b): row for b, row in entry.items()}}))
+  monkeypatch.setattr(auto_mode, "user_table_path", lambda: str(table))
+  offered = dj.DecodeConfig(lookup_table="shards/", lookup_table_expect=5.0)   # mode auto
+  dec = auto_mode.resolve(offered, "t.gguf", None, 1, has_draft=False)
+  assert (dec.mode, dec.lookup, dec.lookup_table, dec.lookup_table_expect) == (
+      "lookup", 4, "shards/", 2.0)
+  dec = auto_mode.resolve(offered, "t.gguf", None, 4, has_draft=False)
+  assert (dec.mode, dec.lookup, dec.lookup_table) == ("ar", 0, "")       # offered, not picked
+  dec = auto_mode.resolve(dataclasses.replace(offered, lookup=6), "t.gguf", None, 1, False)
+  assert (dec.mode, dec.lookup, dec.lookup_table) == ("lookup", 6, "shards/")
+  dec = auto_mode.resolve(dataclasses.replace(offered, lookup=6), "t.gguf", None, 4, False)
+  assert (dec.mode, dec.lookup, dec.lookup_table) == ("lookup", 6, "shards/")  # as the caller set
+  dec = auto_mode.resolve(dj.DecodeConfig(), "t.gguf", None, 1, has_draft=False)
+  assert (dec.mode, dec.lookup, dec.lookup_table) == ("lookup", 4, "")   # no table offered
+  with pytest.raises(ValueError, match="table_mix=0.5: mode 'auto' picks 'lookup'"):
+    auto_mode.resolve(dataclasses.replace(offered, table_mix=0.5), "t.gguf", None, 1, False)
+  with pytest.raises(ValueError, match="lookup_table is set with lookup=0"):
+    dj.DecodeConfig(mode="lookup", lookup_table="shards/")
+  assert "lookup@4+table2: fastest measured at B=1" in auto_mode.explain("t.gguf", None, 1, False,
+                                                                          has_table=True)
+
+
+def test_shipped_table_found_and_offered(tmp_path):
+  """cli.find_table_dir: the shipped shards of the default target (a shard names its GGUF file
+  name, all name one sha256), none for another file, mixed targets or a corrupt manifest; offer_shipped_table offers it
+  to mode "auto" only, and not when the user named a table (even empty) or a lookup length."""
+  from dflash_jax import cli
+  smol = types.SimpleNamespace(path="/x/" + cli.DEFAULT_GGUF_FILE)
+  found = cli.find_table_dir(smol)
+  assert found == os.path.join(cli.CHECKPOINTS, "train_data", "smollm2-135m-instruct")
+  assert cli.find_table_dir(types.SimpleNamespace(path="/x/other.gguf")) is None
+  d = tmp_path / "train_data" / "a"
+  d.mkdir(parents=True)
+  (d / "manifest.json").write_text("{not json")
+  assert cli.find_table_dir(smol, str(tmp_path)) is None
+  m = types.SimpleNamespace(path="m.gguf")
+  (d / "manifest.json").write_text(json.dumps({"shards": [
+      {"target": "m.gguf", "target_sha256": "ab"}, {"target": "gpu.gguf", "target_sha256": "ab"}]}))
+  assert cli.find_table_dir(m, str(tmp_path)) == str(d)
+  (d / "manifest.json").write_text(json.dumps({"shards": [
+      {"target": "m.gguf", "target_sha256": "ab"}, {"target": "m.gguf", "target_sha256": "cd"}]}))
+  assert cli.find_table_dir(m, str(tmp_path)) is None          # two different files' text
+  auto = dj.DecodeConfig()
+  assert cli.offer_shipped_table(auto, smol, False).lookup_table == found
+  assert cli.offer_shipped_table(auto, smol, True).lookup_table == ""
+  for dec in (dj.DecodeConfig(mode="ar"), dj.DecodeConfig(lookup=4)):
+    assert cli.offer_shipped_table(dec, smol, False) == dec

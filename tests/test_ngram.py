@@ -192,6 +192,42 @@ def test_file_checks(tmp_path):
     ngram.build([(np.asarray([1, 2, 12]), 0)], 9)
 
 
+def test_shard_dir_table_is_built_once(tmp_path, monkeypatch):
+  """A token-shard directory's table is built once and kept under ngram.cache_dir(), keyed by the
+  manifest: a second load reads it back (equal arrays, no shard read), an unreadable cache file
+  is rebuilt and replaced, and a new shard (a new manifest) builds afresh."""
+  from dflash_jax.train import shards
+  cache = tmp_path / "cache"
+  monkeypatch.setattr(ngram, "cache_dir", lambda: str(cache))
+  rng = np.random.default_rng(5)
+  V, d = 9, str(tmp_path / "data")
+  build = ngram.from_shards
+
+  def add_shard(n):
+    seqs = [shards.TokenSeq(t[:max(s, 1)].astype(np.int32), t[max(s, 1):].astype(np.int32), i)
+            for i, (t, s) in enumerate(_corpus(rng, V, n))]     # a shard's prompts: >= 1 token
+    shards.write_shard(d, seqs, V, target="t.gguf")
+    return [(q.tokens, q.prompt_len) for q in seqs]
+
+  def same(a, b):
+    return all(np.array_equal(getattr(a, f), getattr(b, f)) for f in ("keys", "next", "share"))
+
+  corpus = add_shard(20)
+  want = ngram.build(corpus, V)
+  assert same(ngram.load(d, V), want)
+  (cached,) = cache.iterdir()
+  monkeypatch.setattr(ngram, "from_shards", lambda *a, **k: pytest.fail("built again"))
+  assert same(ngram.load(d, V), want)                      # read back from the cache
+  cached.write_bytes(b"not a zip")
+  monkeypatch.setattr(ngram, "from_shards", build)
+  assert same(ngram.load(d, V), want)                      # rebuilt ...
+  assert same(ngram.load(str(cached), V), want)            # ... and the file replaced
+  corpus += add_shard(10)
+  grown = ngram.load(d, V)
+  assert same(grown, ngram.build(corpus, V)) and grown.size > want.size
+  assert len(list(cache.iterdir())) == 2
+
+
 def test_config_errors(tmp_path):
   with pytest.raises(ValueError, match="lookup_table is set with lookup=0"):
     dj.DecodeConfig(mode="chain", lookup_table="x")
@@ -208,10 +244,10 @@ def test_config_errors(tmp_path):
 
 def test_auto_with_table_mix_needs_a_draft_mode(monkeypatch):
   from dflash_jax import auto_mode
-  monkeypatch.setattr(auto_mode, "choose", lambda entry, batch, has_draft: ("lookup", 4))
+  monkeypatch.setattr(auto_mode, "choose", lambda *a, **k: auto_mode.Pick("lookup", 4))
   with pytest.raises(ValueError, match="table_mix=0.5: mode 'auto' picks 'lookup'"):
     auto_mode.resolve(dj.DecodeConfig(lookup_table="x", table_mix=0.5), "t.gguf", "d", 1, True)
-  monkeypatch.setattr(auto_mode, "choose", lambda entry, batch, has_draft: ("ddtree", 12))
+  monkeypatch.setattr(auto_mode, "choose", lambda *a, **k: auto_mode.Pick("ddtree", 12))
   dec = auto_mode.resolve(dj.DecodeConfig(lookup_table="x", table_mix=0.5), "t.gguf", "d", 1, True)
   assert (dec.mode, dec.budget, dec.table_mix) == ("ddtree", 12, 0.5)
 
@@ -260,8 +296,10 @@ def test_table_modes_lossless(tmp_path, qwen_f32, qwen_ref, qwen_draft):
       assert np.mean(runs["chain+mix"].accept_lens) > 3.0, runs["chain+mix"].accept_lens
 
 
-def test_table_batched_rows_equal_one_row(smol, smol_prompts, tmp_path):
-  """Batched mode "lookup" with a table: each row's output equals its own AR output."""
+def test_table_batched_rows_equal_one_row(smol, smol_prompts, tmp_path, monkeypatch):
+  """Batched mode "lookup" with a table: each row's output equals its own AR output; so does
+  mode "auto" offered the table where the measured table says "lookup@4+table0.5" is fastest
+  (it decodes in mode "lookup" with the table: the same program)."""
   prompts = [smol_prompts[i]["prompt_ids"] for i in (0, 3, 5)]
   ars = [dj.generate(smol, None, p, max_new_tokens=24, mode="ar", max_ctx=256, eog_ids=())
          for p in prompts]
@@ -274,3 +312,14 @@ def test_table_batched_rows_equal_one_row(smol, smol_prompts, tmp_path):
                           lookup_table_expect=0.5)
   for r, a in zip(res, ars):
     assert r.tokens == a.tokens
+  import json
+  from dflash_jax import auto_mode
+  table = tmp_path / "auto.json"
+  table.write_text(json.dumps({auto_mode.table_key(smol.path, None): {
+      "1": {"ar": 1.0, "lookup@4": 2.0, "lookup@4+table0.5": 3.0}}}))
+  monkeypatch.setattr(auto_mode, "user_table_path", lambda: str(table))
+  auto = dj.generate_batch(smol, None, prompts, max_new_tokens=24, batch_size=2, max_ctx=256,
+                           eog_ids=(), lookup_table=path)
+  assert {r.mode for r in auto} == {"lookup"}
+  assert [r.tokens for r in auto] == [a.tokens for a in ars]
+  assert [r.accept_lens for r in auto] == [r.accept_lens for r in res]

@@ -121,13 +121,21 @@ def test_generate_script_interactive(smol):
   assert len(answers) >= 3
 
 
-def test_generate_script_clear_error_for_long_prompt():
-  r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "generate.py"), "--nochat",
-                      "--prompt", "word " * 300, "--max_ctx", "64", "--draft", "none"],
-                     capture_output=True, text=True, timeout=600, cwd=ROOT)
-  assert r.returncode == 1
-  assert "error: prompt has" in r.stderr and "max_ctx=64" in r.stderr
-  assert "Traceback" not in r.stderr and "compiled in" not in r.stderr
+def test_generate_script_clear_error_for_long_prompt(smol):
+  """A prompt longer than --max_ctx is one error line before compiling. On the way, mode auto's
+  line: the target's shipped n-gram table is offered (the shipped auto table's pick with a table),
+  and `--lookup_table=` withdraws it."""
+  from dflash_jax import auto_mode, cli
+  cmd = [sys.executable, os.path.join(ROOT, "scripts", "generate.py"), "--nochat",
+         "--prompt", "word " * 300, "--max_ctx", "64", "--draft", "none"]
+  entry = auto_mode.load_entry(auto_mode.table_key(smol.path, None))
+  for extra, has_table in (([], cli.find_table_dir(smol) is not None), (["--lookup_table="], False)):
+    r = subprocess.run(cmd + extra, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 1
+    assert "error: prompt has" in r.stderr and "max_ctx=64" in r.stderr
+    assert "Traceback" not in r.stderr and "compiled in" not in r.stderr
+    pick = auto_mode.choose(entry, 1, has_draft=False, has_table=has_table).name
+    assert f"mode auto -> {pick}:" in r.stderr, r.stderr[-2000:]
 
 
 def test_generate_script_batch_keeps_going_and_protects_output(tmp_path):
