@@ -8,8 +8,8 @@ weights' scale, 212 MB) at M = 1..32 rows:
   panel    the BLIS-style form: W repacked at load into [N/16, K, 16] panels, 6 rows x 16 outputs
            per register tile (broadcast x, stream W), 2 OpenMP threads;
   q4_1     W kept in GGUF Q4_1 (random 4-bit codes, per-32 scale d and min m; as planes: codes
-           [N, K/2] bytes, d and m [N, K/32] float32), unpacked in registers, y = sum_b d_b (q_b . x_b)
-           + m_b sum(x_b): 0.75 bytes a weight read instead of 4;
+           [N, K/2] bytes, d and m [N, K/32] float32), unpacked in registers,
+           y = sum_b d_b (q_b . x_b) + m_b sum(x_b): 0.75 bytes a weight read instead of 4;
 and the machine's FMA peak (10 independent FMA chains per thread). Needs g++ with -mavx2 -mfma.
 
     python bench_out/cpu/handwritten_matmul.py --json_out bench_out/cpu/handwritten_matmul.json
