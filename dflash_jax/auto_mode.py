@@ -140,23 +140,23 @@ def resolve(dec: DecodeConfig, target_path: str, draft_path: Optional[str], batc
   """`dec` with mode "auto" replaced by the mode `choose` picks (with its budget for ddtree, its
   length for lookup unless dec.lookup is set); other modes unchanged. A lookup length the
   caller set (dec.lookup > 0) is kept: where auto picks "ar" it decodes in mode "lookup" with it,
-  where it picks a draft mode it grafts it (DecodeConfig.lookup), with dec.lookup_table as set.
-  With a dec.lookup_table the "lookup@G+tableE" columns count: such a pick decodes in mode
-  "lookup" with the table and lookup_table_expect = the measured E. With dec.lookup = 0 and
-  table_mix = 0 the table is only offered: a pick of another column decodes without it. Raises
+  where it picks a draft mode it grafts it (DecodeConfig.lookup), with dec.lookup_table and its
+  threshold as set. A dec.lookup_table with lookup = 0 and table_mix = 0 is offered: then the
+  "lookup@G+tableE" columns count, such a pick decodes in mode "lookup" with the table, G and
+  lookup_table_expect = the measured E, and a pick of another column decodes without it. Raises
   ValueError when dec.table_mix > 0 and the pick runs no draft ("ar" / "lookup")."""
   if dec.mode != "auto":
     return dec
+  offered = bool(dec.lookup_table) and not dec.lookup and not dec.table_mix
   mode, size, expect = choose(load_entry(table_key(target_path, draft_path)), batch, has_draft,
-                              has_table=bool(dec.lookup_table))
+                              has_table=offered)
   if dec.table_mix and mode not in ("chain", "ddtree"):
     raise ValueError(f"table_mix={dec.table_mix}: mode 'auto' picks {mode!r} here for batch "
                      f"{batch}, which runs no draft to mix the table into; name mode 'chain' or "
                      "'ddtree'")
   if expect is not None:
-    return dataclasses.replace(dec, mode="lookup", lookup=dec.lookup or size,
-                               lookup_table_expect=expect)
-  if dec.lookup_table and not dec.lookup and not dec.table_mix:
+    return dataclasses.replace(dec, mode="lookup", lookup=size, lookup_table_expect=expect)
+  if offered:
     dec = dataclasses.replace(dec, lookup_table="")      # offered to auto, not picked
   if mode == "ddtree":
     return dataclasses.replace(dec, mode=mode, budget=size)

@@ -102,8 +102,8 @@ def test_choose_and_resolve_lookup_columns(qwen_f32, qwen_ref, tmp_path, monkeyp
 def test_table_columns(tmp_path, monkeypatch):
   """"lookup@G+tableE" columns count only when the caller offers a table (has_table); resolve
   decodes such a pick in mode "lookup" with the table and the measured threshold E, drops an
-  offered table that was not picked, keeps a lookup length the caller set, and refuses a
-  table_mix that the pick cannot run."""
+  offered table that was not picked, leaves a lookup length, table and threshold the caller set
+  as set, and refuses a table_mix that the pick cannot run."""
   entry = {1: {"ar": 30.0, "lookup@4": 33.0, "lookup@4+table2": 36.0, "lookup@8+table0.5": 35.0},
            4: {"ar": 60.0, "lookup@4": 50.0, "lookup@4+table2": 55.0}}
   assert auto_mode.choose(entry, 1, has_draft=False) == Pick("lookup", 4)
@@ -123,7 +123,8 @@ def test_table_columns(tmp_path, monkeypatch):
   dec = auto_mode.resolve(offered, "t.gguf", None, 4, has_draft=False)
   assert (dec.mode, dec.lookup, dec.lookup_table) == ("ar", 0, "")       # offered, not picked
   dec = auto_mode.resolve(dataclasses.replace(offered, lookup=6), "t.gguf", None, 1, False)
-  assert (dec.mode, dec.lookup, dec.lookup_table) == ("lookup", 6, "shards/")
+  assert (dec.mode, dec.lookup, dec.lookup_table, dec.lookup_table_expect) == (
+      "lookup", 6, "shards/", 5.0)                        # the caller's own lookup: as set
   dec = auto_mode.resolve(dataclasses.replace(offered, lookup=6), "t.gguf", None, 4, False)
   assert (dec.mode, dec.lookup, dec.lookup_table) == ("lookup", 6, "shards/")  # as the caller set
   dec = auto_mode.resolve(dj.DecodeConfig(), "t.gguf", None, 1, has_draft=False)
