@@ -17,10 +17,16 @@ from typing import Optional
 import jax
 
 
+def user_cache_dir(name: str) -> str:
+  """$XDG_CACHE_HOME/dflash_jax/<name>, or ~/.cache/dflash_jax/<name>: where this package keeps
+  what it can rebuild (compiled programs, built n-gram tables)."""
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "dflash_jax", name)
+
+
 def default_dir() -> str:
   """$XDG_CACHE_HOME/dflash_jax/xla, or ~/.cache/dflash_jax/xla."""
-  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-  return os.path.join(base, "dflash_jax", "xla")
+  return user_cache_dir("xla")
 
 
 def enable(cache_dir: Optional[str] = None) -> str:

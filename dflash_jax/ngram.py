@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax import compile_cache
+
 FORMAT = 1
 MAX_ORDER = 8
 _PRIME = 0x01000193            # FNV-1a's 32-bit prime
@@ -148,8 +150,7 @@ def _check(table: NgramTable, path: str, vocab: int) -> NgramTable:
 def cache_dir() -> str:
   """Where tables built from token-shard directories are kept: $XDG_CACHE_HOME/dflash_jax/ngram
   (~/.cache/dflash_jax/ngram), beside the compile cache."""
-  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-  return os.path.join(base, "dflash_jax", "ngram")
+  return compile_cache.user_cache_dir("ngram")
 
 
 def _built_path(data_dir: str, vocab: int) -> str | None:
