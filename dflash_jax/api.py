@@ -110,15 +110,16 @@ def _resolve_weights(weights: str, f, rt: Runtime) -> str:
 
 def load_target(gguf_path: str, *, weights: str = "auto", compute_dtype: str = "float32",
                 kv_dtype: str = "float32", kv_dtype_v: str = "", tokenizer: bool = True,
-                kernels: str = "auto", gdn_commit: str = "states",
-                fuse_projections: bool = True,
+                kernels: str = "auto", gdn_commit: str = "states", attention: str = "live",
+                rounds: int = 0, fuse_projections: bool = True,
                 progress: Optional[Callable[[int, int], None]] = None) -> Target:
   """Load a GGUF target (`qwen35`, `llama`, `qwen3`).
 
   weights: "quantized" keeps GGUF blocks packed on device and dequantizes inside the jitted
     forward; "f32"/"bf16" dequantize once at load (4-8x the memory); "auto" (default) picks per
     platform by measurement (`_resolve_weights`: f32 on CPU when it fits, else quantized).
-  compute_dtype, kv_dtype, kv_dtype_v, kernels, gdn_commit: the target's Runtime (see runtime.Runtime;
+  compute_dtype, kv_dtype, kv_dtype_v, kernels, gdn_commit, attention, rounds: the target's
+    Runtime (see runtime.Runtime;
     kv_dtype in float32 / bfloat16 / float16 / q8_0 / q4_0, for the draft's context cache too;
     kv_dtype_v the values' format when it differs, "" = kv_dtype); kernels "auto"
     = Pallas kernels on GPU, the pure-JAX reference elsewhere; "mosaic" (Hopper) also tiles the
@@ -134,7 +135,8 @@ def load_target(gguf_path: str, *, weights: str = "auto", compute_dtype: str = "
   naming the file or option.
   """
   rt = Runtime.for_backend(kernels, compute_dtype=compute_dtype, kv_dtype=kv_dtype,
-                           kv_dtype_v=kv_dtype_v, gdn_commit=gdn_commit)
+                           kv_dtype_v=kv_dtype_v, gdn_commit=gdn_commit, attention=attention,
+                           rounds=rounds)
   f = read_gguf(gguf_path)
   if progress is not None:
     done, total = [0], f.n_tensor_bytes

@@ -293,11 +293,18 @@ class SlotBatch:
   def run(self, max_steps: int):
     """Decode rounds while any row is active, at most max_steps. Uses the sampling variant of
     the loop when any slot was prefilled with sampling (greedy rows stay greedy in it), and the
-    grammar variant when any slot is constrained."""
-    self.state = decode_lib.decode_loop(
-        self.target.params, self.dparams, self.state, jnp.int32(max_steps), self.eog,
-        self._tables(self.grammars.active), self.table, plan=self.plan,
-        sampled=bool(self.sampled_rows), proposer=self.proposer)
+    grammar variant when any slot is constrained. With `Runtime.rounds` R > 0 each device call
+    runs R rounds, and the host reads whether a row is still active between calls."""
+    rounds = self.plan.rt.rounds
+    left = max_steps
+    while left > 0:
+      self.state = decode_lib.decode_loop(
+          self.target.params, self.dparams, self.state, jnp.int32(min(left, rounds or left)),
+          self.eog, self._tables(self.grammars.active), self.table, plan=self.plan,
+          sampled=bool(self.sampled_rows), proposer=self.proposer)
+      left -= rounds or left
+      if left > 0 and not self._host()[1].any():
+        break
 
   def _host(self):
     """(n_out, active, out, finite) as host arrays, read once per state (cached until the state

@@ -611,12 +611,14 @@ def _step(tparams, dparams, s: DecodeState, eog_ids, live_bound, rules, grammar,
   def choose(logits):
     # logit_bias and penalties, each node under its own path's window (sampling.apply_rules)
     node_pos = s.pos + tree.depths
-    logits = jax.lax.cond(
-        rules,
-        lambda x: sampling_lib.apply_rules(x, s.samp, s.recent, _recent_pos(s.pos - 1),
-                                           tree.tokens, node_pos, tree.ancestor_matrix(),
-                                           node_pos),
-        lambda x: x.astype(jnp.float32), logits)
+    ruled = lambda x: sampling_lib.apply_rules(x, s.samp, s.recent, _recent_pos(s.pos - 1),
+                                               tree.tokens, node_pos, tree.ancestor_matrix(),
+                                               node_pos)
+    plain = lambda x: x.astype(jnp.float32)
+    if plan.rt.rounds:                    # a static loop: no branch (no host round trip)
+      logits = jnp.where(rules, ruled(logits), plain(logits))
+    else:
+      logits = jax.lax.cond(rules, ruled, plain, logits)
     if grammar is not None:
       logits = grammar_lib.mask_logits(logits, grammar, gnodes)
     path, n_acc, emit = accept(tree, logits, q_logp, dec, s.samp, k_accept, sampled)
@@ -686,7 +688,8 @@ def decode_loop(tparams, dparams, state: DecodeState, max_steps: jax.Array, eog_
                 sampled: bool = False, proposer=dflash_proposer) -> DecodeState:
   """Run decode steps while any row is active (not done, length budget and context left), at
   most max_steps more rounds. Each round steps every row at once (`_step` vmapped over the
-  rows); inactive rows keep their state.
+  rows); inactive rows keep their state. With `Runtime.rounds` R > 0 the loop runs exactly R
+  rounds (static trip count; a round with no active row, or past max_steps, changes nothing).
 
   max_steps: [] int32 (traced: no recompile across values). eog_ids: [E] int32. sampled:
   static; False = greedy variant (argmax everywhere), True = each row samples with its own
@@ -710,9 +713,13 @@ def decode_loop(tparams, dparams, state: DecodeState, max_steps: jax.Array, eog_
     s, i = c
     return jnp.any(active_rows(s, dec)) & (i < max_steps)
 
+  fixed = plan.rt.rounds
+
   def one_round(c):
     s, i = c
     act = active_rows(s, dec)
+    if fixed:
+      act = act & (i < max_steps)
     # Every active row's committed length is below the bound: one chunk walk for the batch.
     # Inactive rows (finished, free, or between prefill chunks) do not raise it: their step is
     # computed over a shorter context and discarded.
@@ -722,9 +729,10 @@ def decode_loop(tparams, dparams, state: DecodeState, max_steps: jax.Array, eog_
             if dec.lookup else None)
     run = lambda f: _commit_rows(act, f(tparams, dparams, s, eog_ids, bound, rules, grammar,
                                         look, table), s)
-    if dec.mode == "lookup":
+    if dec.mode == "lookup" and not fixed:
       # a round where no row has a lookup match is an autoregressive step; one branch runs (the
-      # predicate is the same for every row, outside the vmap)
+      # predicate is the same for every row, outside the vmap). A static loop verifies the
+      # [bonus, proposal] path always (a row without a match accepts the bonus alone).
       ar_step = stepper(dataclasses.replace(plan, dec=dataclasses.replace(dec, mode="ar",
                                                                           lookup=0,
                                                                           lookup_table="")))
@@ -733,6 +741,8 @@ def decode_loop(tparams, dparams, state: DecodeState, max_steps: jax.Array, eog_
       s = run(step)
     return s, i + 1
 
+  if fixed:
+    return jax.lax.fori_loop(0, fixed, lambda _, c: one_round(c), (state, jnp.int32(0)))[0]
   return jax.lax.while_loop(keep_going, one_round, (state, jnp.int32(0)))[0]
 
 

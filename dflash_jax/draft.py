@@ -227,7 +227,8 @@ def propose(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: 
     else:
       local = full_local
     o = layers.attention_live(_queries(x, lay, rpos, cfg, rt), cache.k, cache.v, i, past, n_live,
-                              local=(k, v, local), key_fn=key_fn)
+                              local=(k, v, local), key_fn=key_fn,
+                              dense=rt.dense)
     h = _mlp_residual(h, o.reshape(L, cfg.n_head * cfg.head_dim), lay, cfg, rt)
   h = layers.rms_norm(h, params.norm, cfg.rms_eps)
   return layers.linear(h[1:1 + n_logits], lm_head, rt), cache

@@ -132,7 +132,8 @@ def propose_hidden(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, bo
       k, v = _kv(a, lay, rpos, cfg, rt)
       ctx_mask, blk_mask = block_masks(pos, key_pos, cfg, i, in_window)
       o = layers.attention_live(_queries(a, lay, rpos, cfg, rt), cache.k, cache.v, i, ctx_mask,
-                                n_live, local=(k, v, blk_mask), key_fn=key_fn)
+                                n_live, local=(k, v, blk_mask), key_fn=key_fn,
+                                dense=rt.dense)
       return o.reshape(L, cfg.n_head * cfg.head_dim)
 
     x, parts = _layer(x, params, cfg, i, attend, rt)

@@ -208,7 +208,7 @@ def live_chunk(capacity: int, n_queries: int = 1) -> int:
 
 def attention_live(q: jax.Array, k_all: KVBuffer, v_all: KVBuffer, layer: int,
                    mask, n_live: jax.Array, chunk: int | None = None, local=None,
-                   live_bound=None, row=None, key_fn=None) -> jax.Array:
+                   live_bound=None, row=None, key_fn=None, dense: bool = False) -> jax.Array:
   """Softmax attention over the live rows of a stacked KV cache only, chunk by chunk with an
   online softmax (FlashAttention's running max / sum, arXiv:2205.14135): the work is
   proportional to n_live, not to the cache capacity S; optionally plus `local` keys that are not
@@ -227,6 +227,10 @@ def attention_live(q: jax.Array, k_all: KVBuffer, v_all: KVBuffer, layer: int,
   read in place (a prefill never copies its row out of the batch). key_fn: None, or a function
   (k [Hkv, c, Dh] float32 a decoded chunk, rows [c] int32 its cache rows) -> the keys to attend
   to (the draft's window-relative positions rotate stored pre-RoPE keys here, chunk by chunk).
+  dense: static; True reads the whole capacity as one chunk (rows >= n_live masked): a loop of
+  one static trip instead of a data-dependent one, so a GPU runs no host round trip per layer
+  (XLA:GPU copies a while loop's predicate to the host each iteration) at the price of reading
+  S rows (`Runtime.attention` "dense").
   Returns [T, H, Dv] float32,
   equal to `attention` over the visible keys up to float rounding (a different summation
   order). Chunks are `chunk` rows (default `live_chunk(S, T)`; S if smaller); the last one is slid
@@ -235,11 +239,11 @@ def attention_live(q: jax.Array, k_all: KVBuffer, v_all: KVBuffer, layer: int,
   """
   t, h, dh = q.shape
   hkv, s_cap, dv = v_all.shape[-3:]
-  c = min(chunk or live_chunk(s_cap, t), s_cap)
+  c = s_cap if dense else min(chunk or live_chunk(s_cap, t), s_cap)
   r = h // hkv
   hp = jax.lax.Precision.HIGHEST
   qg = q.reshape(t, hkv, r, dh) * (dh ** -0.5)
-  n_chunks = ((n_live if live_bound is None else live_bound) + c - 1) // c
+  n_chunks = 1 if dense else ((n_live if live_bound is None else live_bound) + c - 1) // c
 
   def update(carry, sc, vc):                          # vc: [Hkv, s, Dv]
     m, l, acc = carry
@@ -298,7 +302,7 @@ def ordered_sum(x: jax.Array, axis: int = -1) -> jax.Array:
 def attention_ordered(q: jax.Array, k_all: KVBuffer, v_all: KVBuffer, layer: int,
                       start: jax.Array, block_k: jax.Array, block_v: jax.Array,
                       anc_at_depth: jax.Array, depths: jax.Array, chunk: int | None = None,
-                      live_bound=None) -> jax.Array:
+                      live_bound=None, dense: bool = False) -> jax.Array:
   """Batch-invariant attention of a verify block (`DecodeConfig.invariant_rows`): each query
   row reads its keys at their sequence positions, the committed cache rows < start and then its
   own root path (ancestors in depth order, then itself) at positions start, start + 1, ...,
@@ -312,15 +316,16 @@ def attention_ordered(q: jax.Array, k_all: KVBuffer, v_all: KVBuffer, layer: int
   caches (any format), rows < start committed; layer: static; start: [] int32;
   block_k / block_v: [T, Hkv, Dh|Dv] float32 this block's rows as the cache will return them
   (kv_cache.roundtrip); anc_at_depth: [T, T] int32, [t, d] = node t's ancestor at depth d
-  (d <= depths[t]); depths: [T] int32. chunk, live_bound as in `attention_live`.
+  (d <= depths[t]); depths: [T] int32. chunk, live_bound, dense as in `attention_live` (dense
+  still aligns its one chunk at position 0, so the sums keep their order).
   Returns [T, H, Dv] float32, equal to `attention` over the same keys up to rounding.
   """
   t, h, dh = q.shape
   hkv, s_cap, dv = v_all.shape[-3:]
-  c = min(chunk or live_chunk(s_cap, t), s_cap)
+  c = s_cap if dense else min(chunk or live_chunk(s_cap, t), s_cap)
   r = h // hkv
   qg = q.reshape(t, hkv, r, dh) * (dh ** -0.5)
-  n_chunks = ((start if live_bound is None else live_bound) + t + c - 1) // c
+  n_chunks = 1 if dense else ((start if live_bound is None else live_bound) + t + c - 1) // c
 
   def body(i, carry):
     m, l, acc = carry

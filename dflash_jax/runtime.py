@@ -18,6 +18,8 @@ KERNEL_CHOICES = ("reference", "pallas", "pallas_interpret", "mosaic", "mosaic_i
 COMPUTE_DTYPES = ("float32", "bfloat16")
 KV_DTYPES = kv_cache.FORMATS
 GDN_COMMITS = ("states", "replay")
+ATTENTION_WALKS = ("live", "dense")
+MAX_ROUNDS = 256
 
 
 @jax.tree_util.register_static
@@ -47,6 +49,20 @@ class Runtime:
       recurrence inputs k, v, g, beta, and the commit replays the accepted path from the
       committed state, `pallas_kernels.tree_gdn.replay_path`: ~Dk x fewer bytes written per
       verify; the Pallas kernel then writes outputs only). Greedy output is the same either way.
+    attention: how attention reads the KV cache (target and draft): "live" (the committed rows
+      only, chunk by chunk in a loop whose trip count depends on the context length,
+      `layers.attention_live`: work proportional to the context; on a GPU, XLA copies such a
+      loop's predicate to the host every iteration, one round trip per chunk per layer) or
+      "dense" (the whole capacity as one masked chunk: a static loop, no round trip, work
+      proportional to max_ctx). Greedy output of every mode equals autoregressive decoding
+      under either; the two differ from each other by float rounding only.
+    rounds: 0 (default): `decode.decode_loop` is a while loop that stops when no row is active
+      (on a GPU, a host round trip per decode round for its predicate). R > 0: each call runs
+      exactly R rounds as a static loop, rounds after every row stopped (or past the call's
+      max_steps) computed and discarded, and the round's data-dependent branches (mode
+      lookup's "any match" AR fallback, the logit-bias / penalty switch) become selects, so
+      with attention "dense" a round has no host round trip at all (`host_syncs.count`). Output
+      is the same as with 0. Pair it with steps_per_call = R.
 
   Raises ValueError naming the field for a value outside the choices above.
   """
@@ -56,13 +72,24 @@ class Runtime:
   kv_dtype: str = "float32"
   kv_dtype_v: str = ""
   gdn_commit: str = "states"
+  attention: str = "live"
+  rounds: int = 0
 
   def __post_init__(self):
     for name, choices in (("kernels", KERNEL_CHOICES), ("compute_dtype", COMPUTE_DTYPES),
                           ("kv_dtype", KV_DTYPES), ("kv_dtype_v", ("",) + KV_DTYPES),
-                          ("gdn_commit", GDN_COMMITS)):
+                          ("gdn_commit", GDN_COMMITS), ("attention", ATTENTION_WALKS)):
       if getattr(self, name) not in choices:
         raise ValueError(f"Runtime.{name}={getattr(self, name)!r}: expected one of {choices}")
+    if (not isinstance(self.rounds, int) or isinstance(self.rounds, bool)
+        or not 0 <= self.rounds <= MAX_ROUNDS):
+      raise ValueError(f"Runtime.rounds={self.rounds!r}: expected an int in 0..{MAX_ROUNDS} "
+                       "(0 = a while loop)")
+
+  @property
+  def dense(self) -> bool:
+    """True when attention reads the whole cache capacity (attention "dense")."""
+    return self.attention == "dense"
 
   @property
   def pallas(self) -> bool:

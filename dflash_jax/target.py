@@ -204,10 +204,10 @@ def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_all, v_all, li: int, star
   kr, vr = kv_cache.roundtrip(k_all.fmt, k), kv_cache.roundtrip(v_all.fmt, v)
   if ordered is not None:
     o = layers.attention_ordered(q, k_all, v_all, li, start, kr, vr, *ordered,
-                                 live_bound=live_bound)
+                                 live_bound=live_bound, dense=rt.dense)
   else:
     o = layers.attention_live(q, k_all, v_all, li, None, start, local=(kr, vr, local_mask),
-                              live_bound=live_bound, row=kv_row)
+                              live_bound=live_bound, row=kv_row, dense=rt.dense)
   o = o.reshape(t, h * dv)
   if gate is not None:
     o = o * jax.nn.sigmoid(gate)

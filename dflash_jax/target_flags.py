@@ -11,7 +11,7 @@ from typing import Optional
 
 from absl import flags
 
-from dflash_jax.runtime import GDN_COMMITS, KV_DTYPES
+from dflash_jax.runtime import ATTENTION_WALKS, GDN_COMMITS, KV_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +26,8 @@ class TargetFlags:
   kv_dtype: flags.FlagHolder
   kv_dtype_v: flags.FlagHolder
   gdn_commit: flags.FlagHolder
+  attention: flags.FlagHolder
+  rounds: flags.FlagHolder
   compile_cache: flags.FlagHolder
   compile_cache_dir: flags.FlagHolder
   parse_special: flags.FlagHolder
@@ -33,7 +35,7 @@ class TargetFlags:
 
 def define(flag_values: flags.FlagValues = flags.FLAGS) -> TargetFlags:
   """Defines --target, --weights, --kernels, --fuse_projections, --compute_dtype, --kv_dtype, --kv_dtype_v,
-  --gdn_commit, --compile_cache, --compile_cache_dir, --parse_special."""
+  --gdn_commit, --attention, --rounds, --compile_cache, --compile_cache_dir, --parse_special."""
   return TargetFlags(
       target=flags.DEFINE_string(
           "target", None, "Target GGUF file. Default: SmolLM2-135M-Instruct Q4_1 from the "
@@ -72,6 +74,17 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> TargetFlags:
           "(write every tree node's SSM state) or 'replay' (keep the nodes' k/v/g/beta and "
           "replay the accepted path at commit: ~head-dim x fewer bytes written per verify). "
           "Same greedy output.", flag_values=flag_values),
+      attention=flags.DEFINE_enum(
+          "attention", "live", list(ATTENTION_WALKS),
+          "How attention reads the KV cache: 'live' (the committed rows only, chunk by chunk in "
+          "a data-dependent loop: a host round trip per chunk and layer on a GPU) or 'dense' "
+          "(the whole --max_ctx capacity as one masked chunk: no round trip, work proportional "
+          "to the capacity).", flag_values=flag_values),
+      rounds=flags.DEFINE_integer(
+          "rounds", 0, "0: the decode loop stops when every row is done (a host round trip per "
+          "round on a GPU). R > 0: each device call runs exactly R decode rounds as a static loop "
+          "(finished rows' rounds discarded), so with --attention=dense a round has no host "
+          "round trip. Same output.", lower_bound=0, flag_values=flag_values),
       compile_cache=flags.DEFINE_boolean(
           "compile_cache", True, "Keep compiled programs in a persistent cache on disk, so the "
           "next run reads them back instead of compiling (--nocompile_cache: off).",
@@ -135,5 +148,6 @@ def load(f: TargetFlags, progress=None):
   return api.load_target(target_path(f), weights=f.weights.value,
                          compute_dtype=f.compute_dtype.value, kv_dtype=f.kv_dtype.value,
                          kv_dtype_v=f.kv_dtype_v.value or "",
-                         gdn_commit=f.gdn_commit.value, kernels=f.kernels.value,
+                         gdn_commit=f.gdn_commit.value, attention=f.attention.value,
+                         rounds=f.rounds.value, kernels=f.kernels.value,
                          fuse_projections=f.fuse_projections.value, progress=progress)

@@ -32,7 +32,9 @@ _INTERPRET = flags.DEFINE_boolean("interpret", False, "Pallas interpreter (CPU s
 _E2E = flags.DEFINE_list("e2e", ["pallas", "pallas_unfused", "reference"],
                         "End-to-end variants of the 27B-shaped random model (~17 GB each) to time: "
                         "pallas (fused projections), pallas_unfused, pallas_replay (fused, "
-                        "Runtime.gdn_commit='replay': no per-node SSM states), mosaic (fused, Q4_K "
+                        "Runtime.gdn_commit='replay': no per-node SSM states), pallas_dense (fused, "
+                        "Runtime.attention='dense': no data-dependent loop per attention layer), "
+                        "mosaic (fused, Q4_K "
                         "weights through the Mosaic GPU kernel), reference (XLA dequantize + dot); "
                         "empty for none.")
 _TABLES = flags.DEFINE_list("tables", ["matmul", "tree_gdn"], "Kernel tables to run: matmul, "
@@ -182,10 +184,11 @@ def _random_qwen35(sz):
   return cfg, GGUFFile("random-qwen35-27b-shaped", {}, tensors)
 
 
-def _e2e(sz, copy_gbs, repeats, kernels, fuse=True, gdn_commit="states"):
+def _e2e(sz, copy_gbs, repeats, kernels, fuse=True, gdn_commit="states", attention="live"):
   """AR step and 23-node tree verify of the `_random_qwen35` model (bf16 compute). fuse: load
   with fused projections (the default) or one matmul per GGUF tensor; gdn_commit: the
-  Runtime's (per-node SSM states written by the verify, or replayed at commit)."""
+  Runtime's (per-node SSM states written by the verify, or replayed at commit); attention: the
+  Runtime's ("live": a data-dependent chunk loop per attention layer, "dense": none)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -196,7 +199,8 @@ def _e2e(sz, copy_gbs, repeats, kernels, fuse=True, gdn_commit="states"):
   cfg, f = _random_qwen35(sz)
   # bytes read per token: every matrix except the embedding (one row is gathered)
   model_bytes = f.n_tensor_bytes - f.tensors["token_embd.weight"].n_bytes
-  rt = Runtime(kernels=kernels, compute_dtype="bfloat16", gdn_commit=gdn_commit)
+  rt = Runtime(kernels=kernels, compute_dtype="bfloat16", gdn_commit=gdn_commit,
+               attention=attention)
   params = target_params.load_params(f, cfg, fuse=fuse)
   if rt.mosaic:                                    # Q4_K layer weights for the Mosaic GPU kernel
     params = target_params.tile_q4k(params, rows_multiple=layers.mosaic_rows_multiple(rt))
@@ -221,7 +225,7 @@ def _e2e(sz, copy_gbs, repeats, kernels, fuse=True, gdn_commit="states"):
       valid=jnp.ones((n_tree,), bool), scores=jnp.zeros((n_tree,), jnp.float32),
       max_depth=int(depths.max()))))
 
-  _log(f"e2e {kernels} fuse={fuse} gdn_commit={gdn_commit}: params on device ({model_bytes / 1e9:.2f} GB read per token)")
+  _log(f"e2e {kernels} fuse={fuse} gdn_commit={gdn_commit} attention={attention}: params on device ({model_bytes / 1e9:.2f} GB read per token)")
   t0 = time.perf_counter()
   jax.block_until_ready(ar_step(params, cache, jnp.zeros((1,), jnp.int32)))
   ar_compile_s = time.perf_counter() - t0
@@ -477,7 +481,7 @@ def _print_tables(res):
   for r in res.get("tree_gdn", []):
     print(f"tree GDN {r['nodes']} nodes: kernel {r['kernel_us_per_layer']:.1f} us/layer, "
           f"reference {r['reference_us_per_layer']:.1f} us/layer")
-  for key in ("e2e", "e2e_unfused", "e2e_replay", "e2e_mosaic", "e2e_reference_kernels"):
+  for key in ("e2e", "e2e_unfused", "e2e_replay", "e2e_dense", "e2e_mosaic", "e2e_reference_kernels"):
     if key in res:
       e = res[key]
       print(f"{key}: AR {e['ar_ms']:.2f} ms/token (floor {e['floor_ms']:.2f} ms, "
@@ -506,17 +510,19 @@ def main(argv):
       raise app.UsageError(f"--tables: unknown table {name!r}; expected some of {list(tables)}")
     res[name] = tables[name]()
   pallas = "pallas_interpret" if _INTERPRET.value else "pallas"
-  variants = {"pallas": ("e2e", pallas, True, "states"),
-              "pallas_unfused": ("e2e_unfused", pallas, False, "states"),
-              "pallas_replay": ("e2e_replay", pallas, True, "replay"),
+  variants = {"pallas": ("e2e", pallas, True, "states", "live"),
+              "pallas_unfused": ("e2e_unfused", pallas, False, "states", "live"),
+              "pallas_replay": ("e2e_replay", pallas, True, "replay", "live"),
+              "pallas_dense": ("e2e_dense", pallas, True, "states", "dense"),
               "mosaic": ("e2e_mosaic", "mosaic_interpret" if _INTERPRET.value else "mosaic",
-                         True, "states"),
-              "reference": ("e2e_reference_kernels", "reference", True, "states")}
+                         True, "states", "live"),
+              "reference": ("e2e_reference_kernels", "reference", True, "states", "live")}
   for v in _E2E.value:
     if v not in variants:
       raise app.UsageError(f"--e2e: unknown variant {v!r}; expected some of {list(variants)}")
-    key, kernels, fuse, gdn_commit = variants[v]
-    res[key] = _e2e(sz, copy_gbs, reps, kernels, fuse=fuse, gdn_commit=gdn_commit)
+    key, kernels, fuse, gdn_commit, attention = variants[v]
+    res[key] = _e2e(sz, copy_gbs, reps, kernels, fuse=fuse, gdn_commit=gdn_commit,
+                    attention=attention)
     _dump(res)
   _print_tables(res)
   _dump(res)

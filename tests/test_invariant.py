@@ -61,7 +61,8 @@ def _cache(fmt, rows_k, rows_v, cap):
 def test_attention_ordered_equals_float64_attention(fmt):
   """A 12-node tree (9 valid) over 37 committed rows of a 72-row cache read in 16-row chunks
   (the last one slid back): each node's output == float64 softmax attention over the committed
-  rows (as the cache returns them) and its ancestors' rows at depth order, max abs < 1e-5."""
+  rows (as the cache returns them) and its ancestors' rows at depth order, max abs < 1e-5; the
+  same for the dense form (the whole 72-row capacity as one chunk, `Runtime.attention`)."""
   rng = np.random.default_rng(1)
   t, h, hkv, dh, cap, start = 12, 4, 2, 32, 72, 37
   tree, parents, depths = _random_tree(rng, t, 9)
@@ -73,9 +74,9 @@ def test_attention_ordered_equals_float64_attention(fmt):
   bv = np.asarray(kv_cache.roundtrip(fmt, jnp.asarray(rng.standard_normal((t, hkv, dh)),
                                                           jnp.float32)))
   k_all, v_all = _cache(fmt, ck, cv, cap)
-  got = np.asarray(layers.attention_ordered(
+  got, dense = (np.asarray(layers.attention_ordered(
       jnp.asarray(q), k_all, v_all, 0, jnp.int32(start), jnp.asarray(bk), jnp.asarray(bv),
-      tree.ancestors_by_depth(), tree.depths, chunk=16))
+      tree.ancestors_by_depth(), tree.depths, chunk=16, dense=d)) for d in (False, True))
   ck_c = np.asarray(kv_cache.roundtrip(fmt, jnp.asarray(ck)), np.float64)
   cv_c = np.asarray(kv_cache.roundtrip(fmt, jnp.asarray(cv)), np.float64)
   for i in range(t):
@@ -93,6 +94,7 @@ def test_attention_ordered_equals_float64_attention(fmt):
       p = np.exp(s - s.max())
       want = (p / p.sum()) @ vals[:, g]
       np.testing.assert_allclose(got[i, hh], want, atol=1e-5, rtol=0)
+      np.testing.assert_allclose(dense[i, hh], want, atol=1e-5, rtol=0)
 
 
 def test_attention_ordered_rows_do_not_depend_on_their_surroundings():

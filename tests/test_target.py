@@ -219,7 +219,8 @@ def test_fused_projections_match_unfused(qwen_q, qwen_ref, q):
 ])
 def test_attention_live_matches_full_cache_attention(s_cap, t, start, chunk, tree, kv):
   """layers.attention_live (chunked online softmax over the live rows only, each chunk decoded
-  from the cache's format) against the full-cache masked softmax `layers.attention` on the
+  from the cache's format), and its dense form (the whole capacity as one static chunk,
+  `Runtime.attention` "dense"), against the full-cache masked softmax `layers.attention` on the
   cache's decoded values (kv_cache.KVBuffer.values): max abs < 1e-5."""
   rng = np.random.default_rng(s_cap + t)
   q = jnp.asarray(rng.normal(size=(t, 6, 64)), jnp.float32)
@@ -243,6 +244,8 @@ def test_attention_live_matches_full_cache_attention(s_cap, t, start, chunk, tre
   ref = layers.attention(q, k[1].astype(jnp.float32), v[1].astype(jnp.float32), mask)
   out = layers.attention_live(q, kb, vb, 1, mask, jnp.int32(start + t), chunk)
   assert out.shape == ref.shape and float(jnp.max(jnp.abs(out - ref))) < 1e-5
+  dense = layers.attention_live(q, kb, vb, 1, mask, jnp.int32(start + t), chunk, dense=True)
+  assert dense.shape == ref.shape and float(jnp.max(jnp.abs(dense - ref))) < 1e-5
 
 
 def test_live_chunk_grows_with_the_cache():
