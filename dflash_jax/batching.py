@@ -88,6 +88,12 @@ def _host_view(state, *, dec):
   return state.n_out, decode_lib.active_rows(state, dec), state.out, state.finite
 
 
+@functools.partial(jax.jit, static_argnames=("dec",))
+def _any_active(state, *, dec):
+  """[] bool: some row still decodes (one scalar read between `Runtime.rounds` calls)."""
+  return jnp.any(decode_lib.active_rows(state, dec))
+
+
 @jax.jit
 def _recurrent_state(state, slot):
   """Copies of row `slot`'s (SSM state, conv state)."""
@@ -303,7 +309,7 @@ class SlotBatch:
           self.eog, self._tables(self.grammars.active), self.table, plan=self.plan,
           sampled=bool(self.sampled_rows), proposer=self.proposer)
       left -= rounds or left
-      if left > 0 and not self._host()[1].any():
+      if left > 0 and not bool(_any_active(self.state, dec=self.dec)):
         break
 
   def _host(self):

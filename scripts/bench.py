@@ -361,6 +361,7 @@ def main(argv):
       "dataset": _DATASET.value, "target": os.path.basename(path), "draft": draft_dir,
       "compare_drafts": _COMPARE.value, "n_prompts": len(rows), "n_gen": _N_GEN.value, "repeats": _REPEATS.value,
       "weights": target.weights, "compute_dtype": _TF.compute_dtype.value,
+      "attention": target.runtime.attention, "rounds": target.runtime.rounds,
       "device": str(jax.devices()[0]),
       "all_outputs_identical": all(r["outputs_identical"] for r in rows),
       "summary": summary, "per_prompt": rows, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
