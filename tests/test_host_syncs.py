@@ -39,7 +39,7 @@ def test_decode_round_host_syncs(qwen_f32, qwen_draft):
   """Per decode round on the tiny Qwen3.5 hybrid: with the defaults, the loop's own predicate
   plus one data-dependent chunk loop per attention layer (target, and draft in chain / ddtree)
   and the logit-rule switch; with attention "dense" no chunk loop; with rounds > 0 as well, no
-  data-dependent control flow at all in any mode."""
+  data-dependent control flow at all in any mode, greedy or sampled."""
   n_attn = len(qwen_f32.config.attn_layers)
   n_draft = qwen_draft.config.n_layer
   for mode, kw in _MODES:
@@ -47,14 +47,16 @@ def test_decode_round_host_syncs(qwen_f32, qwen_draft):
     counts = {}
     for name, t in (("live", qwen_f32), ("dense", _with(qwen_f32, attention="dense")),
                     ("free", _with(qwen_f32, attention="dense", rounds=3))):
-      counts[name] = host_syncs.decode_round(batching.SlotBatch(t, qwen_draft, dec, 2,
-                                                                jnp.asarray([0], jnp.int32)))
+      b = batching.SlotBatch(t, qwen_draft, dec, 2, jnp.asarray([0], jnp.int32))
+      counts[name] = host_syncs.decode_round(b)
+      if name == "free":       # the sampled variant too (its per-row conds are vmapped: selects)
+        counts["free_sampled"] = host_syncs.decode_round(b, sampled=True)
     branches = 2 if mode == "lookup" else 1           # the lookup round's AR fallback branch
     assert counts["live"].loops == 1 and counts["live"].conds == 0, mode
     assert counts["live"].nested_loops == branches * n_attn + (n_draft if dec.uses_draft else 0)
     assert counts["live"].nested_conds == 2 * branches - 1, mode
     assert counts["dense"] == host_syncs.Syncs(1, 0, 0, 2 * branches - 1), mode
-    assert counts["free"] == host_syncs.Syncs(0, 0, 0, 0), mode
+    assert counts["free"] == counts["free_sampled"] == host_syncs.Syncs(0, 0, 0, 0), mode
 
 
 @pytest.mark.parametrize("attention,rounds", [("dense", 0), ("live", 3), ("dense", 3)])
