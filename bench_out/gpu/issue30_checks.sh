@@ -1,0 +1,60 @@
+#!/bin/bash
+# Issue 30's prepared GPU checks (bench_out/gpu/NOTES.md), in order of expected value per device second,
+# within one device call:
+#   bash bench_out/gpu/issue30_checks.sh BUDGET_S [dry]
+# from the repository root on the device machine (carry: .whl; .gpu/smolA + .gpu/smolB + .gpu/smol.sha256
+# unless /tmp/smol.gguf is already there from the training run of TRAIN_RUN.md). Each check runs with
+# the seconds left as its timeout (none starts with less than its own minimum); its JSON and log go to
+# $OUT. `dry` prints the commands and exits (run it here first).
+#   1. host round trips per decode round (session 39): SmolLM2 + the shipped draft (or /tmp/ck if the
+#      training run left a checkpoint there) on 4 chat prompts x 96 tokens, AR / chain / DDTree@22, with
+#      --attention live / dense and --rounds 0 / 8, and XLA's WHILE / CONDITIONAL command buffers;
+#   2. the Mosaic GPU Q4_K kernel: on-device tests, then its table at M = 1..64 (session 31);
+#   3. the outputs-only tree Gated DeltaNet kernel: tests, then the 27B-shaped e2e with replay (session 32);
+#   4. the 27B-shaped random model end to end: pallas vs pallas_dense vs mosaic (sessions 32, 39).
+set -u
+BUDGET=${1:?BUDGET_S}
+DRY=${2:-}
+OUT=${OUT:-/tmp/out}
+T0=$SECONDS
+left() { echo $(( BUDGET - (SECONDS - T0) )); }
+
+run() {   # run NAME MIN_S CMD...: CMD with the time left as its timeout, output to $OUT/NAME.log
+  local name=$1 min=$2
+  shift 2
+  if [ -n "$DRY" ]; then echo "[$name, >= ${min}s] $*"; return; fi
+  if [ "$(left)" -lt "$min" ]; then echo "skip $name: $(left) s left" | tee -a "$OUT/checks.txt"; return; fi
+  local t=$SECONDS
+  timeout "$(left)" bash -c "$*" > "$OUT/$name.log" 2>&1
+  echo "$name rc=$? $((SECONDS - t)) s" | tee -a "$OUT/checks.txt"
+  tail -c 6000 "$OUT/$name.log" > "$OUT/$name.tail" && mv "$OUT/$name.tail" "$OUT/$name.log"
+}
+
+if [ -z "$DRY" ]; then
+  mkdir -p "$OUT"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  if [ ! -f /tmp/smol.gguf ] || ! echo "$(cat .gpu/smol.sha256)  /tmp/smol.gguf" | sha256sum -c --quiet; then
+    cat .gpu/smolA .gpu/smolB > /tmp/smol.gguf
+    echo "$(cat .gpu/smol.sha256)  /tmp/smol.gguf" | sha256sum -c || exit 1
+  fi
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/checks.txt"
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+DRAFT=checkpoints/smollm2-135m-instruct-dflash
+[ -f /tmp/ck/model.safetensors ] && DRAFT=/tmp/ck
+B="python3 scripts/bench.py --target /tmp/smol.gguf --draft $DRAFT --dataset chat --n_prompts 4 \
+--n_gen 96 --repeats 1 --modes ar,chain,ddtree --budgets 22 --nollama_cpp"
+CMDBUF="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
+
+run syncs_live_r0 90 "$B --json_out $OUT/syncs_live_r0.json"
+run syncs_dense_r8 90 "$B --attention dense --rounds 8 --json_out $OUT/syncs_dense_r8.json"
+run syncs_live_r0_cmdbuf 90 "XLA_FLAGS=$CMDBUF $B --json_out $OUT/syncs_live_r0_cmdbuf.json"
+run syncs_dense_r0 90 "$B --attention dense --json_out $OUT/syncs_dense_r0.json"
+run pytest_mgpu 120 "python3 -m pytest -q tests/test_mgpu.py -k gpu"
+run mgpu_table 150 "python3 scripts/bench_kernels.py --tables=mgpu --ms=1,16,23,32,64 \
+--mgpu_stages=2,3,4 --e2e= --repeats 10 --json_out $OUT/mgpu.json"
+run pytest_tree_replay 120 "python3 -m pytest -q tests/test_kernels.py -k 'tree_gdn or model_with_pallas'"
+run e2e_27b 240 "python3 scripts/bench_kernels.py --tables=tree_gdn \
+--e2e=pallas,pallas_dense,pallas_replay,mosaic --repeats 10 --json_out $OUT/e2e_27b.json"
+[ -z "$DRY" ] && ls -l "$OUT"
