@@ -2,8 +2,9 @@
 # Issue 30's prepared GPU checks (bench_out/gpu/NOTES.md), in order of expected value per device second,
 # within one device call:
 #   bash bench_out/gpu/issue30_checks.sh BUDGET_S [dry]
-# from the repository root on the device machine (carry: .whl; .gpu/smolA + .gpu/smolB + .gpu/smol.sha256
-# unless /tmp/smol.gguf is already there from the training run of TRAIN_RUN.md). Each check runs with
+# from the repository root on the device machine (carry: .whl and .gpu/smol.sha256; and, unless
+# /tmp/smol.gguf is already there from the training run of TRAIN_RUN.md, .gpu/smolB after an earlier
+# call carried .gpu/smolA and ran `cat .gpu/smolA > /tmp/smol.gguf`: 64 MiB a call). Each check runs with
 # the seconds left as its timeout (none starts with less than its own minimum); its JSON and log go to
 # $OUT. `dry` prints the commands and exits (run it here first).
 #   1. host round trips per decode round (session 39): SmolLM2 + the shipped draft (or /tmp/ck if the
@@ -34,8 +35,11 @@ if [ -z "$DRY" ]; then
   mkdir -p "$OUT"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
-  if [ ! -f /tmp/smol.gguf ] || ! echo "$(cat .gpu/smol.sha256)  /tmp/smol.gguf" | sha256sum -c --quiet; then
-    cat .gpu/smolA .gpu/smolB > /tmp/smol.gguf
+  if ! echo "$(cat .gpu/smol.sha256)  /tmp/smol.gguf" | sha256sum -c --quiet > /dev/null 2>&1; then
+    # the GGUF's first piece carried alone by an earlier call (`cat .gpu/smolA > /tmp/smol.gguf`,
+    # TRAIN_RUN.md call 1) or in this one, then the second piece
+    [ -f .gpu/smolA ] && cat .gpu/smolA > /tmp/smol.gguf
+    [ -f .gpu/smolB ] && cat .gpu/smolB >> /tmp/smol.gguf
     echo "$(cat .gpu/smol.sha256)  /tmp/smol.gguf" | sha256sum -c || exit 1
   fi
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/checks.txt"
