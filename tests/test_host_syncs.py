@@ -87,3 +87,40 @@ def test_runtime_rejects_bad_attention_and_rounds():
   for bad in (-1, 1000, 2.0, True):
     with pytest.raises(ValueError, match="Runtime.rounds"):
       Runtime(rounds=bad)
+
+
+def test_static_round_lowers_for_a_gpu(qwen_draft):
+  """The GPU configuration of a sync-free decode loop (Pallas kernels, bf16, attention "dense",
+  rounds 4; DDTree with the draft, two rows) on the tiny Qwen3.5 hybrid's Q4_K_M file lowers for
+  an H100 without a GPU (the Triton matmul and tree-GDN kernels inside the static loop), and
+  its traced form holds no data-dependent loop or branch."""
+  import os
+
+  import jax
+  import numpy as np
+
+  from conftest import QWEN
+  from dflash_jax import decode as decode_lib
+  from dflash_jax import target_params
+  from dflash_jax.gguf_io import read_gguf
+  from test_kernels import H100
+  path = os.path.join(QWEN, "model-q4_k_m.gguf")
+  cfg = dj.load_target(path, kernels="reference").config
+  rt = Runtime(kernels="pallas", compute_dtype="bfloat16", attention="dense", rounds=4)
+  spec = lambda tree: jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype if hasattr(a, "dtype") else
+                                     np.asarray(a).dtype), tree)
+  params = spec(target_params.load_params(read_gguf(path), cfg, weights="quantized"))
+  dec = api.resolve_config(qwen_draft, DecodeConfig(mode="ddtree", budget=8, tree_top_k=4,
+                                                    max_ctx=256))
+  plan = decode_lib.Plan(cfg, qwen_draft.config, dec, rt)
+  state = spec(decode_lib.init_state(plan, 2))
+  dparams = spec(qwen_draft.params)
+  fn = lambda p, dp, s: decode_lib.decode_loop(p, dp, s, jnp.int32(4), jnp.asarray([0], jnp.int32),
+                                               plan=plan)
+  assert host_syncs.count(fn, params, dparams, state) == host_syncs.Syncs(0, 0, 0, 0)
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Auto,),
+                                   abstract_device=jax.sharding.AbstractDevice(H100, 1, "cuda"))
+  with jax.sharding.use_abstract_mesh(mesh):      # Triton's lowering asks for a GPU model
+    txt = jax.jit(fn).trace(params, dparams, state).lower(lowering_platforms=("cuda",)).as_text()
+  assert "__gpu$xla.gpu.triton" in txt
