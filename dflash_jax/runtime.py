@@ -62,7 +62,8 @@ class Runtime:
       max_steps) computed and discarded, and the round's data-dependent branches (mode
       lookup's "any match" AR fallback, the logit-bias / penalty switch) become selects, so
       with attention "dense" a round has no host round trip at all (`host_syncs.count`). Output
-      is the same as with 0. Pair it with steps_per_call = R.
+      is the same as with 0. A call asking for fewer rounds (`steps_per_call` < R) still
+      computes R: pair it with steps_per_call = R (or a multiple).
 
   Raises ValueError naming the field for a value outside the choices above.
   """

@@ -83,8 +83,9 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> TargetFlags:
       rounds=flags.DEFINE_integer(
           "rounds", 0, "0: the decode loop stops when every row is done (a host round trip per "
           "round on a GPU). R > 0: each device call runs exactly R decode rounds as a static loop "
-          "(finished rows' rounds discarded), so with --attention=dense a round has no host "
-          "round trip. Same output.", lower_bound=0, flag_values=flag_values),
+          "(finished rows' rounds discarded; a call that asks for fewer, e.g. the server's "
+          "--steps_per_call below R, still computes R), so with --attention=dense a round has "
+          "no host round trip. Same output.", lower_bound=0, flag_values=flag_values),
       compile_cache=flags.DEFINE_boolean(
           "compile_cache", True, "Keep compiled programs in a persistent cache on disk, so the "
           "next run reads them back instead of compiling (--nocompile_cache: off).",
