@@ -1,10 +1,22 @@
-"""Tokenizer and chat template from GGUF metadata, built on the `tokenizers` and `jinja2` libraries.
+"""Tokenizer and chat template from GGUF metadata, built on the `tokenizers`, `sentencepiece` and
+`jinja2` libraries.
 
-`tokenizer.ggml.model = gpt2` (byte-level BPE) is supported with the pre-tokenizer regexes that
-llama.cpp uses for `tokenizer.ggml.pre` (src/llama-vocab.cpp, llm_tokenizer_bpe); CONTROL and
-USER_DEFINED tokens are parsed out of text the program writes (templates, raw prompts) as special
-tokens (llama.cpp `parse_special=true`); in chat message content they are text by default
-(`encode_chat`), as the OpenAI API treats them, so a message cannot open a turn of another role.
+Two vocabulary kinds (`tokenizer.ggml.model`), as llama.cpp tokenizes them (src/llama-vocab.cpp):
+  * `gpt2`: byte-level BPE (`tokenizers`) with the pre-tokenizer regexes llama.cpp uses for
+    `tokenizer.ggml.pre` (llm_tokenizer_bpe);
+  * `llama`: SentencePiece BPE (Llama 1/2, Mistral, TinyLlama, Phi-3 ...): the merges follow the
+    pieces' scores with byte fallback (`sentencepiece` on a ModelProto built from
+    `tokenizer.ggml.tokens` / `scores` / `token_type`); each text fragment that starts the text
+    or follows a special token gets a leading space (`tokenizer.ggml.add_space_prefix`, default
+    true) and spaces become U+2581 (llm_tokenizer_spm).
+USER_DEFINED tokens are matched wherever their text occurs (llama.cpp's partition of the text,
+HF's added tokens: e.g. MPT's runs of spaces). CONTROL tokens are parsed out of text the program
+writes (templates, raw prompts: llama.cpp `parse_special=true`); in chat message content they are
+text by default (`encode_chat`), as the OpenAI API treats them, so a message cannot open a turn of
+another role.
+
+Checked against llama.cpp's own tokenizer tests (its `models/ggml-vocab-*.gguf` with their `.inp`
+/ `.out` files; tests/test_tokenizer_vocabs.py).
 """
 
 from __future__ import annotations
@@ -36,7 +48,10 @@ _EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endofte
               "<|call|>", "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<|fim_repo|>",
               "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>",
               }
-_CONTROL, _USER_DEFINED = 3, 4
+# tokenizer.ggml.token_type values (llama.cpp llama_token_type; SentencePiece's piece types).
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+_SPM_SPACE = "\u2581"
+_SPM_UNK_TEXT = "\u2585"          # what llama.cpp prints for an unknown token (token_to_piece)
 
 
 def _vocab(meta: Mapping[str, Any], path: str):
@@ -79,50 +94,61 @@ def _token_id(meta: Mapping[str, Any], key: str, n_tokens: int, path: str):
 
 
 class GGUFTokenizer:
-  """Byte-level BPE tokenizer + chat template of a GGUF file.
+  """Byte-level BPE or SentencePiece tokenizer + chat template of a GGUF file.
 
   Attributes:
+    kind: `tokenizer.ggml.model` ("gpt2" or "llama").
     bos_id, eos_id: ids from the metadata (None if absent).
     eog_ids: sorted end-of-generation ids (llama.cpp's set).
     add_bos: `tokenizer.ggml.add_bos_token`.
     chat_template: `tokenizer.chat_template` or None.
+
+  Raises NotImplementedError naming the file for another `tokenizer.ggml.model` or an unknown
+  `tokenizer.ggml.pre`, ValueError naming the file and key for metadata that does not hold a
+  vocabulary (missing / mismatched lists, merges of unknown tokens, SentencePiece scores or its
+  unknown token missing).
   """
 
   def __init__(self, meta: Mapping[str, Any], *, path: str = "?"):
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
       raise NotImplementedError(f"{path}: tokenizer.ggml.model={kind!r} is not supported yet "
-                                f"(only byte-level BPE 'gpt2')")
+                                f"(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)")
     pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZERS:
+    if kind == "gpt2" and pre not in PRE_TOKENIZERS:
       raise NotImplementedError(f"{path}: tokenizer.ggml.pre={pre!r} is not supported yet; "
                                 f"supported: {', '.join(sorted(PRE_TOKENIZERS))}")
     tokens, types, merges = _vocab(meta, path)
-    vocab = {t: i for i, t in enumerate(tokens)}
-    try:
-      bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in ("llama-bpe", "llama3"))
-    except Exception as e:  # tokenizers raises its own Exception type
-      raise ValueError(f"{path}: tokenizer vocabulary/merges rejected: {e}") from None
-    tok = Tokenizer(bpe)
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZERS[pre]]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    special = [i for i, ty in enumerate(types) if ty in (_CONTROL, _USER_DEFINED)]
-    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
-    self._tok = tok
-    self._tok_text = Tokenizer.from_str(tok.to_str())   # special-token text stays text
-    self._tok_text.encode_special_tokens = True
-    texts = sorted({tokens[i] for i in special}, key=len, reverse=True)
-    self._special_re = re.compile("|".join(map(re.escape, texts))) if texts else None
+    self.kind = kind
     self.path = path
-    # Longest token in characters (byte-level BPE: one character per byte): a text of more than
-    # max_token_chars * n characters has more than n tokens, known before tokenizing it.
-    self.max_token_chars = max(len(t) for t in tokens)
     self.tokens = tokens
-    self.control_ids = frozenset(i for i, ty in enumerate(types) if ty == _CONTROL)
+    control = [i for i, ty in enumerate(types) if ty == _CONTROL]
+    user = [i for i, ty in enumerate(types) if ty == _USER_DEFINED]
+    special = control + user
+    if kind == "gpt2":
+      self._init_bpe(pre, tokens, merges, control, user)
+    else:
+      self._spm = _SentencePiece(meta, tokens, types, path)
+      self._spm_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+      self._byte_ids = {i: int(tokens[i][3:5], 16) for i, ty in enumerate(types)
+                        if ty == _BYTE and _BYTE_PIECE.fullmatch(tokens[i])}
+      self._unknown_ids = frozenset(i for i, ty in enumerate(types) if ty == _UNKNOWN) | (
+          {self._spm.unk_id})
+      self._special_id = {}
+      for i in special:
+        self._special_id.setdefault(tokens[i], i)
+    # Text partitions: USER_DEFINED always, CONTROL too when special tokens are parsed
+    # (longest first: a leftmost-longest match, as the `tokenizers` added-token matcher).
+    by_len = lambda ids: sorted({tokens[i] for i in ids if tokens[i]}, key=len, reverse=True)
+    alt = lambda texts: re.compile("|".join(map(re.escape, texts))) if texts else None
+    self._special_re = alt(by_len(control))     # what content must not contain (encode_chat)
+    self._split_all, self._split_user = alt(by_len(special)), alt(by_len(user))
+    # Longest token in characters: a token covers at most that many characters of the text
+    # (byte-level BPE: one character per byte; SentencePiece: U+2581 per space, a byte token
+    # less than a character), so a text of more than max_token_chars * n characters has more
+    # than n tokens, known before tokenizing it.
+    self.max_token_chars = max(len(t) for t in tokens)
+    self.control_ids = frozenset(control)
     self._special_ids = frozenset(special)
     self.bos_id = _token_id(meta, "tokenizer.ggml.bos_token_id", len(tokens), path)
     self.eos_id = _token_id(meta, "tokenizer.ggml.eos_token_id", len(tokens), path)
@@ -134,25 +160,76 @@ class GGUFTokenizer:
     eog |= {i for i in special if tokens[i] in _EOG_TEXTS}
     self.eog_ids = tuple(sorted(int(i) for i in eog))
 
+  def _init_bpe(self, pre, tokens, merges, control, user):
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    vocab = {t: i for i, t in enumerate(tokens)}
+    try:
+      bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in ("llama-bpe", "llama3"))
+    except Exception as e:  # tokenizers raises its own Exception type
+      raise ValueError(f"{self.path}: tokenizer vocabulary/merges rejected: {e}") from None
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZERS[pre]]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    # CONTROL tokens are "special" (kept as text by _tok_text); USER_DEFINED ones are matched in
+    # every text, as llama.cpp partitions them regardless of parse_special.
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                            for i in control])
+    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user])
+    self._tok = tok
+    self._tok_text = Tokenizer.from_str(tok.to_str())   # special-token text stays text
+    self._tok_text.encode_special_tokens = True
+
   @property
   def n_vocab(self) -> int:
     return len(self.tokens)
 
   def encode(self, text: str, *, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
-    """Text -> token ids. parse_special: CONTROL / USER_DEFINED token texts in `text` become
-    those tokens (llama.cpp parse_special=true), else they are tokenized as plain text.
-    add_bos default: the GGUF's.
+    """Text -> token ids. parse_special: CONTROL token texts in `text` become those tokens
+    (llama.cpp parse_special=true), else they are tokenized as plain text (USER_DEFINED ones are
+    matched either way). add_bos default: the GGUF's.
 
     Raises ValueError when `text` is not a str, holds a lone surrogate (not encodable as UTF-8,
     e.g. from the JSON escape "\\ud800"), or when the ids would not decode back to `text` (a
     vocabulary that lacks tokens for some characters: they would be dropped silently)."""
     check_text(text)
-    ids = (self._tok if parse_special else self._tok_text).encode(text, add_special_tokens=False).ids
-    if self._tok.decode(ids, skip_special_tokens=False) != text:
-      raise ValueError(f"{self.path}: the vocabulary cannot encode this text exactly (characters "
-                       f"without a token; byte-level BPE needs all 256 byte tokens)")
+    ids, _ = self._encode(text, parse_special, True)
     if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
       ids = [int(self.bos_id)] + ids
+    return ids
+
+  def _encode(self, text: str, parse_special: bool, after_special: bool) -> tuple[list[int], bool]:
+    """(ids of `text`, whether its last token is special). after_special: the text starts the
+    sequence or follows a special token (a SentencePiece fragment then gets its space prefix)."""
+    if self.kind == "gpt2":
+      ids = (self._tok if parse_special else self._tok_text).encode(
+          text, add_special_tokens=False).ids
+      if self._tok.decode(ids, skip_special_tokens=False) != text:
+        raise ValueError(f"{self.path}: the vocabulary cannot encode this text exactly "
+                         f"(characters without a token; byte-level BPE needs all 256 byte tokens)")
+      return ids, bool(ids) and ids[-1] in self._special_ids
+    split = self._split_all if parse_special else self._split_user
+    ids, last_special, at = [], after_special, 0
+    for m in (split.finditer(text) if split is not None else ()):
+      if m.start() > at:
+        ids += self._spm_fragment(text[at:m.start()], last_special)
+      ids.append(self._special_id[m.group(0)])
+      last_special, at = True, m.end()
+    if at < len(text):
+      ids += self._spm_fragment(text[at:], last_special)
+      last_special = False
+    return ids, last_special
+
+  def _spm_fragment(self, text: str, after_special: bool) -> list[int]:
+    """SentencePiece ids of one raw-text fragment (llm_tokenizer_spm: space prefix after a
+    special token or at the start, spaces escaped to U+2581)."""
+    if self._spm_prefix and after_special:
+      text = " " + text
+    ids = self._spm.encode(text.replace(" ", _SPM_SPACE))
+    if any(i in self._unknown_ids for i in ids):
+      raise ValueError(f"{self.path}: the vocabulary cannot encode this text exactly (characters "
+                       f"without a piece and no byte-fallback pieces <0x00>..<0xFF>)")
     return ids
 
   def special_text(self, text: str) -> str | None:
@@ -200,19 +277,28 @@ class GGUFTokenizer:
       raise ValueError(f"messages[{i}].content contains the special token text "
                        f"{self.special_text(messages[i]['content'])!r} and this chat template "
                        f"changes message content, so it cannot be kept as plain text")
-    ids = self.encode("", add_bos=None)
+    ids, after_special = self.encode("", add_bos=None), True
     for piece, special in pieces:
       if piece:
-        ids += self.encode(piece, add_bos=False, parse_special=special)
+        more, after_special = self._encode(piece, special, after_special)
+        ids += more
     return ids
 
   def token_bytes(self, token_id: int) -> bytes:
-    """The bytes token `token_id` stands for (byte-level BPE: its characters mapped back through
-    GPT-2's byte-to-unicode table; a control / user-defined token: its text as UTF-8). A
-    token may hold part of a multi-byte character, so its bytes need not be valid UTF-8."""
+    """The bytes token `token_id` stands for: a control / user-defined token: its text as UTF-8;
+    byte-level BPE: its characters mapped back through GPT-2's byte-to-unicode table;
+    SentencePiece: a byte piece <0xXX> its byte, an unknown token U+2585 (llama.cpp's
+    token_to_piece), else its text with U+2581 as a space. A token may hold part of a
+    multi-byte character, so its bytes need not be valid UTF-8."""
     text = self.tokens[token_id]
     if token_id in self._special_ids:
       return text.encode("utf-8")
+    if self.kind == "llama":
+      if token_id in self._byte_ids:
+        return bytes([self._byte_ids[token_id]])
+      if token_id in self._unknown_ids:
+        return _SPM_UNK_TEXT.encode("utf-8")
+      return text.replace(_SPM_SPACE, " ").encode("utf-8")
     table = _byte_decoder()
     try:
       return bytes(table[c] for c in text)
@@ -220,9 +306,13 @@ class GGUFTokenizer:
       return text.encode("utf-8")
 
   def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
-    """Token ids -> text; CONTROL tokens (e.g. <|im_end|>) are dropped when skip_special."""
+    """Token ids -> text; CONTROL tokens (e.g. <|im_end|>) are dropped when skip_special.
+    SentencePiece: the pieces' bytes joined (a leading space stays, as in llama.cpp's
+    token_to_piece; invalid UTF-8 becomes U+FFFD)."""
     if skip_special:
       ids = [i for i in ids if i not in self.control_ids]
+    if self.kind == "llama":
+      return b"".join(self.token_bytes(int(i)) for i in ids).decode("utf-8", errors="replace")
     return self._tok.decode(list(ids), skip_special_tokens=False)
 
   def apply_chat_template(self, messages: Sequence[Mapping[str, str]], *,
@@ -242,6 +332,66 @@ class GGUFTokenizer:
           bos_token=tok(self.bos_id), eos_token=tok(self.eos_id), **kwargs)
     except ValueError as e:
       raise ValueError(f"{self.path}: {e}") from None
+
+
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+class _SentencePiece:
+  """A `sentencepiece` BPE processor over a GGUF's SentencePiece vocabulary: one piece per token
+  id with its score (`tokenizer.ggml.scores`: higher merges first) and type; byte fallback when
+  all 256 byte pieces <0x00>..<0xFF> are there. Normalization (space prefix, U+2581) is the
+  caller's, so the processor gets text exactly as llama.cpp's merge loop does. The unknown token:
+  `tokenizer.ggml.unknown_token_id`, else the first UNKNOWN piece; other UNKNOWN pieces (e.g.
+  `[PAD...]` fillers) never come out of text. Raises ValueError naming the file and key."""
+
+  def __init__(self, meta: Mapping[str, Any], tokens: list[str], types: list[int], path: str):
+    import sentencepiece
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    scores = meta.get("tokenizer.ggml.scores")
+    if not isinstance(scores, list) or len(scores) != len(tokens) or not all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) for x in scores):
+      raise ValueError(f"{path}: GGUF metadata key 'tokenizer.ggml.scores' must be {len(tokens)} "
+                       f"numbers, one per token (SentencePiece merges by score)")
+    unk = _token_id(meta, "tokenizer.ggml.unknown_token_id", len(tokens), path)
+    if unk is None:
+      unk = next((i for i, ty in enumerate(types) if ty == _UNKNOWN), None)
+    if unk is None:
+      raise ValueError(f"{path}: a SentencePiece vocabulary needs an unknown token "
+                       f"('tokenizer.ggml.unknown_token_id' or a token of type UNKNOWN)")
+    piece = pb.ModelProto.SentencePiece
+    kinds = {_NORMAL: piece.NORMAL, _UNKNOWN: piece.UNUSED, _CONTROL: piece.CONTROL,
+             _USER_DEFINED: piece.NORMAL, _UNUSED: piece.UNUSED, _BYTE: piece.BYTE}
+    n_bytes = sum(1 for t, ty in zip(tokens, types) if ty == _BYTE and _BYTE_PIECE.fullmatch(t))
+    m = pb.ModelProto()
+    m.trainer_spec.model_type = pb.TrainerSpec.BPE
+    m.trainer_spec.vocab_size = len(tokens)
+    m.trainer_spec.byte_fallback = n_bytes == 256
+    m.trainer_spec.unk_id = unk
+    m.trainer_spec.bos_id = m.trainer_spec.eos_id = m.trainer_spec.pad_id = -1
+    m.normalizer_spec.name = "identity"
+    m.normalizer_spec.add_dummy_prefix = False
+    m.normalizer_spec.escape_whitespaces = False
+    m.normalizer_spec.remove_extra_whitespaces = False
+    for i, (t, sc, ty) in enumerate(zip(tokens, scores, types)):
+      p = m.pieces.add()
+      p.piece, p.score = t, float(sc)
+      if i == unk:
+        p.type = piece.UNKNOWN
+      elif ty == _BYTE and not m.trainer_spec.byte_fallback:
+        p.type = piece.UNUSED
+      else:
+        p.type = kinds.get(ty, piece.NORMAL)
+    try:
+      self._sp = sentencepiece.SentencePieceProcessor(model_proto=m.SerializeToString())
+    except Exception as e:  # sentencepiece raises RuntimeError / OSError with its own text
+      raise ValueError(f"{path}: SentencePiece vocabulary rejected: {e}") from None
+    self.unk_id = unk
+
+  def encode(self, text: str) -> list[int]:
+    """Escaped text (U+2581 for spaces) -> piece ids."""
+    return list(self._sp.encode(text)) if text else []
 
 
 @functools.cache

@@ -136,8 +136,8 @@ def test_bad_mode_and_block_size(qwen_f32, qwen_draft):
 
 def test_unsupported_tokenizer_kind():
   from dflash_jax.tokenizer import GGUFTokenizer
-  with pytest.raises(NotImplementedError, match=r"m\.gguf.*tokenizer\.ggml\.model='llama'.*not supported yet"):
-    GGUFTokenizer({"tokenizer.ggml.model": "llama"}, path="m.gguf")
+  with pytest.raises(NotImplementedError, match=r"m\.gguf.*tokenizer\.ggml\.model='bert'.*not supported yet"):
+    GGUFTokenizer({"tokenizer.ggml.model": "bert"}, path="m.gguf")
   with pytest.raises(NotImplementedError, match=r"tokenizer\.ggml\.pre='mystery'"):
     GGUFTokenizer({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "mystery"}, path="m.gguf")
 
