@@ -16,7 +16,7 @@ from conftest import DATA
 from dflash_jax.tokenizer import GGUFTokenizer
 
 VOCAB = os.path.join(DATA, "llama_vocab")
-BPE = ("gpt-2", "mpt", "starcoder", "refact", "qwen2", "llama-bpe")
+BPE = ("gpt-2", "mpt", "starcoder", "refact", "qwen2", "llama-bpe", "deepseek-coder", "deepseek-llm")
 SPM = ("llama-spm", "phi-3")
 
 
@@ -44,7 +44,8 @@ def test_ids_equal_llama_cpp(name):
 
 
 @pytest.mark.parametrize("name,wrong", [("qwen2", "gpt2"), ("llama-bpe", "qwen2"),
-                                        ("starcoder", "gpt2"), ("gpt-2", "llama-bpe")])
+                                        ("starcoder", "gpt2"), ("gpt-2", "llama-bpe"),
+                                        ("deepseek-coder", "gpt2"), ("deepseek-llm", "gpt2")])
 def test_wrong_pre_tokenizer_is_caught(name, wrong):
   """The cases tell the pre-tokenizers apart: the right vocabulary with another one's regexes
   gives other ids on some text (so the test above can fail)."""

@@ -29,7 +29,8 @@ import sys
 
 import gguf
 
-NAMES = ("gpt-2", "mpt", "starcoder", "refact", "qwen2", "llama-bpe", "llama-spm", "phi-3")
+NAMES = ("gpt-2", "mpt", "starcoder", "refact", "qwen2", "llama-bpe", "deepseek-coder", "deepseek-llm",
+         "llama-spm", "phi-3")
 DST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llama_vocab")
 KEEP_TYPES = {2, 3, 4, 6}            # UNKNOWN, CONTROL, USER_DEFINED, BYTE
 
