@@ -249,7 +249,7 @@ class GGUFTokenizer:
 
   def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                   parse_special: bool = False, **kwargs) -> list[int]:
-    """Token ids of `messages` rendered by the chat template.
+    """Token ids of `messages` rendered by the chat template (BOS once: see _without_bos).
 
     The template's own text is tokenized with special tokens parsed; message content is text:
     a special-token string inside it (e.g. "<|im_end|><|im_start|>system") is tokenized as the
@@ -270,7 +270,8 @@ class GGUFTokenizer:
         check_text(m["role"])
       except ValueError as e:
         raise ValueError(f"messages[{i}]: {e}") from None
-    text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+    text = self._without_bos(
+        self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs))
     spoof = [i for i, m in enumerate(messages) if self.special_text(m["content"])]
     if parse_special or not spoof:
       return self.encode(text)
@@ -278,7 +279,8 @@ class GGUFTokenizer:
     # pieces with special tokens and the contents as text.
     marks = {i: f"\ue000{i}\ue001" for i in spoof}
     marked = [dict(m, content=marks[i]) if i in marks else m for i, m in enumerate(messages)]
-    skeleton = self.apply_chat_template(marked, add_generation_prompt=add_generation_prompt, **kwargs)
+    skeleton = self._without_bos(
+        self.apply_chat_template(marked, add_generation_prompt=add_generation_prompt, **kwargs))
     parts = re.split("\ue000(\\d+)\ue001", skeleton)
     pieces = [(parts[k], True) if k % 2 == 0 else (messages[int(parts[k])]["content"], False)
               for k in range(len(parts))]
@@ -293,6 +295,16 @@ class GGUFTokenizer:
         more, after_special = self._encode(piece, special, after_special)
         ids += more
     return ids
+
+  def _without_bos(self, text: str) -> str:
+    """A rendered template without its leading BOS text when encode adds the BOS token anyway
+    (llama.cpp common/chat.cpp strips it the same way; a template writing `{{ bos_token }}`,
+    as Llama 2 / 3 and Phi-3 ones do, would otherwise start the prompt with two BOS tokens)."""
+    if self.add_bos and self.bos_id is not None:
+      bos = self.tokens[self.bos_id]
+      if bos and text.startswith(bos):
+        return text[len(bos):]
+    return text
 
   def token_bytes(self, token_id: int) -> bytes:
     """The bytes token `token_id` stands for: a control / user-defined token: its text as UTF-8;

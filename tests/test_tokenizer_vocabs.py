@@ -100,11 +100,16 @@ def test_sentencepiece_byte_fallback_and_chat():
   toks = p3["meta"]["tokenizer.ggml.tokens"]
   msgs = [{"role": "user", "content": "Hi there"}]
   ids = tok3.encode_chat(msgs)
-  assert ids == tok3.encode(tok3.apply_chat_template(msgs))
-  assert ids[0] == tok3.bos_id and toks.index("<|user|>") in ids
+  rendered = tok3.apply_chat_template(msgs)
+  assert rendered.startswith("<s><|user|>")     # the template writes {{ bos_token }} ...
+  # ... and add_bos_token is true: one BOS, as llama.cpp's common_chat_templates_apply strips
+  # the rendered one (a second <s> was the bug)
+  assert ids == tok3.encode(rendered[len("<s>"):]) and ids[:2] == [tok3.bos_id, toks.index("<|user|>")]
+  assert ids.count(tok3.bos_id) == 1
   spoof = [{"role": "user", "content": "Hi <|end|> there"}]
   ids = tok3.encode_chat(spoof)
   assert ids.count(toks.index("<|end|>")) == ids_count_template(tok3, toks)
+  assert ids[:2] == [tok3.bos_id, toks.index("<|user|>")]
   text = tok3.decode(ids, skip_special=False)
   assert "Hi <|end|> there" in text
 
@@ -179,8 +184,8 @@ def test_tiny_llama_with_sentencepiece_vocab(tmp_path):
   tok = target.tokenizer
   assert tok.kind == "llama" and tok.n_vocab == n_vocab
   ids = cli.build_prompt(target, "Write a haiku", chat=True, max_ctx=256)
-  assert ids[0] == tok.bos_id and ids == tok.encode(tok.apply_chat_template(
-      [{"role": "user", "content": "Write a haiku"}]))
+  assert ids[0] == tok.bos_id and ids[1] != tok.bos_id and ids == tok.encode(
+      tok.apply_chat_template([{"role": "user", "content": "Write a haiku"}])[len("<s>"):])
   ar = dj.generate(target, None, ids, max_new_tokens=8, mode="ar", max_ctx=256, eog_ids=())
   look = dj.generate(target, None, ids, max_new_tokens=8, mode="lookup", lookup=3, max_ctx=256,
                      eog_ids=())
@@ -188,3 +193,20 @@ def test_tiny_llama_with_sentencepiece_vocab(tmp_path):
   text = tok.decode(ar.tokens, skip_special=False)
   assert text.encode("utf-8", errors="replace") == b"".join(
       tok.token_bytes(int(i)) for i in ar.tokens).decode("utf-8", errors="replace").encode("utf-8")
+
+
+def test_chat_template_bos_not_doubled():
+  """A Llama-3-style template writing `{{ bos_token }}` with add_bos_token true gives one BOS
+  (llama.cpp common/chat.cpp strips the rendered one), with and without content kept as text;
+  with add_bos_token false the rendered BOS text is the BOS."""
+  d = _load("llama-bpe")
+  template = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
+              "<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>{% endfor %}"
+              "<|start_header_id|>assistant<|end_header_id|>\n\n")
+  for add_bos in (True, False):
+    meta = dict(d["meta"], **{"tokenizer.chat_template": template,
+                              "tokenizer.ggml.add_bos_token": add_bos})
+    tok = GGUFTokenizer(meta, path="llama-bpe")
+    for content in ("Hello", "Hello <|eot_id|> there"):
+      ids = tok.encode_chat([{"role": "user", "content": content}])
+      assert ids[0] == tok.bos_id and ids.count(tok.bos_id) == 1, (add_bos, content)

@@ -11,7 +11,8 @@ them (tests/test-tokenizer-0.cpp: add_special=false, parse_special=false), one l
 Each vocabulary is cut down to what those texts can touch, which leaves every test's ids unchanged:
 a token is kept if its text occurs in one of the texts as the tokenizer sees it (byte-level BPE:
 the texts' bytes through GPT-2's byte-to-unicode table; SentencePiece: U+2581 for each space and
-a leading one), as are every CONTROL / USER_DEFINED / UNKNOWN / BYTE token; the others get a
+a leading one), as are every CONTROL / USER_DEFINED / UNKNOWN / BYTE token and every one-character
+token (so any text stays encodable, in more pieces than the real vocabulary gives); the others get a
 placeholder text that no text contains (U+E000 + id, same id, type and score). A merge is kept
 when its two parts joined occur in a text. BPE merging only ever forms pieces of the text it runs
 on, so a dropped token or merge could never have been used; the cut vocabulary has the same
@@ -71,7 +72,7 @@ def main(models_dir: str):
     tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
     kept = 0
     for i, (t, ty) in enumerate(zip(tokens, types)):
-      if ty in KEEP_TYPES or hit(t):
+      if ty in KEEP_TYPES or len(t) == 1 or hit(t):
         kept += 1
       else:
         tokens[i] = f"\ue000{i}"
