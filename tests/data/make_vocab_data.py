@@ -37,14 +37,11 @@ KEEP_TYPES = {2, 3, 4, 6}            # UNKNOWN, CONTROL, USER_DEFINED, BYTE
 
 
 def byte_level(text: str) -> str:
-  keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
-          *range(ord("\xae"), ord("\xff") + 1)]
-  table, extra = dict(zip(keep, keep)), 0
-  for b in range(256):
-    if b not in table:
-      table[b] = 256 + extra
-      extra += 1
-  return "".join(chr(table[b]) for b in text.encode("utf-8"))
+  """text's UTF-8 bytes through GPT-2's byte-to-unicode table (as byte-level BPE tokens spell them;
+  a wrong table only keeps too few tokens, which the tests would catch)."""
+  from dflash_jax.tokenizer import _byte_decoder
+  enc = {b: c for c, b in _byte_decoder().items()}
+  return "".join(enc[b] for b in text.encode("utf-8"))
 
 
 def main(models_dir: str):
