@@ -135,24 +135,23 @@ class GGUFTokenizer:
     control = [i for i, ty in enumerate(types) if ty == _CONTROL]
     user = [i for i, ty in enumerate(types) if ty == _USER_DEFINED]
     special = control + user
+    # Longest first: a leftmost-longest match, as the `tokenizers` added-token matcher.
+    by_len = lambda ids: sorted({tokens[i] for i in ids if tokens[i]}, key=len, reverse=True)
+    alt = lambda texts: re.compile("|".join(map(re.escape, texts))) if texts else None
+    self._special_re = alt(by_len(control))     # what content must not contain (encode_chat)
     if kind == "gpt2":
       self._init_bpe(pre, tokens, merges, control, user)
     else:
       self._spm = _SentencePiece(meta, tokens, types, path)
       self._spm_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-      self._byte_ids = {i: int(tokens[i][3:5], 16) for i, ty in enumerate(types)
-                        if ty == _BYTE and _BYTE_PIECE.fullmatch(tokens[i])}
       self._unknown_ids = frozenset(i for i, ty in enumerate(types) if ty == _UNKNOWN) | (
           {self._spm.unk_id})
       self._special_id = {}
       for i in special:
         self._special_id.setdefault(tokens[i], i)
-    # Text partitions: USER_DEFINED always, CONTROL too when special tokens are parsed
-    # (longest first: a leftmost-longest match, as the `tokenizers` added-token matcher).
-    by_len = lambda ids: sorted({tokens[i] for i in ids if tokens[i]}, key=len, reverse=True)
-    alt = lambda texts: re.compile("|".join(map(re.escape, texts))) if texts else None
-    self._special_re = alt(by_len(control))     # what content must not contain (encode_chat)
-    self._split_all, self._split_user = alt(by_len(special)), alt(by_len(user))
+      # Text partitions (BPE: the `tokenizers` added tokens): USER_DEFINED always, CONTROL too
+      # when special tokens are parsed.
+      self._split_all, self._split_user = alt(by_len(special)), alt(by_len(user))
     # Longest token in characters: a token covers at most that many characters of the text
     # (byte-level BPE: one character per byte; SentencePiece: U+2581 per space, a byte token
     # less than a character), so a text of more than max_token_chars * n characters has more
@@ -316,8 +315,8 @@ class GGUFTokenizer:
     if token_id in self._special_ids:
       return text.encode("utf-8")
     if self.kind == "llama":
-      if token_id in self._byte_ids:
-        return bytes([self._byte_ids[token_id]])
+      if token_id in self._spm.byte_ids:
+        return bytes([self._spm.byte_ids[token_id]])
       if token_id in self._unknown_ids:
         return _SPM_UNK_TEXT.encode("utf-8")
       return text.replace(_SPM_SPACE, " ").encode("utf-8")
@@ -385,11 +384,13 @@ class _SentencePiece:
     piece = pb.ModelProto.SentencePiece
     kinds = {_NORMAL: piece.NORMAL, _UNKNOWN: piece.UNUSED, _CONTROL: piece.CONTROL,
              _USER_DEFINED: piece.NORMAL, _UNUSED: piece.UNUSED, _BYTE: piece.BYTE}
-    n_bytes = sum(1 for t, ty in zip(tokens, types) if ty == _BYTE and _BYTE_PIECE.fullmatch(t))
+    # id -> byte of each byte piece <0xXX> (token_bytes decodes them; byte fallback needs all 256)
+    self.byte_ids = {i: int(t[3:5], 16) for i, (t, ty) in enumerate(zip(tokens, types))
+                     if ty == _BYTE and _BYTE_PIECE.fullmatch(t)}
     m = pb.ModelProto()
     m.trainer_spec.model_type = pb.TrainerSpec.BPE
     m.trainer_spec.vocab_size = len(tokens)
-    m.trainer_spec.byte_fallback = n_bytes == 256
+    m.trainer_spec.byte_fallback = len(self.byte_ids) == 256
     m.trainer_spec.unk_id = unk
     m.trainer_spec.bos_id = m.trainer_spec.eos_id = m.trainer_spec.pad_id = -1
     m.normalizer_spec.name = "identity"
