@@ -11,7 +11,8 @@ from typing import Any, Mapping, Optional
 
 import jax
 
-SUPPORTED_ARCHS = ("qwen35", "llama", "qwen3")
+SUPPORTED_ARCHS = ("qwen35", "qwen35moe", "llama", "qwen3")
+HYBRID_ARCHS = ("qwen35", "qwen35moe")
 # Sane bounds for model sizes read from files (far above any released model; a corrupt or hostile
 # value fails here with the key named instead of as a huge allocation or a division by zero).
 MAX_DIM = 1 << 20
@@ -82,7 +83,7 @@ class TargetConfig:
   """Target model hyper-parameters, every value read from GGUF metadata.
 
   Attributes:
-    arch: GGUF `general.architecture` ("qwen35", "llama", "qwen3").
+    arch: GGUF `general.architecture` ("qwen35", "qwen35moe", "llama", "qwen3").
     n_layer: trunk layers (`block_count - nextn_predict_layers`; MTP blocks excluded).
     d_model, d_ff, n_vocab: embedding width, FFN width, vocabulary rows.
     n_head, n_kv_head, head_dim, v_head_dim: softmax-attention heads (`attention.key_length`/`value_length`).
@@ -97,6 +98,13 @@ class TargetConfig:
       V head h reads K head h % gdn_n_k_head (llama.cpp's tiled layout).
     n_ctx_train: `context_length`.
     has_rope_freqs: a `rope_freqs.weight` tensor divides the RoPE frequencies (llama 3.x).
+    n_expert, n_expert_used: routed experts per layer and experts each token uses (`expert_count`,
+      `expert_used_count`; 0 for a dense FFN). qwen35moe (llama.cpp src/models/qwen35moe.cpp):
+      softmax router over `ffn_gate_inp`, top n_expert_used, weights renormalised to sum 1, then
+      scaled by expert_weights_scale when that is neither 0 nor 1 (`expert_weights_scale`).
+    d_ff_exp, d_ff_shexp: a routed expert's and the shared expert's FFN width
+      (`expert_feed_forward_length`, `expert_shared_feed_forward_length`; llama.cpp's defaults
+      d_ff / n_expert_used and d_ff).
   """
 
   arch: str
@@ -122,6 +130,16 @@ class TargetConfig:
   conv_kernel: int = 0
   n_ctx_train: int = 0
   has_rope_freqs: bool = False
+  n_expert: int = 0
+  n_expert_used: int = 0
+  d_ff_exp: int = 0
+  d_ff_shexp: int = 0
+  expert_weights_scale: float = 0.0
+
+  @property
+  def moe(self) -> bool:
+    """Routed-expert FFN in every layer (qwen35moe)."""
+    return self.n_expert > 0
 
   @property
   def attn_layers(self) -> tuple[int, ...]:
@@ -161,18 +179,31 @@ class TargetConfig:
     rope_dim = m.int("rope.dimension_count", 2, head_dim, default=head_dim)
     if rope_dim % 2:
       m.fail("rope.dimension_count", rope_dim, "must be even (RoPE rotates pairs)")
+    moe = {}
+    if arch == "qwen35moe":
+      n_expert = m.int("expert_count", 1, MAX_DIM)
+      n_used = m.int("expert_used_count", 1, n_expert)
+      d_ff = m.int("feed_forward_length", 0, MAX_DIM, default=0)
+      moe = dict(n_expert=n_expert, n_expert_used=n_used,
+                 d_ff_exp=m.int("expert_feed_forward_length", 1, MAX_DIM,
+                                default=d_ff // n_used or None),
+                 d_ff_shexp=m.int("expert_shared_feed_forward_length", 1, MAX_DIM,
+                                  default=d_ff or None),
+                 expert_weights_scale=m.number("expert_weights_scale", -1e30, 1e30, default=0.0))
+    else:
+      d_ff = m.int("feed_forward_length", 1, MAX_DIM)
     common = dict(
-        arch=arch, n_layer=n_layer, d_model=d_model, d_ff=m.int("feed_forward_length", 1, MAX_DIM),
+        arch=arch, n_layer=n_layer, d_model=d_model, d_ff=d_ff,
         n_vocab=int(n_vocab), n_head=n_head, n_kv_head=n_kv_head, head_dim=head_dim,
         v_head_dim=m.int("attention.value_length", 1, MAX_DIM, default=head_dim),
         rope_dim=rope_dim, rope_theta=m.number("rope.freq_base", 0.0, 1e30, default=10000.0),
         rms_eps=m.number("attention.layer_norm_rms_epsilon", 0.0, 1.0),
         n_ctx_train=m.int("context_length", 0, 1 << 40, default=0),
-        has_rope_freqs=has_rope_freqs)
+        has_rope_freqs=has_rope_freqs, **moe)
     if arch in ("llama", "qwen3"):
       return cls(**common, rope_style="norm" if arch == "llama" else "neox",
                  qk_norm=arch == "qwen3", attn_gate=False, recurrent=(False,) * n_layer)
-    # qwen35: hybrid Gated DeltaNet + gated attention.
+    # qwen35 / qwen35moe: hybrid Gated DeltaNet + gated attention.
     rec = meta.get(f"{arch}.attention.recurrent_layers")
     if rec is not None and len(rec):
       if len(rec) < n_layer:

@@ -214,10 +214,12 @@ def _load_safetensors(path: str) -> dict[str, np.ndarray]:
 def config_for_target(tcfg: TargetConfig, *, n_layer: int = 1, n_features: int = 3,
                       block_size: int = 16, mask_token_id: int = 0) -> DraftConfig:
   """A draft config shaped after the target (its attention/FFN sizes, z-lab default layer ids):
-  the starting point for training a new draft, and for tests."""
+  the starting point for training a new draft, and for tests. A MoE target's draft gets a dense
+  FFN as wide as what one token runs (n_expert_used routed experts plus the shared one)."""
+  d_ff = tcfg.d_ff or tcfg.n_expert_used * tcfg.d_ff_exp + tcfg.d_ff_shexp
   return DraftConfig(
       d_model=tcfg.d_model, n_layer=n_layer, n_head=tcfg.n_head, n_kv_head=tcfg.n_kv_head,
-      head_dim=tcfg.head_dim, d_ff=tcfg.d_ff, n_vocab=tcfg.n_vocab, rms_eps=tcfg.rms_eps,
+      head_dim=tcfg.head_dim, d_ff=d_ff, n_vocab=tcfg.n_vocab, rms_eps=tcfg.rms_eps,
       rope_theta=tcfg.rope_theta, block_size=block_size, mask_token_id=mask_token_id,
       target_layer_ids=tuple(default_target_layer_ids(tcfg.n_layer, n_features)),
       sliding=(False,) * n_layer)

@@ -9,13 +9,14 @@ Hk/Hv GDN key/value heads, Dk/Dv GDN head dims, C conv channels, K conv kernel.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 
 from dflash_jax.kv_cache import KVBuffer
-from dflash_jax.quants import QuantWeight
+from dflash_jax.quants import QuantWeight, dequantize
 from dflash_jax.runtime import Runtime
 from pallas_kernels import dequant_matmul as dm
 from pallas_kernels import mgpu_matmul as mgpu
@@ -366,6 +367,62 @@ def swiglu_mlp(y: jax.Array, gate_up: Projections, down: QuantWeight, rt: Runtim
   """
   gate, up = project(y, gate_up, rt)
   return linear(jax.nn.silu(gate) * up, down, rt)
+
+
+def _expert_weights(w: QuantWeight, n_expert: int, ids, dtype) -> jax.Array:
+  """Experts of a folded [E*N, K] expert weight, dequantized: ids None -> all, [E, N, K]; ids
+  [...] int32 -> [..., N, K] (only the selected experts' packed rows are read)."""
+  n, k = w.shape[0] // n_expert, w.shape[1]
+  data = w.data.reshape(n_expert, n, w.data.shape[-1])
+  if ids is not None:
+    data = jnp.take(data, ids, axis=0)
+  return dequantize(QuantWeight(data, w.fmt, (n, k)), dtype)
+
+
+def moe_ffn(y: jax.Array, p, *, n_used: int, weights_scale: float, rt: Runtime) -> jax.Array:
+  """Routed-expert FFN plus a gated shared expert (Qwen3.5-MoE; llama.cpp
+  src/models/qwen35moe.cpp `build_layer_ffn` with llama-graph.cpp `build_moe_ffn`, as
+  transformers' Qwen3_5MoeSparseMoeBlock):
+
+    probs = softmax(y @ router^T); (w, e) = top n_used of probs; w /= max(sum(w), 2^-14)
+    (times weights_scale when that is neither 0 nor 1);
+    out = sum_j w_j * down_e_j(silu(gate_e_j(y)) * up_e_j(y)) + sigmoid(y . shared_gate) * shared(y)
+
+  y: [..., D] (already normed); p: `target_params.MoEParams`. Returns [..., D] float32.
+  The routed experts run one of two ways, chosen by the static shape: with fewer (token, expert)
+  pairs than experts (decode steps and small verifies), each token's n_used experts are gathered
+  and dequantized (only those experts' bytes are read); otherwise every expert is dequantized
+  once and runs over all T tokens with a zero weight where it was not chosen (prefill chunks,
+  batched verifies: E / n_used x the FFN FLOPs, each expert read once). The two agree up to
+  float rounding (tests/test_moe.py).
+  """
+  lead, d = y.shape[:-1], y.shape[-1]
+  y2 = y.reshape(-1, d)
+  t = y2.shape[0]
+  n_expert = p.router.shape[0]
+  cdt = rt.cdt
+  prec = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
+  probs = jax.nn.softmax(linear(y2, p.router, rt), axis=-1)             # [T, E]
+  w, ids = jax.lax.top_k(probs, n_used)                                  # [T, k]
+  w = w / jnp.maximum(jnp.sum(w, -1, keepdims=True), 6.103515625e-5)
+  if weights_scale not in (0.0, 1.0):
+    w = w * weights_scale
+  x = y2.astype(cdt)
+  ein = functools.partial(jnp.einsum, precision=prec, preferred_element_type=jnp.float32)
+  if t * n_used < n_expert:
+    wg, wu, wd = (_expert_weights(m, n_expert, ids, cdt)
+                  for m in (p.gate_exps, p.up_exps, p.down_exps))       # [T, k, F, D] / [T, k, D, F]
+    h = jax.nn.silu(ein("td,tjfd->tjf", x, wg)) * ein("td,tjfd->tjf", x, wu)
+    out = ein("tjf,tjdf->td", (h * w[..., None]).astype(cdt), wd)
+  else:
+    wg, wu, wd = (_expert_weights(m, n_expert, None, cdt)
+                  for m in (p.gate_exps, p.up_exps, p.down_exps))       # [E, F, D] / [E, D, F]
+    comb = jnp.zeros((t, n_expert), jnp.float32).at[jnp.arange(t)[:, None], ids].set(w)
+    h = jax.nn.silu(ein("td,efd->tef", x, wg)) * ein("td,efd->tef", x, wu)
+    out = ein("tef,edf->td", (h * comb[..., None]).astype(cdt), wd)
+  shared = swiglu_mlp(y2, p.shared_gate_up, p.shared_down, rt)
+  g = jax.nn.sigmoid(jnp.dot(y2, p.shared_gate, precision=jax.lax.Precision.HIGHEST))
+  return (out + g[:, None] * shared).reshape(*lead, d)
 
 
 def context_kv(c: jax.Array, wk: QuantWeight, wv: QuantWeight, k_norm: jax.Array,

@@ -214,6 +214,14 @@ def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_all, v_all, li: int, star
   return layers.linear(o, p.wo, rt), k, v
 
 
+def _ffn(y, p, cfg: TargetConfig, rt: Runtime):
+  """A layer's FFN over y [T, D] (normed): SwiGLU, or routed experts + shared expert (qwen35moe)."""
+  if cfg.moe:
+    return layers.moe_ffn(y, p, n_used=cfg.n_expert_used, weights_scale=cfg.expert_weights_scale,
+                          rt=rt)
+  return layers.swiglu_mlp(y, p.gate_up, p.down, rt)
+
+
 # A GDN mixer: (x, params, layer index among GDN layers, cache) -> (out, cache, step or None).
 GDNMixer = Callable
 
@@ -240,8 +248,7 @@ def _trunk(params: TargetParams, cfg: TargetConfig, x, cache: TargetCache, start
       vs.append(v)
       ia += 1
     x = x + o
-    x = x + layers.swiglu_mlp(layers.rms_norm(x, p.ffn.norm, cfg.rms_eps), p.ffn.gate_up,
-                              p.ffn.down, rt)
+    x = x + _ffn(layers.rms_norm(x, p.ffn.norm, cfg.rms_eps), p.ffn, cfg, rt)
     if i in feature_layers:
       feats[i] = x
   feat = jnp.concatenate([feats[l] for l in feature_layers], axis=-1) if feature_layers else None

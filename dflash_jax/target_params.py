@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from dflash_jax import layers
-from dflash_jax.config import TargetConfig
+from dflash_jax.config import HYBRID_ARCHS, TargetConfig
 from dflash_jax.gguf_io import GGUFFile
 from dflash_jax.quants import QuantWeight, from_numpy, to_dtype
 from pallas_kernels.dequant_matmul import n_tile
@@ -28,6 +28,23 @@ class FFNParams:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class MoEParams:
+  """A routed-expert FFN with a gated shared expert (qwen35moe; math: `layers.moe_ffn`). The
+  expert tensors are the GGUF 3-D tensors with their expert axis folded into the rows, so one
+  expert is a contiguous run of rows (GGUF blocks never cross rows)."""
+
+  norm: jax.Array          # [D] f32 (pre-FFN RMSNorm weight)
+  router: QuantWeight      # ffn_gate_inp [E, D]
+  gate_exps: QuantWeight   # ffn_gate_exps [E*Fe, D] (expert e: rows e*Fe .. e*Fe+Fe-1)
+  up_exps: QuantWeight     # ffn_up_exps [E*Fe, D]
+  down_exps: QuantWeight   # ffn_down_exps [E*D, Fe]
+  shared_gate_up: layers.Projections  # ffn_gate_shexp [Fs, D], ffn_up_shexp [Fs, D]
+  shared_down: QuantWeight  # ffn_down_shexp [D, Fs]
+  shared_gate: jax.Array   # ffn_gate_inp_shexp [D] f32 (the shared expert's sigmoid gate)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class AttnParams:
   norm: jax.Array          # [D] f32
   qkv: layers.Projections  # attn_q [H*Dh, D] (or [H*2*Dh, D] per-head [query | gate] when
@@ -35,7 +52,7 @@ class AttnParams:
   wo: QuantWeight          # [D, H*Dv]
   q_norm: Optional[jax.Array]  # [Dh] f32 or None
   k_norm: Optional[jax.Array]
-  ffn: FFNParams
+  ffn: FFNParams | MoEParams
 
 
 @jax.tree_util.register_dataclass
@@ -52,7 +69,7 @@ class GDNParams:
   ssm_a: jax.Array         # [Hv] f32 (= -exp(A_log))
   ssm_norm: jax.Array      # [Dv] f32 (plain weight, no +1)
   w_out: QuantWeight       # [D, Hv*Dv]
-  ffn: FFNParams
+  ffn: FFNParams | MoEParams
 
 
 @jax.tree_util.register_dataclass
@@ -130,9 +147,39 @@ def _mat(f: GGUFFile, name: str, shape: tuple[int, int], weights: str) -> QuantW
   return w if weights == "quantized" else to_dtype(w, weights)
 
 
-def _ffn(f: GGUFFile, cfg: TargetConfig, p: str, weights: str, fuse: bool) -> FFNParams:
+def _experts(f: GGUFFile, name: str, shape: tuple[int, int, int], weights: str) -> QuantWeight:
+  """A GGUF expert tensor [E, N, K] as one [E*N, K] weight (expert e = rows e*N .. e*N+N-1)."""
+  t = _expect(f, name, shape)
+  e, n, k = shape
+  w = from_numpy(t.data, t.fmt, (e * n, k), name=f"{f.path}:{name}")
+  return w if weights == "quantized" else to_dtype(w, weights)
+
+
+def _moe(f: GGUFFile, cfg: TargetConfig, p: str, weights: str, fuse: bool, norm: str) -> MoEParams:
+  """qwen35moe's FFN (llama.cpp src/models/qwen35moe.cpp, build_layer_ffn)."""
+  d, e, fe, fs = cfg.d_model, cfg.n_expert, cfg.d_ff_exp, cfg.d_ff_shexp
+  if p + "ffn_gate_up_exps.weight" in f.tensors:
+    raise ValueError(f"{f.path}: tensor {p}ffn_gate_up_exps.weight (merged expert gate/up) is not "
+                     "supported yet; convert with separate ffn_gate_exps / ffn_up_exps")
+  shexp_gate = p + "ffn_gate_inp_shexp.weight"
+  gate_shape = (1, d) if tuple(f.tensor(shexp_gate).shape) == (1, d) else (d,)
+  return MoEParams(
+      norm=_vec(f, norm, d),
+      router=_mat(f, p + "ffn_gate_inp.weight", (e, d), weights),
+      gate_exps=_experts(f, p + "ffn_gate_exps.weight", (e, fe, d), weights),
+      up_exps=_experts(f, p + "ffn_up_exps.weight", (e, fe, d), weights),
+      down_exps=_experts(f, p + "ffn_down_exps.weight", (e, d, fe), weights),
+      shared_gate_up=fuse_projections([_mat(f, p + "ffn_gate_shexp.weight", (fs, d), weights),
+                                       _mat(f, p + "ffn_up_shexp.weight", (fs, d), weights)], fuse),
+      shared_down=_mat(f, p + "ffn_down_shexp.weight", (d, fs), weights),
+      shared_gate=_dense(f, shexp_gate, gate_shape).reshape(d))
+
+
+def _ffn(f: GGUFFile, cfg: TargetConfig, p: str, weights: str, fuse: bool) -> FFNParams | MoEParams:
   d = cfg.d_model
-  norm = p + ("post_attention_norm" if cfg.arch == "qwen35" else "ffn_norm") + ".weight"
+  norm = p + ("post_attention_norm" if cfg.arch in HYBRID_ARCHS else "ffn_norm") + ".weight"
+  if cfg.moe:
+    return _moe(f, cfg, p, weights, fuse, norm)
   return FFNParams(norm=_vec(f, norm, d),
                    gate_up=fuse_projections([_mat(f, p + "ffn_gate.weight", (cfg.d_ff, d), weights),
                                              _mat(f, p + "ffn_up.weight", (cfg.d_ff, d), weights)],
@@ -212,18 +259,24 @@ def tile_q4k(params: TargetParams, *, rows_multiple: int) -> TargetParams:
   """Q4_K layer weights (every projection of every layer, fused groups included) in the Mosaic
   GPU kernel's layout (`pallas_kernels.mgpu_matmul.Q4KTiles`: `repack.repack`, then `to_tiles`; a
   permutation of the same bytes plus 4 per 256 weights), for rt.kernels "mosaic*"; weights of other
-  formats, or whose N is not a multiple of rows_multiple (`layers.mosaic_rows_multiple`: 64 x
+  formats, the routed experts of a MoE FFN (gathered per token), or whose N is not a multiple of rows_multiple (`layers.mosaic_rows_multiple`: 64 x
   the kernel's compute warpgroups) or K of 256, stay packed GGUF rows. The token embedding and the lm_head stay as
   they are (row gathers; the lm_head of a Q4_K_M file is Q6_K). Host (numpy) work at load:
   params as `load_params` returns them (weights="quantized")."""
   from pallas_kernels import mgpu_matmul, repack
 
   def tile(w):
+    if isinstance(w, MoEParams):     # the experts stay packed rows (gathered per token)
+      return dataclasses.replace(w, shared_gate_up=jax.tree.map(tile, w.shared_gate_up, is_leaf=leaf),
+                                 shared_down=tile(w.shared_down))
     if (not isinstance(w, QuantWeight) or w.fmt != "q4_k" or w.shape[0] % rows_multiple
         or w.shape[1] % repack.QK_K):
       return w
     return mgpu_matmul.to_tiles(repack.repack(np.asarray(w.data), "q4_k", w.shape))
 
-  layers_ = jax.tree.map(tile, params.layers, is_leaf=lambda x: isinstance(x, QuantWeight))
+  def leaf(x):
+    return isinstance(x, (QuantWeight, MoEParams))
+
+  layers_ = jax.tree.map(tile, params.layers, is_leaf=leaf)
   return dataclasses.replace(params, layers=layers_)
 
