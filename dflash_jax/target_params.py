@@ -1,6 +1,6 @@
 """Target parameters read from GGUF: the params pytree (packed GGUF weights, f32 norms) and the
 load-time projection fusion. Tensor names and layouts exactly as llama.cpp stores them
-(src/models/{llama,qwen3,qwen35}.cpp).
+(src/models/{llama,qwen3,qwen35,qwen35moe}.cpp).
 """
 
 from __future__ import annotations
@@ -259,8 +259,9 @@ def tile_q4k(params: TargetParams, *, rows_multiple: int) -> TargetParams:
   """Q4_K layer weights (every projection of every layer, fused groups included) in the Mosaic
   GPU kernel's layout (`pallas_kernels.mgpu_matmul.Q4KTiles`: `repack.repack`, then `to_tiles`; a
   permutation of the same bytes plus 4 per 256 weights), for rt.kernels "mosaic*"; weights of other
-  formats, the routed experts of a MoE FFN (gathered per token), or whose N is not a multiple of rows_multiple (`layers.mosaic_rows_multiple`: 64 x
-  the kernel's compute warpgroups) or K of 256, stay packed GGUF rows. The token embedding and the lm_head stay as
+  formats, a MoE FFN's routed experts (gathered per token), or weights whose N is not a multiple of
+  rows_multiple (`layers.mosaic_rows_multiple`: 64 x the kernel's compute warpgroups) or K of 256,
+  stay packed GGUF rows. The token embedding and the lm_head stay as
   they are (row gathers; the lm_head of a Q4_K_M file is Q6_K). Host (numpy) work at load:
   params as `load_params` returns them (weights="quantized")."""
   from pallas_kernels import mgpu_matmul, repack

@@ -16,7 +16,6 @@ import shutil
 
 import gguf
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -128,7 +127,8 @@ def test_moe_ffn_against_float64(moe_q8, t):
 
 def test_speculative_modes_lossless(moe_f32, moe_ref):
   """Chain and DDTree verifies (16 / 9+ rows: every expert over all rows) against
-  autoregressive steps (one row: gathered experts) with a random draft, and an oracle draft
+  autoregressive steps (one row: gathered experts) with a random draft, alone and batched, and
+  an oracle draft
   accepting 1..16 tokens per step (the hybrid layers' rollback after each)."""
   draft = _random_draft(moe_f32)
   for r in range(2):
@@ -137,6 +137,10 @@ def test_speculative_modes_lossless(moe_f32, moe_ref):
       res = dj.generate(moe_f32, draft, prompt, max_new_tokens=24, mode=mode, max_ctx=128,
                         eog_ids=())
       assert res.tokens == moe_ref["hf_greedy"][r].tolist(), (mode, r)
+  # two rows in one batched loop (vmapped rows: each row's expert path from its own rows)
+  rows = dj.generate_batch(moe_f32, draft, [moe_ref["tokens"][r, :12] for r in range(2)],
+                           max_new_tokens=24, mode="chain", max_ctx=128, eog_ids=(), batch_size=2)
+  assert [x.tokens for x in rows] == moe_ref["hf_greedy"].tolist()
   prompt = moe_ref["tokens"][1, :12]
   truth = dj.generate(moe_f32, None, prompt, max_new_tokens=150, mode="ar", max_ctx=256,
                       eog_ids=()).tokens
