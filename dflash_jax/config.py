@@ -11,7 +11,8 @@ from typing import Any, Mapping, Optional
 
 import jax
 
-SUPPORTED_ARCHS = ("qwen35", "qwen35moe", "llama", "qwen3")
+SUPPORTED_ARCHS = ("qwen35", "qwen35moe", "llama", "qwen3", "qwen3moe")
+MOE_ARCHS = ("qwen35moe", "qwen3moe")
 HYBRID_ARCHS = ("qwen35", "qwen35moe")
 # Sane bounds for model sizes read from files (far above any released model; a corrupt or hostile
 # value fails here with the key named instead of as a huge allocation or a division by zero).
@@ -83,7 +84,7 @@ class TargetConfig:
   """Target model hyper-parameters, every value read from GGUF metadata.
 
   Attributes:
-    arch: GGUF `general.architecture` ("qwen35", "qwen35moe", "llama", "qwen3").
+    arch: GGUF `general.architecture` (one of SUPPORTED_ARCHS).
     n_layer: trunk layers (`block_count - nextn_predict_layers`; MTP blocks excluded).
     d_model, d_ff, n_vocab: embedding width, FFN width, vocabulary rows.
     n_head, n_kv_head, head_dim, v_head_dim: softmax-attention heads (`attention.key_length`/`value_length`).
@@ -91,7 +92,7 @@ class TargetConfig:
     rope_style: "neox" (pairs (i, i + rope_dim/2); qwen3, qwen35) or "norm" (adjacent pairs; llama,
       whose q/k rows llama.cpp's converter permutes).
     rms_eps: `attention.layer_norm_rms_epsilon`.
-    qk_norm: per-head RMSNorm of q and k (qwen3, qwen35).
+    qk_norm: per-head RMSNorm of q and k (qwen3, qwen3moe, qwen35, qwen35moe).
     attn_gate: `attn_q` packs per head [query | gate] and the output is multiplied by sigmoid(gate) (qwen35).
     recurrent: [n_layer] True = Gated DeltaNet layer, False = softmax attention.
     gdn_n_k_head, gdn_n_v_head, gdn_d_k, gdn_d_v, conv_kernel: Gated DeltaNet shapes (`ssm.*`);
@@ -99,12 +100,13 @@ class TargetConfig:
     n_ctx_train: `context_length`.
     has_rope_freqs: a `rope_freqs.weight` tensor divides the RoPE frequencies (llama 3.x).
     n_expert, n_expert_used: routed experts per layer and experts each token uses (`expert_count`,
-      `expert_used_count`; 0 for a dense FFN). qwen35moe (llama.cpp src/models/qwen35moe.cpp):
-      softmax router over `ffn_gate_inp`, top n_expert_used, weights renormalised to sum 1, then
-      scaled by expert_weights_scale when that is neither 0 nor 1 (`expert_weights_scale`).
+      `expert_used_count`; 0 for a dense FFN). qwen35moe / qwen3moe (llama.cpp
+      src/models/qwen35moe.cpp, qwen3moe.cpp): softmax router over `ffn_gate_inp`, top
+      n_expert_used, weights renormalised to sum 1, then scaled by expert_weights_scale when that
+      is neither 0 nor 1 (`expert_weights_scale`).
     d_ff_exp, d_ff_shexp: a routed expert's and the shared expert's FFN width
       (`expert_feed_forward_length`, `expert_shared_feed_forward_length`; llama.cpp's defaults
-      d_ff / n_expert_used and d_ff).
+      d_ff / n_expert_used and d_ff); d_ff_shexp 0: no shared expert (qwen3moe).
   """
 
   arch: str
@@ -138,7 +140,7 @@ class TargetConfig:
 
   @property
   def moe(self) -> bool:
-    """Routed-expert FFN in every layer (qwen35moe)."""
+    """Routed-expert FFN in every layer (qwen35moe, qwen3moe)."""
     return self.n_expert > 0
 
   @property
@@ -180,15 +182,15 @@ class TargetConfig:
     if rope_dim % 2:
       m.fail("rope.dimension_count", rope_dim, "must be even (RoPE rotates pairs)")
     moe = {}
-    if arch == "qwen35moe":
+    if arch in MOE_ARCHS:
       n_expert = m.int("expert_count", 1, MAX_DIM)
       n_used = m.int("expert_used_count", 1, n_expert)
       d_ff = m.int("feed_forward_length", 0, MAX_DIM, default=0)
       moe = dict(n_expert=n_expert, n_expert_used=n_used,
                  d_ff_exp=m.int("expert_feed_forward_length", 1, MAX_DIM,
                                 default=d_ff // n_used or None),
-                 d_ff_shexp=m.int("expert_shared_feed_forward_length", 1, MAX_DIM,
-                                  default=d_ff or None),
+                 d_ff_shexp=(m.int("expert_shared_feed_forward_length", 1, MAX_DIM,
+                                   default=d_ff or None) if arch == "qwen35moe" else 0),
                  expert_weights_scale=m.number("expert_weights_scale", -1e30, 1e30, default=0.0))
     else:
       d_ff = m.int("feed_forward_length", 1, MAX_DIM)
@@ -200,9 +202,9 @@ class TargetConfig:
         rms_eps=m.number("attention.layer_norm_rms_epsilon", 0.0, 1.0),
         n_ctx_train=m.int("context_length", 0, 1 << 40, default=0),
         has_rope_freqs=has_rope_freqs, **moe)
-    if arch in ("llama", "qwen3"):
+    if arch in ("llama", "qwen3", "qwen3moe"):
       return cls(**common, rope_style="norm" if arch == "llama" else "neox",
-                 qk_norm=arch == "qwen3", attn_gate=False, recurrent=(False,) * n_layer)
+                 qk_norm=arch != "llama", attn_gate=False, recurrent=(False,) * n_layer)
     # qwen35 / qwen35moe: hybrid Gated DeltaNet + gated attention.
     rec = meta.get(f"{arch}.attention.recurrent_layers")
     if rec is not None and len(rec):

@@ -380,13 +380,13 @@ def _expert_weights(w: QuantWeight, n_expert: int, ids, dtype) -> jax.Array:
 
 
 def moe_ffn(y: jax.Array, p, *, n_used: int, weights_scale: float, rt: Runtime) -> jax.Array:
-  """Routed-expert FFN plus a gated shared expert (Qwen3.5-MoE; llama.cpp
-  src/models/qwen35moe.cpp `build_layer_ffn` with llama-graph.cpp `build_moe_ffn`, as
-  transformers' Qwen3_5MoeSparseMoeBlock):
+  """Routed-expert FFN plus, when p has one, a gated shared expert (Qwen3.5-MoE, Qwen3-MoE;
+  llama.cpp src/models/qwen35moe.cpp `build_layer_ffn` / qwen3moe.cpp with llama-graph.cpp
+  `build_moe_ffn`, as transformers' Qwen3_5MoeSparseMoeBlock / Qwen3MoeSparseMoeBlock):
 
     probs = softmax(y @ router^T); (w, e) = top n_used of probs; w /= max(sum(w), 2^-14)
     (times weights_scale when that is neither 0 nor 1);
-    out = sum_j w_j * down_e_j(silu(gate_e_j(y)) * up_e_j(y)) + sigmoid(y . shared_gate) * shared(y)
+    out = sum_j w_j * down_e_j(silu(gate_e_j(y)) * up_e_j(y)) [+ sigmoid(y . shared_gate) * shared(y)]
 
   y: [..., D] (already normed); p: `target_params.MoEParams`. Returns [..., D] float32.
   The routed experts run one of two ways, chosen by the static shape: with fewer (token, expert)
@@ -420,9 +420,11 @@ def moe_ffn(y: jax.Array, p, *, n_used: int, weights_scale: float, rt: Runtime) 
     comb = jnp.zeros((t, n_expert), jnp.float32).at[jnp.arange(t)[:, None], ids].set(w)
     h = jax.nn.silu(ein("td,efd->tef", x, wg)) * ein("td,efd->tef", x, wu)
     out = ein("tef,edf->td", (h * comb[..., None]).astype(cdt), wd)
-  shared = swiglu_mlp(y2, p.shared_gate_up, p.shared_down, rt)
-  g = jax.nn.sigmoid(jnp.dot(y2, p.shared_gate, precision=jax.lax.Precision.HIGHEST))
-  return (out + g[:, None] * shared).reshape(*lead, d)
+  if p.shared_down is not None:
+    shared = swiglu_mlp(y2, p.shared_gate_up, p.shared_down, rt)
+    g = jax.nn.sigmoid(jnp.dot(y2, p.shared_gate, precision=jax.lax.Precision.HIGHEST))
+    out = out + g[:, None] * shared
+  return out.reshape(*lead, d)
 
 
 def context_kv(c: jax.Array, wk: QuantWeight, wv: QuantWeight, k_norm: jax.Array,

@@ -1,6 +1,6 @@
 """Target parameters read from GGUF: the params pytree (packed GGUF weights, f32 norms) and the
 load-time projection fusion. Tensor names and layouts exactly as llama.cpp stores them
-(src/models/{llama,qwen3,qwen35,qwen35moe}.cpp).
+(src/models/{llama,qwen3,qwen3moe,qwen35,qwen35moe}.cpp).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class FFNParams:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class MoEParams:
-  """A routed-expert FFN with a gated shared expert (qwen35moe; math: `layers.moe_ffn`). The
+  """A routed-expert FFN, with a gated shared expert for qwen35moe (math: `layers.moe_ffn`). The
   expert tensors are the GGUF 3-D tensors with their expert axis folded into the rows, so one
   expert is a contiguous run of rows (GGUF blocks never cross rows)."""
 
@@ -38,9 +38,10 @@ class MoEParams:
   gate_exps: QuantWeight   # ffn_gate_exps [E*Fe, D] (expert e: rows e*Fe .. e*Fe+Fe-1)
   up_exps: QuantWeight     # ffn_up_exps [E*Fe, D]
   down_exps: QuantWeight   # ffn_down_exps [E*D, Fe]
-  shared_gate_up: layers.Projections  # ffn_gate_shexp [Fs, D], ffn_up_shexp [Fs, D]
-  shared_down: QuantWeight  # ffn_down_shexp [D, Fs]
-  shared_gate: jax.Array   # ffn_gate_inp_shexp [D] f32 (the shared expert's sigmoid gate)
+  shared_gate_up: Optional[layers.Projections]  # ffn_gate_shexp [Fs, D], ffn_up_shexp [Fs, D]
+  shared_down: Optional[QuantWeight]  # ffn_down_shexp [D, Fs]
+  shared_gate: Optional[jax.Array]    # ffn_gate_inp_shexp [D] f32 (the shared expert's sigmoid
+                                      # gate); the three None without a shared expert (qwen3moe)
 
 
 @jax.tree_util.register_dataclass
@@ -156,23 +157,27 @@ def _experts(f: GGUFFile, name: str, shape: tuple[int, int, int], weights: str) 
 
 
 def _moe(f: GGUFFile, cfg: TargetConfig, p: str, weights: str, fuse: bool, norm: str) -> MoEParams:
-  """qwen35moe's FFN (llama.cpp src/models/qwen35moe.cpp, build_layer_ffn)."""
+  """A MoE FFN (llama.cpp src/models/qwen35moe.cpp `build_layer_ffn`, qwen3moe.cpp)."""
   d, e, fe, fs = cfg.d_model, cfg.n_expert, cfg.d_ff_exp, cfg.d_ff_shexp
   if p + "ffn_gate_up_exps.weight" in f.tensors:
     raise ValueError(f"{f.path}: tensor {p}ffn_gate_up_exps.weight (merged expert gate/up) is not "
                      "supported yet; convert with separate ffn_gate_exps / ffn_up_exps")
-  shexp_gate = p + "ffn_gate_inp_shexp.weight"
-  gate_shape = (1, d) if tuple(f.tensor(shexp_gate).shape) == (1, d) else (d,)
+  shared = dict(shared_gate_up=None, shared_down=None, shared_gate=None)
+  if fs:
+    shexp_gate = p + "ffn_gate_inp_shexp.weight"
+    gate_shape = (1, d) if tuple(f.tensor(shexp_gate).shape) == (1, d) else (d,)
+    shared = dict(
+        shared_gate_up=fuse_projections([_mat(f, p + "ffn_gate_shexp.weight", (fs, d), weights),
+                                         _mat(f, p + "ffn_up_shexp.weight", (fs, d), weights)],
+                                        fuse),
+        shared_down=_mat(f, p + "ffn_down_shexp.weight", (d, fs), weights),
+        shared_gate=_dense(f, shexp_gate, gate_shape).reshape(d))
   return MoEParams(
       norm=_vec(f, norm, d),
       router=_mat(f, p + "ffn_gate_inp.weight", (e, d), weights),
       gate_exps=_experts(f, p + "ffn_gate_exps.weight", (e, fe, d), weights),
       up_exps=_experts(f, p + "ffn_up_exps.weight", (e, fe, d), weights),
-      down_exps=_experts(f, p + "ffn_down_exps.weight", (e, d, fe), weights),
-      shared_gate_up=fuse_projections([_mat(f, p + "ffn_gate_shexp.weight", (fs, d), weights),
-                                       _mat(f, p + "ffn_up_shexp.weight", (fs, d), weights)], fuse),
-      shared_down=_mat(f, p + "ffn_down_shexp.weight", (d, fs), weights),
-      shared_gate=_dense(f, shexp_gate, gate_shape).reshape(d))
+      down_exps=_experts(f, p + "ffn_down_exps.weight", (e, d, fe), weights), **shared)
 
 
 def _ffn(f: GGUFFile, cfg: TargetConfig, p: str, weights: str, fuse: bool) -> FFNParams | MoEParams:
@@ -268,6 +273,8 @@ def tile_q4k(params: TargetParams, *, rows_multiple: int) -> TargetParams:
 
   def tile(w):
     if isinstance(w, MoEParams):     # the experts stay packed rows (gathered per token)
+      if w.shared_down is None:
+        return w
       return dataclasses.replace(w, shared_gate_up=jax.tree.map(tile, w.shared_gate_up, is_leaf=leaf),
                                  shared_down=tile(w.shared_down))
     if (not isinstance(w, QuantWeight) or w.fmt != "q4_k" or w.shape[0] % rows_multiple

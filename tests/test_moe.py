@@ -1,12 +1,12 @@
-"""Qwen3.5-MoE targets (`qwen35moe`: Gated DeltaNet + gated attention with routed experts and a
-gated shared expert, as Qwen3.5-35B-A3B) on a tiny random model converted by llama.cpp's own
-converter (tests/data/make_qwen35moe_tiny.py): logits against transformers and llama.cpp, the
-MoE FFN against a float64 numpy reference on gguf-py-dequantized expert tensors, and lossless
-speculative decoding.
+"""MoE targets on tiny random models converted by llama.cpp's own converter
+(tests/data/make_moe_tiny.py): `qwen35moe` (Gated DeltaNet + gated attention with routed experts
+and a gated shared expert, as Qwen3.5-35B-A3B) and `qwen3moe` (softmax attention, routed experts,
+as Qwen3-30B-A3B). Logits against transformers and llama.cpp, the MoE FFN against a float64
+numpy reference on gguf-py-dequantized expert tensors, lossless speculative decoding.
 
 Norms: logits by max abs difference (|logits| <= 2.5 here); measured ours vs transformers
-5.7e-6 / 9.4e-6 (f32) and 7.7e-6 / 6.7e-6 (q8_0 vs transformers on the dequantized q8_0
-matrices), llama.cpp f32 vs transformers 8.3e-6.
+5.7e-6 / 9.4e-6 (qwen35moe f32), 7.7e-6 / 6.7e-6 (qwen35moe q8_0 vs transformers on the
+dequantized q8_0 matrices); llama.cpp f32 vs transformers 8.3e-6 (qwen35moe), 1.9e-6 (qwen3moe).
 """
 
 import dataclasses
@@ -26,60 +26,74 @@ from dflash_jax.runtime import Runtime
 from conftest import DATA
 from test_draft_and_decode import _oracle_run, _random_draft
 
-MOE = os.path.join(DATA, "qwen35moe_tiny")
+ARCHS = ("qwen35moe", "qwen3moe")
+
+
+def _dir(arch):
+  return os.path.join(DATA, f"{arch}_tiny")
 
 
 @pytest.fixture(scope="module")
-def moe_ref():
-  return np.load(os.path.join(MOE, "reference.npz"))
+def refs():
+  return {a: np.load(os.path.join(_dir(a), "reference.npz")) for a in ARCHS}
 
 
 @pytest.fixture(scope="module")
-def moe_f32_path(tmp_path_factory):
-  out = tmp_path_factory.mktemp("moe") / "model-f32.gguf"
-  with lzma.open(os.path.join(MOE, "model-f32.gguf.xz"), "rb") as src, open(out, "wb") as dst:
-    shutil.copyfileobj(src, dst)
-  return str(out)
+def f32_paths(tmp_path_factory):
+  out = {}
+  for a in ARCHS:
+    out[a] = str(tmp_path_factory.mktemp(a) / "model-f32.gguf")
+    with lzma.open(os.path.join(_dir(a), "model-f32.gguf.xz"), "rb") as src, \
+         open(out[a], "wb") as dst:
+      shutil.copyfileobj(src, dst)
+  return out
 
 
 @pytest.fixture(scope="module")
-def moe_f32(moe_f32_path):
-  return dj.load_target(moe_f32_path)
+def targets(f32_paths):
+  """f32 files of both architectures, and qwen35moe's q8_0 file with its experts kept packed."""
+  out = {a: dj.load_target(f32_paths[a]) for a in ARCHS}
+  out["qwen35moe_q8_0"] = dj.load_target(os.path.join(_dir("qwen35moe"), "model-q8_0.gguf"),
+                                         weights="quantized")
+  return out
 
 
-@pytest.fixture(scope="module")
-def moe_q8(moe_ref):
-  return dj.load_target(os.path.join(MOE, "model-q8_0.gguf"), weights="quantized")
-
-
-def test_config_from_gguf(moe_f32):
-  c = moe_f32.config
+def test_config_from_gguf(targets):
+  c = targets["qwen35moe"].config
   assert (c.arch, c.n_layer, c.recurrent) == ("qwen35moe", 4, (True, True, True, False))
   assert (c.n_expert, c.n_expert_used, c.d_ff_exp, c.d_ff_shexp) == (8, 2, 32, 64)
   assert c.moe and c.d_ff == 0      # no feed_forward_length in a qwen35moe file
+  c = targets["qwen3moe"].config
+  assert (c.arch, c.n_layer, c.recurrent, c.qk_norm, c.attn_gate) == (
+      "qwen3moe", 3, (False,) * 3, True, False)
+  assert (c.n_expert, c.n_expert_used, c.d_ff_exp, c.d_ff_shexp) == (8, 2, 32, 0)
+  assert targets["qwen3moe"].params.layers[0].ffn.shared_down is None
 
 
-def test_logits_match_transformers_and_llama_cpp(moe_f32, moe_q8, moe_ref):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_match_transformers_and_llama_cpp(targets, refs, arch):
+  ref = refs[arch]
   for r in range(2):
-    lg = np.asarray(dj.forward_logits(moe_f32, moe_ref["tokens"][r]))
-    assert np.abs(lg - moe_ref["hf_logits"][r]).max() < 3e-5
-    assert np.abs(lg - moe_ref["llamacpp_logits_f32_kvf32"][r]).max() < 3e-5
-    # packed q8_0 rows dequantized inside the forward vs transformers on gguf-py's dequantized
-    # matrices: the same weights, so the same routing and logits up to float rounding
-    lq = np.asarray(dj.forward_logits(moe_q8, moe_ref["tokens"][r]))
-    assert np.abs(lq - moe_ref["hf_dequant_logits_q8_0"][r]).max() < 3e-5
+    lg = np.asarray(dj.forward_logits(targets[arch], ref["tokens"][r]))
+    assert np.abs(lg - ref["hf_logits"][r]).max() < 3e-5
+    assert np.abs(lg - ref["llamacpp_logits_f32_kvf32"][r]).max() < 3e-5
+    if arch == "qwen35moe":
+      # packed q8_0 rows dequantized inside the forward vs transformers on gguf-py's
+      # dequantized matrices: the same weights, so the same routing and logits up to rounding
+      lq = np.asarray(dj.forward_logits(targets["qwen35moe_q8_0"], ref["tokens"][r]))
+      assert np.abs(lq - ref["hf_dequant_logits_q8_0"][r]).max() < 3e-5
 
 
-@pytest.mark.parametrize("q", ["f32", "q8_0"])
-def test_greedy_matches_transformers(moe_f32, moe_q8, moe_ref, q):
-  target, ref = ((moe_f32, moe_ref["hf_greedy"]) if q == "f32"
-                 else (moe_q8, moe_ref["hf_dequant_greedy_q8_0"]))
-  if q == "f32":
-    assert (moe_ref["llamacpp_greedy_f32_kvf32"] == ref).all()
+@pytest.mark.parametrize("which", ["qwen35moe", "qwen35moe_q8_0", "qwen3moe"])
+def test_greedy_matches_transformers_and_llama_cpp(targets, refs, which):
+  ref = refs[which.removesuffix("_q8_0")]
+  expect = ref["hf_dequant_greedy_q8_0"] if which.endswith("q8_0") else ref["hf_greedy"]
+  if not which.endswith("q8_0"):
+    assert (ref["llamacpp_greedy_f32_kvf32"] == expect).all()
   for r in range(2):
-    res = dj.generate(target, None, moe_ref["tokens"][r, :12], max_new_tokens=24, mode="ar",
+    res = dj.generate(targets[which], None, ref["tokens"][r, :12], max_new_tokens=24, mode="ar",
                       max_ctx=128, eog_ids=())
-    assert res.tokens == ref[r].tolist()
+    assert res.tokens == expect[r].tolist()
 
 
 def _moe_float64(y, f: gguf.GGUFReader, layer: int, n_used: int):
@@ -103,21 +117,27 @@ def _moe_float64(y, f: gguf.GGUFReader, layer: int, n_used: int):
     wt = probs[i, top] / probs[i, top].sum()
     for e, we in zip(top, wt):
       out[i] += we * (down[e] @ (silu(gate[e] @ y[i]) * (up[e] @ y[i])))
-  shared = w("ffn_down_shexp") @ (silu(w("ffn_gate_shexp") @ y.T) * (w("ffn_up_shexp") @ y.T))
-  g = 1 / (1 + np.exp(-(y @ w("ffn_gate_inp_shexp").reshape(-1))))
-  return out + g[:, None] * shared.T
+  if f"blk.{layer}.ffn_down_shexp.weight" in t:
+    shared = w("ffn_down_shexp") @ (silu(w("ffn_gate_shexp") @ y.T) * (w("ffn_up_shexp") @ y.T))
+    out += shared.T / (1 + np.exp(-(y @ w("ffn_gate_inp_shexp").reshape(-1))))[:, None]
+  return out
 
 
 @pytest.mark.parametrize("t", [1, 3, 4, 9])
-def test_moe_ffn_against_float64(moe_q8, t):
+@pytest.mark.parametrize("which", ["qwen35moe_q8_0", "qwen3moe"])
+def test_moe_ffn_against_float64(targets, f32_paths, which, t):
   """Both expert paths (gathered: T * n_used < n_expert, here T = 1 and 3; every expert over all
-  tokens: T = 4, 9) on packed q8_0 expert rows, against float64 numpy on gguf-py's dequantized
-  3-D tensors. Norm: max relative L2 error per row < 1e-5 (float32 math, measured ~1e-7)."""
-  c = moe_q8.config
-  f = gguf.GGUFReader(os.path.join(MOE, "model-q8_0.gguf"))
+  tokens: T = 4, 9), on packed q8_0 experts with a shared expert (qwen35moe) and f32 experts
+  without one (qwen3moe), against float64 numpy on gguf-py's dequantized 3-D tensors.
+  Norm: max relative L2 error per row < 1e-5 (float32 math)."""
+  target = targets[which]
+  c = target.config
+  path = (os.path.join(_dir("qwen35moe"), "model-q8_0.gguf") if which.endswith("q8_0")
+          else f32_paths[which])
+  f = gguf.GGUFReader(path)
   y = np.random.default_rng(t).normal(size=(t, c.d_model)).astype(np.float32)
-  for layer in (0, 3):
-    p = moe_q8.params.layers[layer].ffn
+  for layer in (0, c.n_layer - 1):
+    p = target.params.layers[layer].ffn
     out = np.asarray(jax.jit(lambda y, p: layers.moe_ffn(
         y, p, n_used=c.n_expert_used, weights_scale=0.0, rt=Runtime()))(y, p), np.float64)
     ref = _moe_float64(y, f, layer, c.n_expert_used)
@@ -125,34 +145,36 @@ def test_moe_ffn_against_float64(moe_q8, t):
     assert err.max() < 1e-5, err
 
 
-def test_speculative_modes_lossless(moe_f32, moe_ref):
+def test_speculative_modes_lossless(targets, refs):
   """Chain and DDTree verifies (16 / 9+ rows: every expert over all rows) against
-  autoregressive steps (one row: gathered experts) with a random draft, alone and batched, and
-  an oracle draft
-  accepting 1..16 tokens per step (the hybrid layers' rollback after each)."""
-  draft = _random_draft(moe_f32)
-  for r in range(2):
-    prompt = moe_ref["tokens"][r, :12]
-    for mode in ("chain", "ddtree"):
-      res = dj.generate(moe_f32, draft, prompt, max_new_tokens=24, mode=mode, max_ctx=128,
-                        eog_ids=())
-      assert res.tokens == moe_ref["hf_greedy"][r].tolist(), (mode, r)
+  autoregressive steps (one row: gathered experts) with a random draft, alone and batched
+  (qwen35moe), and an oracle draft accepting 1..16 tokens per step (qwen35moe: the hybrid layers'
+  rollback after each)."""
+  for arch in ARCHS:
+    target, ref = targets[arch], refs[arch]
+    draft = _random_draft(target)
+    for r in range(2):
+      for mode in ("chain", "ddtree"):
+        res = dj.generate(target, draft, ref["tokens"][r, :12], max_new_tokens=24, mode=mode,
+                          max_ctx=128, eog_ids=())
+        assert res.tokens == ref["hf_greedy"][r].tolist(), (arch, mode, r)
+  target, ref = targets["qwen35moe"], refs["qwen35moe"]
   # two rows in one batched loop (vmapped rows: each row's expert path from its own rows)
-  rows = dj.generate_batch(moe_f32, draft, [moe_ref["tokens"][r, :12] for r in range(2)],
+  rows = dj.generate_batch(target, _random_draft(target), [ref["tokens"][r, :12] for r in range(2)],
                            max_new_tokens=24, mode="chain", max_ctx=128, eog_ids=(), batch_size=2)
-  assert [x.tokens for x in rows] == moe_ref["hf_greedy"].tolist()
-  prompt = moe_ref["tokens"][1, :12]
-  truth = dj.generate(moe_f32, None, prompt, max_new_tokens=150, mode="ar", max_ctx=256,
+  assert [x.tokens for x in rows] == ref["hf_greedy"].tolist()
+  prompt = ref["tokens"][1, :12]
+  truth = dj.generate(target, None, prompt, max_new_tokens=150, mode="ar", max_ctx=256,
                       eog_ids=()).tokens
   pattern = list(range(15)) + [99]
-  res = _oracle_run(moe_f32, prompt, np.asarray(truth, np.int32), pattern, 256)
+  res = _oracle_run(target, prompt, np.asarray(truth, np.int32), pattern, 256)
   assert res.tokens == truth
   assert res.accept_lens[:16] == [(p + 1 if p < 15 else 16) for p in pattern]
 
 
-def test_metadata_errors_name_the_key(moe_f32_path):
+def test_metadata_errors_name_the_key(f32_paths):
   from dflash_jax.gguf_io import read_gguf
-  meta = dict(read_gguf(moe_f32_path).meta)
+  meta = dict(read_gguf(f32_paths["qwen35moe"]).meta)
   bad = dict(meta, **{"qwen35moe.expert_used_count": 9})
   with pytest.raises(ValueError, match=r"qwen35moe\.expert_used_count=9"):
     TargetConfig.from_gguf(bad, n_vocab=384, path="x.gguf")
@@ -164,15 +186,15 @@ def test_metadata_errors_name_the_key(moe_f32_path):
   assert ok.d_ff_exp == 32        # the explicit key wins over llama.cpp's d_ff / n_used default
 
 
-def test_tensor_errors_name_the_tensor(moe_f32_path):
+def test_tensor_errors_name_the_tensor(f32_paths):
   from dflash_jax.gguf_io import read_gguf
   from dflash_jax.target_params import load_params
-  f = read_gguf(moe_f32_path)
+  f = read_gguf(f32_paths["qwen35moe"])
   cfg = TargetConfig.from_gguf(f.meta, n_vocab=384, path=f.path)
   with pytest.raises(ValueError, match=r"'blk\.0\.ffn_gate_exps\.weight' has shape \(8, 32, 128\), "
                                        r"expected \(8, 16, 128\)"):
     load_params(f, dataclasses.replace(cfg, d_ff_exp=16))
-  f = read_gguf(moe_f32_path)
+  f = read_gguf(f32_paths["qwen35moe"])
   f.tensors["blk.0.ffn_gate_up_exps.weight"] = f.tensors["blk.0.ffn_gate_exps.weight"]
   with pytest.raises(ValueError, match=r"blk\.0\.ffn_gate_up_exps\.weight \(merged expert"):
     load_params(f, cfg)

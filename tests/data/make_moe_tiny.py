@@ -1,25 +1,30 @@
-"""Make tests/data/qwen35moe_tiny: a tiny random Qwen3.5-MoE text model (hybrid Gated DeltaNet +
-gated attention, routed experts + a gated shared expert, as Qwen3.5-35B-A3B), converted to GGUF
-by llama.cpp's own converter, with transformers reference logits.
+"""Make tests/data/qwen35moe_tiny and tests/data/qwen3moe_tiny: tiny random MoE text models
+converted to GGUF by llama.cpp's own converter, with transformers and llama.cpp references.
 
-Not run by the tests (they read its output). Needs Python 3.11 with torch, transformers >= 5.2
-(`Qwen3_5MoeForCausalLM`) and numpy, and a llama.cpp source tree (e.g. the llama-cpp-python
-0.3.36 sdist's `vendor/llama.cpp`, whose `conversion/qwen.py` registers `Qwen3_5MoeForCausalLM`):
+- qwen35moe: Qwen3.5-MoE (hybrid Gated DeltaNet + gated attention, routed experts + a gated shared
+  expert, as Qwen3.5-35B-A3B), transformers `Qwen3_5MoeForCausalLM`;
+- qwen3moe: Qwen3-MoE (softmax attention with q/k norms, routed experts, as Qwen3-30B-A3B and
+  Qwen3-Coder-30B-A3B), transformers `Qwen3MoeForCausalLM` with norm_topk_prob (llama.cpp's
+  qwen3moe always renormalises the top-k weights, as the released models' configs ask).
 
-    python tests/data/make_qwen35moe_tiny.py --llama_cpp /path/to/llama.cpp
+Not run by the tests (they read its output). Needs Python 3.11 with torch, transformers >= 5.2,
+numpy and llama-cpp-python (0.3.36, built from its sdist), and a llama.cpp source tree (that
+sdist's `vendor/llama.cpp`, whose `conversion/qwen.py` registers both classes):
 
-Writes model-f32.gguf.xz and model-q8_0.gguf (`convert_hf_to_gguf.py --outtype {f32,q8_0} --no-mtp`) and
-reference.npz:
+    python tests/data/make_moe_tiny.py --llama_cpp /path/to/llama.cpp [--arch qwen35moe]
+
+Writes, per architecture, model-f32.gguf.xz, model-q8_0.gguf (qwen35moe only: the packed-expert
+path is the same code for both, and the test data stay small) (`convert_hf_to_gguf.py --outtype
+{f32,q8_0}`, plus `--no-mtp` for qwen35moe) and reference.npz:
   tokens [2, 40] int32 random ids; hf_logits [2, 40, V] float32 (transformers, fp32, full forward
   of each row); hf_greedy [2, 24] int32 (greedy continuation of tokens[:, :12], full no-cache
-  forwards); hf_dequant_{logits,greedy}_q8_0:
-  the same with the q8_0 file's matrices dequantized by gguf-py (the quantized model with float32
-  activations); llamacpp_{logits,greedy}_f32_kvf32: llama.cpp (llama-cpp-python 0.3.36 built
-  from its sdist, f32 KV cache, n_ctx 128, one batch per row) on the f32 file (on the q8_0 file
-  llama.cpp quantizes activations too: KL 7e-4 / 1.6e-3 nats to both transformers and us).
-Only the converter's vocab step is replaced (the model has no tokenizer): the minimal byte-level
-BPE vocabulary of ../shared/fixtures/qwen35_tiny (ids 0-255 GPT-2 byte characters, 8 merges,
-USER_DEFINED fillers).
+  forwards); hf_dequant_{logits,greedy}_q8_0: the same with the q8_0 file's matrices dequantized
+  by gguf-py (the quantized model with float32 activations); llamacpp_{logits,greedy}_f32_kvf32:
+  llama.cpp (f32 KV cache, n_ctx 128, one batch per row) on the f32 file (on a q8_0 file llama.cpp
+  quantizes activations too: KL 7e-4 / 1.6e-3 nats to both transformers and us on qwen35moe).
+Only the converter's vocab step is replaced (the models have no tokenizer): the minimal
+byte-level BPE vocabulary of ../shared/fixtures/qwen35_tiny (ids 0-255 GPT-2 byte characters,
+8 merges, USER_DEFINED fillers).
 """
 
 import argparse
@@ -35,15 +40,28 @@ import torch
 
 SEED = 20261129
 N_VOCAB = 384
-CONFIG = dict(
-    vocab_size=N_VOCAB, hidden_size=128, num_hidden_layers=4, num_attention_heads=2,
-    num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
-    linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
-    linear_num_key_heads=1, linear_num_value_heads=2, moe_intermediate_size=32,
-    shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
-    layer_types=["linear_attention"] * 3 + ["full_attention"], max_position_embeddings=4096,
-    rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
-                         mrope_section=[3, 3, 2], mrope_interleaved=True))
+_COMMON = dict(vocab_size=N_VOCAB, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+               head_dim=64, rms_norm_eps=1e-6, tie_word_embeddings=False, moe_intermediate_size=32,
+               num_experts=8, num_experts_per_tok=2, max_position_embeddings=4096)
+ARCHS = {
+    "qwen35moe": dict(
+        hf_class="Qwen3_5MoeForCausalLM", hf_config="Qwen3_5MoeTextConfig",
+        converter_class="Qwen3_5MoeTextModel", pre="qwen35", zero_centred_norms=True,
+        converter_args=["--no-mtp"], outtypes=("f32", "q8_0"),
+        config=dict(_COMMON, num_hidden_layers=4, linear_conv_kernel_dim=4,
+                    linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=1,
+                    linear_num_value_heads=2, shared_expert_intermediate_size=64,
+                    layer_types=["linear_attention"] * 3 + ["full_attention"],
+                    rope_parameters=dict(rope_type="default", rope_theta=1e7,
+                                         partial_rotary_factor=0.25, mrope_section=[3, 3, 2],
+                                         mrope_interleaved=True))),
+    "qwen3moe": dict(
+        hf_class="Qwen3MoeForCausalLM", hf_config="Qwen3MoeConfig",
+        converter_class="Qwen3MoeModel", pre="qwen2", zero_centred_norms=False, converter_args=[],
+        outtypes=("f32",),
+        config=dict(_COMMON, num_hidden_layers=3, norm_topk_prob=True,
+                    rope_parameters=dict(rope_type="default", rope_theta=1e6))),
+}
 
 # Replaces the converter's set_vocab (run inside its process; see main()).
 VOCAB_PATCH = r'''
@@ -72,26 +90,28 @@ def set_vocab(self):
   toks += [f"<t{{i}}>" for i in range(len(toks), n)]
   types += [gguf.TokenType.USER_DEFINED] * (n - len(types))
   self.gguf_writer.add_tokenizer_model("gpt2")
-  self.gguf_writer.add_tokenizer_pre("qwen35")
+  self.gguf_writer.add_tokenizer_pre({pre!r})
   self.gguf_writer.add_token_list(toks)
   self.gguf_writer.add_token_types(types)
   self.gguf_writer.add_token_merges(merges)
 
-qwen.Qwen3_5MoeTextModel.set_vocab = set_vocab
+getattr(qwen, {converter_class!r}).set_vocab = set_vocab
 conv.main()
 '''
 
 
-def make_model():
-  from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+def make_model(arch: dict):
+  import transformers
   torch.manual_seed(SEED)
-  model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**CONFIG)).float().eval()
+  config = getattr(transformers, arch["hf_config"])(**arch["config"])
+  model = getattr(transformers, arch["hf_class"])(config).float().eval()
   g = torch.Generator().manual_seed(SEED + 1)
   with torch.no_grad():
     for name, p in model.named_parameters():
-      if name.endswith("linear_attn.norm.weight"):
+      if name.endswith("linear_attn.norm.weight") or (name.endswith("norm.weight")
+                                                      and not arch["zero_centred_norms"]):
         p.copy_(1 + 0.15 * torch.randn(p.shape, generator=g))
-      elif name.endswith("norm.weight"):                 # zero-centred (1 + w) norms
+      elif name.endswith("norm.weight"):                 # Qwen3.5's zero-centred (1 + w) norms
         p.copy_(0.15 * torch.randn(p.shape, generator=g))
       elif name.endswith("A_log"):
         p.copy_(torch.empty(p.shape).uniform_(-4, 1, generator=g))
@@ -192,40 +212,49 @@ def llama_cpp_references(gguf_path: str, tokens: np.ndarray) -> dict:
   return dict(logits=np.stack(logits), greedy=np.asarray(greedy, np.int32))
 
 
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--llama_cpp", required=True, help="llama.cpp source tree (convert_hf_to_gguf.py)")
-  ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                "qwen35moe_tiny"))
-  args = ap.parse_args()
-  os.makedirs(args.out, exist_ok=True)
-  model = make_model()
+def make(name: str, llama_cpp: str, out: str):
+  arch = ARCHS[name]
+  os.makedirs(out, exist_ok=True)
+  model = make_model(arch)
   with tempfile.TemporaryDirectory() as tmp:
     hf = os.path.join(tmp, "hf")
     model.save_pretrained(hf)
     patch = os.path.join(tmp, "convert.py")
     with open(patch, "w") as fh:
-      fh.write(VOCAB_PATCH.format(llama_cpp=os.path.abspath(args.llama_cpp)))
-    for outtype in ("f32", "q8_0"):
-      gguf_path = os.path.join(tmp if outtype == "f32" else args.out, f"model-{outtype}.gguf")
-      subprocess.run([sys.executable, patch, hf, "--outtype", outtype, "--no-mtp", "--outfile",
-                      gguf_path], check=True, cwd=args.llama_cpp)
+      fh.write(VOCAB_PATCH.format(llama_cpp=os.path.abspath(llama_cpp), pre=arch["pre"],
+                                  converter_class=arch["converter_class"]))
+    for outtype in arch["outtypes"]:
+      gguf_path = os.path.join(tmp if outtype == "f32" else out, f"model-{outtype}.gguf")
+      subprocess.run([sys.executable, patch, hf, "--outtype", outtype, *arch["converter_args"],
+                      "--outfile", gguf_path], check=True, cwd=llama_cpp)
     with open(os.path.join(tmp, "model-f32.gguf"), "rb") as src, \
-         lzma.open(os.path.join(args.out, "model-f32.gguf.xz"), "wb", preset=9) as dst:
+         lzma.open(os.path.join(out, "model-f32.gguf.xz"), "wb", preset=9) as dst:
       dst.write(src.read())
     # The mapping is checked on the f32 file: its matrices must give back the model exactly.
-    same = with_gguf_matrices(model, os.path.join(tmp, "model-f32.gguf"), args.llama_cpp)
+    same = with_gguf_matrices(model, os.path.join(tmp, "model-f32.gguf"), llama_cpp)
     for a, b in zip(model.parameters(), same.parameters()):
       assert torch.equal(a, b)
     ref = references(model)
-    deq = references(with_gguf_matrices(model, os.path.join(args.out, "model-q8_0.gguf"),
-                                        args.llama_cpp))
-    ref.update(hf_dequant_logits_q8_0=deq["hf_logits"], hf_dequant_greedy_q8_0=deq["hf_greedy"])
+    if "q8_0" in arch["outtypes"]:
+      deq = references(with_gguf_matrices(model, os.path.join(out, "model-q8_0.gguf"),
+                                          llama_cpp))
+      ref.update(hf_dequant_logits_q8_0=deq["hf_logits"], hf_dequant_greedy_q8_0=deq["hf_greedy"])
     lc = llama_cpp_references(os.path.join(tmp, "model-f32.gguf"), ref["tokens"])
     ref["llamacpp_logits_f32_kvf32"], ref["llamacpp_greedy_f32_kvf32"] = lc["logits"], lc["greedy"]
-  np.savez_compressed(os.path.join(args.out, "reference.npz"), **ref)
-  with open(os.path.join(args.out, "config.json"), "w") as fh:
-    json.dump(dict(CONFIG, seed=SEED), fh, indent=1)
+  np.savez_compressed(os.path.join(out, "reference.npz"), **ref)
+  with open(os.path.join(out, "config.json"), "w") as fh:
+    json.dump(dict(arch["config"], architectures=[arch["hf_class"]], seed=SEED), fh, indent=1)
+
+
+def main():
+  here = os.path.dirname(os.path.abspath(__file__))
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--llama_cpp", required=True, help="llama.cpp source tree (convert_hf_to_gguf.py)")
+  ap.add_argument("--arch", choices=sorted(ARCHS), action="append",
+                  help="architectures to make (default: all); each goes to tests/data/<arch>_tiny")
+  args = ap.parse_args()
+  for name in args.arch or sorted(ARCHS):
+    make(name, args.llama_cpp, os.path.join(here, f"{name}_tiny"))
 
 
 if __name__ == "__main__":
