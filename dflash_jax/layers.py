@@ -9,14 +9,13 @@ Hk/Hv GDN key/value heads, Dk/Dv GDN head dims, C conv channels, K conv kernel.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 
 from dflash_jax.kv_cache import KVBuffer
-from dflash_jax.quants import QuantWeight, dequantize
+from dflash_jax.quants import QuantWeight
 from dflash_jax.runtime import Runtime
 from pallas_kernels import dequant_matmul as dm
 from pallas_kernels import mgpu_matmul as mgpu
@@ -369,17 +368,36 @@ def swiglu_mlp(y: jax.Array, gate_up: Projections, down: QuantWeight, rt: Runtim
   return linear(jax.nn.silu(gate) * up, down, rt)
 
 
-def _expert_weights(w: QuantWeight, n_expert: int, ids, dtype) -> jax.Array:
-  """Experts of a folded [E*N, K] expert weight, dequantized: ids None -> all, [E, N, K]; ids
-  [...] int32 -> [..., N, K] (only the selected experts' packed rows are read)."""
+def _experts(w: QuantWeight, n_expert: int) -> tuple[jax.Array, tuple[int, int]]:
+  """A folded [E*N, K] expert weight as its per-expert packed rows [E, N, row_bytes | K] and the
+  logical shape (N, K) of one expert."""
   n, k = w.shape[0] // n_expert, w.shape[1]
-  data = w.data.reshape(n_expert, n, w.data.shape[-1])
-  if ids is not None:
-    data = jnp.take(data, ids, axis=0)
-  return dequantize(QuantWeight(data, w.fmt, (n, k)), dtype)
+  return w.data.reshape(n_expert, n, w.data.shape[-1]), (n, k)
 
 
-def moe_ffn(y: jax.Array, p, *, n_used: int, weights_scale: float, rt: Runtime) -> jax.Array:
+def _expert_rows(x: jax.Array, w: QuantWeight, n_expert: int, ids: jax.Array,
+                 rt: Runtime) -> jax.Array:
+  """Row s of x through expert ids[s]: x [S, K], ids [S] int32 -> [S, N] float32. Only the
+  chosen experts' packed rows are gathered; each row is one `linear` (the Pallas dequantizing
+  matmul under rt.pallas, vmapped over the rows)."""
+  data, shape = _experts(w, n_expert)
+  one = lambda xs, d: linear(xs[None], QuantWeight(d, w.fmt, shape), rt)[0]   # noqa: E731
+  return jax.vmap(one)(x, jnp.take(data, ids, axis=0))
+
+
+def _every_expert(x: jax.Array, w: QuantWeight, n_expert: int, rt: Runtime) -> jax.Array:
+  """Every expert over its own rows: x [E, T, K] (or [T, K], the same rows for all) -> [E, T, N]
+  float32, one `linear` per expert (vmapped)."""
+  data, shape = _experts(w, n_expert)
+  one = lambda xs, d: linear(xs, QuantWeight(d, w.fmt, shape), rt)   # noqa: E731
+  return jax.vmap(one, in_axes=(0 if x.ndim == 3 else None, 0))(x, data)
+
+
+MOE_PATHS = ("auto", "gather", "all")
+
+
+def moe_ffn(y: jax.Array, p, *, n_used: int, weights_scale: float, rt: Runtime,
+            path: str = "auto") -> jax.Array:
   """Routed-expert FFN plus, when p has one, a gated shared expert (Qwen3.5-MoE, Qwen3-MoE;
   llama.cpp src/models/qwen35moe.cpp `build_layer_ffn` / qwen3moe.cpp with llama-graph.cpp
   `build_moe_ffn`, as transformers' Qwen3_5MoeSparseMoeBlock / Qwen3MoeSparseMoeBlock):
@@ -390,36 +408,35 @@ def moe_ffn(y: jax.Array, p, *, n_used: int, weights_scale: float, rt: Runtime) 
 
   y: [..., D] (already normed); p: `target_params.MoEParams`. Returns [..., D] float32.
   The routed experts run one of two ways, chosen by the static shape: with fewer (token, expert)
-  pairs than experts (decode steps and small verifies), each token's n_used experts are gathered
-  and dequantized (only those experts' bytes are read); otherwise every expert is dequantized
-  once and runs over all T tokens with a zero weight where it was not chosen (prefill chunks,
-  batched verifies: E / n_used x the FFN FLOPs, each expert read once). The two agree up to
-  float rounding (tests/test_moe.py).
+  pairs than experts (decode steps and small verifies), each pair's expert is gathered from the
+  packed rows (only the chosen experts' bytes are read); otherwise every expert runs over all T
+  tokens with a zero weight where it was not chosen (prefill chunks, batched verifies: E /
+  n_used x the FFN FLOPs, each expert read once). Every expert matmul is a `linear` on packed
+  rows (rt's kernels). The two agree up to float rounding (tests/test_moe.py). path: static;
+  "auto" (the rule above), or "gather" / "all" to force one (benchmarks).
+  Raises ValueError for another path.
   """
+  if path not in MOE_PATHS:
+    raise ValueError(f"moe_ffn: path={path!r}; expected one of {MOE_PATHS}")
   lead, d = y.shape[:-1], y.shape[-1]
   y2 = y.reshape(-1, d)
   t = y2.shape[0]
   n_expert = p.router.shape[0]
-  cdt = rt.cdt
-  prec = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
   probs = jax.nn.softmax(linear(y2, p.router, rt), axis=-1)             # [T, E]
   w, ids = jax.lax.top_k(probs, n_used)                                  # [T, k]
   w = w / jnp.maximum(jnp.sum(w, -1, keepdims=True), 6.103515625e-5)
   if weights_scale not in (0.0, 1.0):
     w = w * weights_scale
-  x = y2.astype(cdt)
-  ein = functools.partial(jnp.einsum, precision=prec, preferred_element_type=jnp.float32)
-  if t * n_used < n_expert:
-    wg, wu, wd = (_expert_weights(m, n_expert, ids, cdt)
-                  for m in (p.gate_exps, p.up_exps, p.down_exps))       # [T, k, F, D] / [T, k, D, F]
-    h = jax.nn.silu(ein("td,tjfd->tjf", x, wg)) * ein("td,tjfd->tjf", x, wu)
-    out = ein("tjf,tjdf->td", (h * w[..., None]).astype(cdt), wd)
+  if path == "gather" or (path == "auto" and t * n_used < n_expert):
+    xs, ids = jnp.repeat(y2, n_used, axis=0), ids.reshape(-1)            # [T*k, D], [T*k]
+    h = (jax.nn.silu(_expert_rows(xs, p.gate_exps, n_expert, ids, rt))
+         * _expert_rows(xs, p.up_exps, n_expert, ids, rt) * w.reshape(-1, 1))
+    out = _expert_rows(h, p.down_exps, n_expert, ids, rt).reshape(t, n_used, d).sum(1)
   else:
-    wg, wu, wd = (_expert_weights(m, n_expert, None, cdt)
-                  for m in (p.gate_exps, p.up_exps, p.down_exps))       # [E, F, D] / [E, D, F]
     comb = jnp.zeros((t, n_expert), jnp.float32).at[jnp.arange(t)[:, None], ids].set(w)
-    h = jax.nn.silu(ein("td,efd->tef", x, wg)) * ein("td,efd->tef", x, wu)
-    out = ein("tef,edf->td", (h * comb[..., None]).astype(cdt), wd)
+    h = (jax.nn.silu(_every_expert(y2, p.gate_exps, n_expert, rt))
+         * _every_expert(y2, p.up_exps, n_expert, rt) * comb.T[..., None])   # [E, T, F]
+    out = _every_expert(h, p.down_exps, n_expert, rt).sum(0)
   if p.shared_down is not None:
     shared = swiglu_mlp(y2, p.shared_gate_up, p.shared_down, rt)
     g = jax.nn.sigmoid(jnp.dot(y2, p.shared_gate, precision=jax.lax.Precision.HIGHEST))

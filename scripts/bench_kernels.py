@@ -1,5 +1,6 @@
 """GPU kernel benchmark: copy bandwidth, Pallas dequantizing matmul vs XLA dequantize-then-dot,
-tree Gated DeltaNet, and an end-to-end Qwen3.5-27B-shaped random model (Q4_K_M type mix).
+tree Gated DeltaNet, a Qwen3.5-35B-A3B-shaped MoE FFN, and an end-to-end Qwen3.5-27B-shaped
+random model (Q4_K_M type mix).
 
 Prints one JSON object and a table. Times are medians over --repeats calls of compiled
 functions (block_until_ready). GB/s = bytes of the packed weight / kernel time; ratio = that /
@@ -40,7 +41,9 @@ _E2E = flags.DEFINE_list("e2e", ["pallas", "pallas_unfused", "reference"],
 _TABLES = flags.DEFINE_list("tables", ["matmul", "tree_gdn"], "Kernel tables to run: matmul, "
                             "tree_gdn, tiles (a TileConfig sweep over --sweep), variants (kernel "
                             "variants at default tiles over --sweep), mgpu (the Mosaic GPU Q4_K "
-                            "kernel vs the Triton kernel vs XLA, Q4_K shapes x --ms).")
+                            "kernel vs the Triton kernel vs XLA, Q4_K shapes x --ms), moe (one "
+                            "Qwen3.5-35B-A3B-shaped MoE FFN, Q4_K experts, x --ms, both expert "
+                            "paths, Pallas vs reference kernels).")
 _MGPU_STAGES = flags.DEFINE_list("mgpu_stages", [], "mgpu table: pipeline depths to time besides "
                                  "the default (each a row).")
 _SWEEP = flags.DEFINE_list("sweep", ["q4_k:17408:5120", "q6_k:5120:17408"],
@@ -53,10 +56,11 @@ QWEN27B = dict(shapes=[("ffn_gate/up", 17408, 5120), ("ffn_down", 5120, 17408),
                        ("output", 248320, 5120), ("fused gate|up", 34816, 5120),
                        ("fused gdn qkv|z", 16384, 5120)],
                gdn=dict(hv=48, dk=128, dv=128), n_layer=64, d=5120, d_ff=17408, vocab=248320,
-               n_head=24, n_kv=4, head_dim=256, n_k=16, copy_mb=2048)
+               n_head=24, n_kv=4, head_dim=256, n_k=16, copy_mb=2048,
+               moe=dict(d=2048, e=256, k=8, f=512, fs=512))   # Qwen3.5-35B-A3B's FFN
 SMALL = dict(shapes=[("ffn_gate/up", 512, 256), ("ffn_down", 256, 512), ("output", 1024, 256)],
              gdn=dict(hv=8, dk=32, dv=32), n_layer=4, d=256, d_ff=512, vocab=1024, n_head=4,
-             n_kv=2, head_dim=64, n_k=2, copy_mb=16)
+             n_kv=2, head_dim=64, n_k=2, copy_mb=16, moe=dict(d=256, e=8, k=2, f=256, fs=256))
 
 
 def _dump(res):
@@ -439,6 +443,48 @@ def _mgpu_table(res, sz, rng, copy_gbs, reps):
   return rows
 
 
+def _moe_table(res, sz, rng, copy_gbs, reps):
+  """One MoE FFN layer (`layers.moe_ffn`: E experts, top k, a shared expert; Q4_K experts, random
+  router) for T = --ms tokens: the automatic path and both forced ones, Pallas vs reference
+  kernels. GB/s = packed bytes of the experts the T tokens chose (each once) / time."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from dflash_jax import layers
+  from dflash_jax.quants import QuantWeight
+  from dflash_jax.runtime import Runtime
+  from dflash_jax.target_params import MoEParams
+  c = sz["moe"]
+  d, e, k, f, fs = c["d"], c["e"], c["k"], c["f"], c["fs"]
+  q = lambda n, kk: QuantWeight(jnp.asarray(_random_blocks(rng, "q4_k", n, kk)), "q4_k", (n, kk))
+  p = MoEParams(norm=jnp.ones((d,), jnp.float32),
+                router=QuantWeight(jnp.asarray(rng.standard_normal((e, d)), jnp.float32) * 0.05,
+                                   "f32", (e, d)),
+                gate_exps=q(e * f, d), up_exps=q(e * f, d), down_exps=q(e * d, f),
+                shared_gate_up=layers.Projections.separate([q(fs, d), q(fs, d)]),
+                shared_down=q(d, fs), shared_gate=jnp.zeros((d,), jnp.float32))
+  expert_bytes = 3 * p.gate_exps.nbytes // e
+  pallas = "pallas_interpret" if _INTERPRET.value else "pallas"
+  rows = []
+  for t in (int(v) for v in _MS.value):
+    y = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+    ids = np.asarray(jax.lax.top_k(y @ p.router.data.T, k)[1])
+    n_read = len(np.unique(ids))
+    for kernels in (pallas, "reference"):
+      rt = Runtime(kernels=kernels, compute_dtype="bfloat16")
+      for path in layers.MOE_PATHS:
+        fn = jax.jit(lambda y, p, rt=rt, path=path: layers.moe_ffn(
+            y, p, n_used=k, weights_scale=0.0, rt=rt, path=path))
+        ms = _median_ms(fn, y, p, repeats=reps)
+        gbs = n_read * expert_bytes / (ms * 1e-3) / 1e9
+        rows.append({"T": t, "kernels": kernels, "path": path, "experts_chosen": n_read,
+                     "ms": ms, "gbs": gbs, "fraction_of_copy": gbs / copy_gbs,
+                     "shape": c})
+        _dump(res | {"moe": rows})
+        _log(f"MoE T={t} {kernels} {path}: {ms:.3f} ms, {n_read} experts, {gbs:.0f} GB/s")
+  return rows
+
+
 def _tree_gdn_table(res, sz, rng, reps):
   """Tree GDN kernel vs reference, us per layer, at 16 and 23 nodes (8 layers' inputs per call)."""
   import jax
@@ -478,6 +524,12 @@ def _print_tables(res):
     print(f"{r['matrix']:12} {r['N']:7d} {r['K']:6d} {r['M']:3d} {r['mgpu_ms']:9.4f} "
           f"{r['fraction_of_copy']:8.2f} {r['triton_ms']:10.4f} {r['xla_ms']:8.4f} "
           f"{r['speedup_vs_triton']:9.2f} {r['rel_err_vs_xla']:8.1e}  {r['config']}")
+  if res.get("moe"):
+    print(f"\nMoE FFN {res['moe'][0]['shape']}\n{'T':>3} {'kernels':16} {'path':6} {'ms':>8} "
+          f"{'experts':>7} {'GB/s':>7} {'of copy':>8}")
+  for r in res.get("moe", []):
+    print(f"{r['T']:3d} {r['kernels']:16} {r['path']:6} {r['ms']:8.3f} {r['experts_chosen']:7d} "
+          f"{r['gbs']:7.0f} {r['fraction_of_copy']:8.2f}")
   for r in res.get("tree_gdn", []):
     print(f"tree GDN {r['nodes']} nodes: kernel {r['kernel_us_per_layer']:.1f} us/layer, "
           f"reference {r['reference_us_per_layer']:.1f} us/layer")
@@ -504,7 +556,8 @@ def main(argv):
             "tiles": lambda: _tile_sweep(res, rng, copy_gbs, reps),
             "variants": lambda: _variant_table(res, rng, copy_gbs, reps),
             "tree_gdn": lambda: _tree_gdn_table(res, sz, rng, reps),
-            "mgpu": lambda: _mgpu_table(res, sz, rng, copy_gbs, reps)}
+            "mgpu": lambda: _mgpu_table(res, sz, rng, copy_gbs, reps),
+            "moe": lambda: _moe_table(res, sz, rng, copy_gbs, reps)}
   for name in _TABLES.value:
     if name not in tables:
       raise app.UsageError(f"--tables: unknown table {name!r}; expected some of {list(tables)}")

@@ -12,7 +12,9 @@
 #      --attention live / dense and --rounds 0 / 8, and XLA's WHILE / CONDITIONAL command buffers;
 #   2. the Mosaic GPU Q4_K kernel: on-device tests, then its table at M = 1..64 (session 31);
 #   3. the outputs-only tree Gated DeltaNet kernel: tests, then the 27B-shaped e2e with replay (session 32);
-#   4. the 27B-shaped random model end to end: pallas vs pallas_dense vs mosaic (sessions 32, 39).
+#   4. the 27B-shaped random model end to end: pallas vs pallas_dense vs mosaic (sessions 32, 39);
+#   5. a Qwen3.5-35B-A3B-shaped MoE FFN (session 41): tests/test_moe.py, then its table (both expert
+#      paths, Pallas vs reference kernels, T = 1 .. 64).
 set -u
 BUDGET=${1:?BUDGET_S}
 DRY=${2:-}
@@ -61,4 +63,7 @@ run mgpu_table 150 "python3 scripts/bench_kernels.py --tables=mgpu --ms=1,16,23,
 run pytest_tree_replay 120 "python3 -m pytest -q tests/test_kernels.py -k 'tree_gdn or model_with_pallas'"
 run e2e_27b 240 "python3 scripts/bench_kernels.py --tables=tree_gdn \
 --e2e=pallas,pallas_dense,pallas_replay,mosaic --repeats 10 --json_out $OUT/e2e_27b.json"
+run pytest_moe 60 "python3 -m pytest -q tests/test_moe.py -k 'float64 or pallas or lowers'"
+run moe_35b 90 "python3 scripts/bench_kernels.py --tables=moe --ms=1,16,23,64 --e2e= --repeats 10 \
+--json_out $OUT/moe_35b.json"
 [ -z "$DRY" ] && ls -l "$OUT"
