@@ -427,15 +427,21 @@ def moe_ffn(y: jax.Array, p, *, n_used: int, weights_scale: float, rt: Runtime,
   w = w / jnp.maximum(jnp.sum(w, -1, keepdims=True), 6.103515625e-5)
   if weights_scale not in (0.0, 1.0):
     w = w * weights_scale
+  def swiglu(run):          # run(w) -> an expert matmul's output [..., N]
+    if p.up_exps is None:   # merged rows: [gate | up] per expert
+      gu = run(p.gate_up_exps)
+      gate, up = jnp.split(gu, 2, axis=-1)
+    else:
+      gate, up = run(p.gate_up_exps), run(p.up_exps)
+    return jax.nn.silu(gate) * up
+
   if path == "gather" or (path == "auto" and t * n_used < n_expert):
     xs, ids = jnp.repeat(y2, n_used, axis=0), ids.reshape(-1)            # [T*k, D], [T*k]
-    h = (jax.nn.silu(_expert_rows(xs, p.gate_exps, n_expert, ids, rt))
-         * _expert_rows(xs, p.up_exps, n_expert, ids, rt) * w.reshape(-1, 1))
+    h = swiglu(lambda m: _expert_rows(xs, m, n_expert, ids, rt)) * w.reshape(-1, 1)
     out = _expert_rows(h, p.down_exps, n_expert, ids, rt).reshape(t, n_used, d).sum(1)
   else:
     comb = jnp.zeros((t, n_expert), jnp.float32).at[jnp.arange(t)[:, None], ids].set(w)
-    h = (jax.nn.silu(_every_expert(y2, p.gate_exps, n_expert, rt))
-         * _every_expert(y2, p.up_exps, n_expert, rt) * comb.T[..., None])   # [E, T, F]
+    h = swiglu(lambda m: _every_expert(y2, m, n_expert, rt)) * comb.T[..., None]   # [E, T, F]
     out = _every_expert(h, p.down_exps, n_expert, rt).sum(0)
   if p.shared_down is not None:
     shared = swiglu_mlp(y2, p.shared_gate_up, p.shared_down, rt)

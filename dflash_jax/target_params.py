@@ -35,8 +35,10 @@ class MoEParams:
 
   norm: jax.Array          # [D] f32 (pre-FFN RMSNorm weight)
   router: QuantWeight      # ffn_gate_inp [E, D]
-  gate_exps: QuantWeight   # ffn_gate_exps [E*Fe, D] (expert e: rows e*Fe .. e*Fe+Fe-1)
-  up_exps: QuantWeight     # ffn_up_exps [E*Fe, D]
+  gate_up_exps: QuantWeight  # [E*2Fe, D]: expert e's ffn_gate rows then its ffn_up rows (llama.cpp's
+                             # ffn_gate_up_exps; separate ffn_gate_exps / ffn_up_exps of one format
+                             # are merged at load), or ffn_gate_exps [E*Fe, D] alone when up_exps is set
+  up_exps: Optional[QuantWeight]  # ffn_up_exps [E*Fe, D] when kept separate (formats differ, or fuse off)
   down_exps: QuantWeight   # ffn_down_exps [E*D, Fe]
   shared_gate_up: Optional[layers.Projections]  # ffn_gate_shexp [Fs, D], ffn_up_shexp [Fs, D]
   shared_down: Optional[QuantWeight]  # ffn_down_shexp [D, Fs]
@@ -156,12 +158,27 @@ def _experts(f: GGUFFile, name: str, shape: tuple[int, int, int], weights: str) 
   return w if weights == "quantized" else to_dtype(w, weights)
 
 
+def _gate_up_experts(f: GGUFFile, p: str, shape: tuple[int, int, int], weights: str,
+                     fuse: bool) -> tuple[QuantWeight, Optional[QuantWeight]]:
+  """(gate_up_exps, up_exps) of `MoEParams`: a file's merged `ffn_gate_up_exps` [E, 2Fe, D] as it
+  is (llama.cpp's `--fuse-gate-up-exps` conversion: torch.cat([gate, up], dim=1)); separate gate /
+  up tensors merged the same way per expert when fuse and their formats agree, else kept apart."""
+  e, fe, d = shape
+  merged = p + "ffn_gate_up_exps.weight"
+  if merged in f.tensors:
+    return _experts(f, merged, (e, 2 * fe, d), weights), None
+  gate = _experts(f, p + "ffn_gate_exps.weight", shape, weights)
+  up = _experts(f, p + "ffn_up_exps.weight", shape, weights)
+  if not fuse or gate.fmt != up.fmt:
+    return gate, up
+  data = np.concatenate([np.asarray(w.data).reshape(e, fe, -1) for w in (gate, up)], axis=1)
+  return QuantWeight(data.reshape(e * 2 * fe, -1), gate.fmt, (e * 2 * fe, d)), None
+
+
 def _moe(f: GGUFFile, cfg: TargetConfig, p: str, weights: str, fuse: bool, norm: str) -> MoEParams:
   """A MoE FFN (llama.cpp src/models/qwen35moe.cpp `build_layer_ffn`, qwen3moe.cpp)."""
   d, e, fe, fs = cfg.d_model, cfg.n_expert, cfg.d_ff_exp, cfg.d_ff_shexp
-  if p + "ffn_gate_up_exps.weight" in f.tensors:
-    raise ValueError(f"{f.path}: tensor {p}ffn_gate_up_exps.weight (merged expert gate/up) is not "
-                     "supported yet; convert with separate ffn_gate_exps / ffn_up_exps")
+  gate_up, up = _gate_up_experts(f, p, (e, fe, d), weights, fuse)
   shared = dict(shared_gate_up=None, shared_down=None, shared_gate=None)
   if fs:
     shexp_gate = p + "ffn_gate_inp_shexp.weight"
@@ -175,8 +192,7 @@ def _moe(f: GGUFFile, cfg: TargetConfig, p: str, weights: str, fuse: bool, norm:
   return MoEParams(
       norm=_vec(f, norm, d),
       router=_mat(f, p + "ffn_gate_inp.weight", (e, d), weights),
-      gate_exps=_experts(f, p + "ffn_gate_exps.weight", (e, fe, d), weights),
-      up_exps=_experts(f, p + "ffn_up_exps.weight", (e, fe, d), weights),
+      gate_up_exps=gate_up, up_exps=up,
       down_exps=_experts(f, p + "ffn_down_exps.weight", (e, d, fe), weights), **shared)
 
 

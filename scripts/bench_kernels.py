@@ -460,10 +460,10 @@ def _moe_table(res, sz, rng, copy_gbs, reps):
   p = MoEParams(norm=jnp.ones((d,), jnp.float32),
                 router=QuantWeight(jnp.asarray(rng.standard_normal((e, d)), jnp.float32) * 0.05,
                                    "f32", (e, d)),
-                gate_exps=q(e * f, d), up_exps=q(e * f, d), down_exps=q(e * d, f),
+                gate_up_exps=q(e * 2 * f, d), up_exps=None, down_exps=q(e * d, f),
                 shared_gate_up=layers.Projections.separate([q(fs, d), q(fs, d)]),
                 shared_down=q(d, fs), shared_gate=jnp.zeros((d,), jnp.float32))
-  expert_bytes = 3 * p.gate_exps.nbytes // e
+  expert_bytes = (p.gate_up_exps.nbytes + p.down_exps.nbytes) // e
   pallas = "pallas_interpret" if _INTERPRET.value else "pallas"
   rows = []
   for t in (int(v) for v in _MS.value):

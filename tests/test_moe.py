@@ -214,8 +214,36 @@ def test_tensor_errors_name_the_tensor(f32_paths):
     load_params(f, dataclasses.replace(cfg, d_ff_exp=16))
   f = read_gguf(f32_paths["qwen35moe"])
   f.tensors["blk.0.ffn_gate_up_exps.weight"] = f.tensors["blk.0.ffn_gate_exps.weight"]
-  with pytest.raises(ValueError, match=r"blk\.0\.ffn_gate_up_exps\.weight \(merged expert"):
+  with pytest.raises(ValueError, match=r"'blk\.0\.ffn_gate_up_exps\.weight' has shape "
+                                       r"\(8, 32, 128\), expected \(8, 64, 128\)"):
     load_params(f, cfg)
+
+
+def test_merged_and_separate_gate_up_experts(targets, f32_paths, refs):
+  """Three layouts of the experts' gate / up rows give the same logits: separate tensors merged
+  at load (the default), kept separate (fuse_projections=False), and a file holding llama.cpp's
+  merged `ffn_gate_up_exps` (what `convert_hf_to_gguf.py --fuse-gate-up-exps` writes for
+  qwen35moe: torch.cat([gate, up], dim=1) per expert; built here from the separate tensors. The
+  converter's own fused q8_0 file of this model, made once with make_moe_tiny.py's functions, gave
+  6.4e-6 max abs against `hf_dequant_logits_q8_0`)."""
+  from dflash_jax.gguf_io import GGUFTensor, read_gguf
+  from dflash_jax.target_params import load_params
+  path, tokens = f32_paths["qwen35moe"], refs["qwen35moe"]["tokens"][0]
+  merged = targets["qwen35moe"]
+  assert merged.params.layers[0].ffn.up_exps is None
+  separate = dj.load_target(path, fuse_projections=False)
+  assert separate.params.layers[0].ffn.up_exps is not None
+  f = read_gguf(path)
+  for i in range(merged.config.n_layer):
+    g, u = (f.tensors.pop(f"blk.{i}.ffn_{w}_exps.weight") for w in ("gate", "up"))
+    data = np.concatenate([g.data, u.data], axis=1)
+    name = f"blk.{i}.ffn_gate_up_exps.weight"
+    f.tensors[name] = GGUFTensor(name, g.fmt, data.shape, data, g.n_bytes + u.n_bytes)
+  from_file = dataclasses.replace(merged, params=jax.device_put(load_params(f, merged.config)))
+  ref = np.asarray(dj.forward_logits(merged, tokens))
+  assert np.abs(ref - refs["qwen35moe"]["hf_logits"][0]).max() < 3e-5
+  for t in (separate, from_file):
+    assert np.abs(np.asarray(dj.forward_logits(t, tokens)) - ref).max() < 1e-5
 
 
 @pytest.mark.parametrize("t", [1, 23, 64])
@@ -231,12 +259,12 @@ def test_moe_ffn_lowers_for_h100_at_35b_a3b_shapes(t):
                                   "q4_k", (n, k))
   p = MoEParams(norm=jax.ShapeDtypeStruct((d,), np.float32),
                 router=QuantWeight(jax.ShapeDtypeStruct((e, d), np.float32), "f32", (e, d)),
-                gate_exps=spec(e * f, d), up_exps=spec(e * f, d), down_exps=spec(e * d, f),
+                gate_up_exps=spec(e * 2 * f, d), up_exps=None, down_exps=spec(e * d, f),
                 shared_gate_up=layers.Projections.separate([spec(f, d), spec(f, d)]),
                 shared_down=spec(d, f), shared_gate=jax.ShapeDtypeStruct((d,), np.float32))
   rt = Runtime(kernels="pallas", compute_dtype="bfloat16")
   txt = _lower_for_h100(lambda y, p: layers.moe_ffn(y, p, n_used=8, weights_scale=0.0, rt=rt),
                         jax.ShapeDtypeStruct((t, d), np.float32), p)
-  # one lowered program per distinct call: experts gate / up (the same shapes), experts down,
-  # shared gate / up, shared down
+  # one lowered program per distinct call: experts gate|up (merged), experts down, shared gate /
+  # up (the same shapes), shared down
   assert txt.count("__gpu$xla.gpu.triton") == 4
