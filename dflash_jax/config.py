@@ -11,7 +11,7 @@ from typing import Any, Mapping, Optional
 
 import jax
 
-SUPPORTED_ARCHS = ("qwen35", "qwen35moe", "llama", "qwen3", "qwen3moe")
+SUPPORTED_ARCHS = ("qwen35", "qwen35moe", "llama", "qwen2", "qwen3", "qwen3moe")
 MOE_ARCHS = ("qwen35moe", "qwen3moe")
 HYBRID_ARCHS = ("qwen35", "qwen35moe")
 # Sane bounds for model sizes read from files (far above any released model; a corrupt or hostile
@@ -89,8 +89,8 @@ class TargetConfig:
     d_model, d_ff, n_vocab: embedding width, FFN width, vocabulary rows.
     n_head, n_kv_head, head_dim, v_head_dim: softmax-attention heads (`attention.key_length`/`value_length`).
     rope_dim: rotated dims per head (`rope.dimension_count`); rope_theta: `rope.freq_base`.
-    rope_style: "neox" (pairs (i, i + rope_dim/2); qwen3, qwen35) or "norm" (adjacent pairs; llama,
-      whose q/k rows llama.cpp's converter permutes).
+    rope_style: "neox" (pairs (i, i + rope_dim/2); the qwen architectures) or "norm" (adjacent
+      pairs; llama, whose q/k rows llama.cpp's converter permutes).
     rms_eps: `attention.layer_norm_rms_epsilon`.
     qk_norm: per-head RMSNorm of q and k (qwen3, qwen3moe, qwen35, qwen35moe).
     attn_gate: `attn_q` packs per head [query | gate] and the output is multiplied by sigmoid(gate) (qwen35).
@@ -202,9 +202,10 @@ class TargetConfig:
         rms_eps=m.number("attention.layer_norm_rms_epsilon", 0.0, 1.0),
         n_ctx_train=m.int("context_length", 0, 1 << 40, default=0),
         has_rope_freqs=has_rope_freqs, **moe)
-    if arch in ("llama", "qwen3", "qwen3moe"):
+    if arch in ("llama", "qwen2", "qwen3", "qwen3moe"):
       return cls(**common, rope_style="norm" if arch == "llama" else "neox",
-                 qk_norm=arch != "llama", attn_gate=False, recurrent=(False,) * n_layer)
+                 qk_norm=arch in ("qwen3", "qwen3moe"), attn_gate=False,
+                 recurrent=(False,) * n_layer)
     # qwen35 / qwen35moe: hybrid Gated DeltaNet + gated attention.
     rec = meta.get(f"{arch}.attention.recurrent_layers")
     if rec is not None and len(rec):

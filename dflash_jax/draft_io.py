@@ -217,11 +217,16 @@ def config_for_target(tcfg: TargetConfig, *, n_layer: int = 1, n_features: int =
   the starting point for training a new draft, and for tests. A MoE target's draft gets a dense
   FFN as wide as what one token runs (n_expert_used routed experts plus the shared one)."""
   d_ff = tcfg.d_ff or tcfg.n_expert_used * tcfg.d_ff_exp + tcfg.d_ff_shexp
+  ids = default_target_layer_ids(tcfg.n_layer, n_features)
+  if len(set(ids)) < len(ids) or not all(0 <= i < tcfg.n_layer for i in ids):
+    # z-lab's spacing over [1, n-3] breaks down below ~5 target layers (e.g. [1, -1, -3] for 2):
+    # the distinct in-range layers instead
+    ids = sorted({min(max(i, 0), tcfg.n_layer - 1) for i in ids})
   return DraftConfig(
       d_model=tcfg.d_model, n_layer=n_layer, n_head=tcfg.n_head, n_kv_head=tcfg.n_kv_head,
       head_dim=tcfg.head_dim, d_ff=d_ff, n_vocab=tcfg.n_vocab, rms_eps=tcfg.rms_eps,
       rope_theta=tcfg.rope_theta, block_size=block_size, mask_token_id=mask_token_id,
-      target_layer_ids=tuple(default_target_layer_ids(tcfg.n_layer, n_features)),
+      target_layer_ids=tuple(ids),
       sliding=(False,) * n_layer)
 
 

@@ -190,6 +190,8 @@ def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_all, v_all, li: int, star
   h, hkv, dh, dv = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.v_head_dim
   y = layers.rms_norm(x, p.norm, cfg.rms_eps)
   q, k, v = layers.project(y, p.qkv, rt)
+  if p.qkv_bias is not None:
+    q, k, v = (a + b for a, b in zip((q, k, v), p.qkv_bias))
   gate = None
   if cfg.attn_gate:  # per head [query Dh | gate Dh] (llama.cpp qwen35.cpp)
     q = q.reshape(t, h, 2 * dh)

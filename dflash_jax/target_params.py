@@ -1,6 +1,6 @@
 """Target parameters read from GGUF: the params pytree (packed GGUF weights, f32 norms) and the
 load-time projection fusion. Tensor names and layouts exactly as llama.cpp stores them
-(src/models/{llama,qwen3,qwen3moe,qwen35,qwen35moe}.cpp).
+(src/models/{llama,qwen2,qwen3,qwen3moe,qwen35,qwen35moe}.cpp).
 """
 
 from __future__ import annotations
@@ -56,6 +56,9 @@ class AttnParams:
   q_norm: Optional[jax.Array]  # [Dh] f32 or None
   k_norm: Optional[jax.Array]
   ffn: FFNParams | MoEParams
+  qkv_bias: Optional[tuple] = None  # (attn_q.bias [H*Dh], attn_k.bias [Hkv*Dh], attn_v.bias
+                                    # [Hkv*Dv]) f32 when the file has them (qwen2; a missing one
+                                    # of the three is zeros), else None
 
 
 @jax.tree_util.register_dataclass
@@ -226,7 +229,14 @@ def _gdn_layer(f: GGUFFile, cfg: TargetConfig, p: str, weights: str, fuse: bool)
 def _attn_layer(f: GGUFFile, cfg: TargetConfig, p: str, weights: str, fuse: bool) -> AttnParams:
   d, h, hkv, dh, dvh = cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.v_head_dim
   q_rows = h * dh * (2 if cfg.attn_gate else 1)
+  sizes = (q_rows, hkv * dh, hkv * dvh)
+  names = [p + f"attn_{x}.bias" for x in "qkv"]
+  bias = None
+  if any(n in f.tensors for n in names):    # llama.cpp create_tensor_qkv: each one optional
+    bias = tuple(_vec(f, n, m) if n in f.tensors else np.zeros((m,), np.float32)
+                 for n, m in zip(names, sizes))
   return AttnParams(
+      qkv_bias=bias,
       norm=_vec(f, p + "attn_norm.weight", d),
       qkv=fuse_projections([_mat(f, p + "attn_q.weight", (q_rows, d), weights),
                             _mat(f, p + "attn_k.weight", (hkv * dh, d), weights),

