@@ -15,6 +15,32 @@ DRAFT = os.path.join(DATA, "dflash_tiny")
 SMOL = os.path.join(DATA, "smollm2")
 
 
+def _rebuild_q8_0_files():
+  """tests/data/*/model-q8_0.gguf from their recipes (tests/gguf_recipe.py: the header kept, the
+  tensors re-quantized from the xz-compressed F32 file and sha256-checked against the file
+  llama.cpp's converter wrote), once per checkout; the files are git-ignored."""
+  import tempfile
+  import gguf_recipe
+  for d in sorted(os.listdir(DATA)):
+    recipe = os.path.join(DATA, d, "model-q8_0.recipe.npz")
+    out = os.path.join(DATA, d, "model-q8_0.gguf")
+    if not os.path.exists(recipe):
+      continue
+    if os.path.exists(out):
+      import hashlib
+      with open(out, "rb") as fh:
+        if hashlib.sha256(fh.read()).hexdigest() == str(np.load(recipe)["sha256"]):
+          continue
+    with tempfile.TemporaryDirectory() as tmp:
+      f32 = os.path.join(tmp, "model-f32.gguf")
+      with lzma.open(os.path.join(DATA, d, "model-f32.gguf.xz"), "rb") as src, open(f32, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+      gguf_recipe.rebuild(recipe, f32, out)
+
+
+_rebuild_q8_0_files()
+
+
 def draft_copy(tmp_path, edit):
   """A copy of the fixture draft directory under tmp_path with its config.json replaced by
   edit(config dict); returns the directory path."""

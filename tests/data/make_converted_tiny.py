@@ -17,7 +17,8 @@ sdist's `vendor/llama.cpp`, whose `conversion/qwen.py` registers these classes):
     python tests/data/make_converted_tiny.py --llama_cpp /path/to/llama.cpp [--arch qwen35moe]
 
 Writes, per architecture, model-f32.gguf.xz, model-q8_0.gguf (qwen35moe only: the packed-expert
-path is the same code for both, and the test data stay small) (`convert_hf_to_gguf.py --outtype
+path is the same code for both, and the test data stay small; tracked as model-q8_0.recipe.npz,
+tests/gguf_recipe.py) (`convert_hf_to_gguf.py --outtype
 {f32,q8_0}`, plus `--no-mtp` for qwen35moe) and reference.npz:
   tokens [2, 40] int32 random ids; hf_logits [2, 40, V] float32 (transformers, fp32, full forward
   of each row); hf_greedy [2, 24] int32 (greedy continuation of tokens[:, :12], full no-cache
@@ -240,6 +241,12 @@ def make(name: str, llama_cpp: str, out: str):
     with open(os.path.join(tmp, "model-f32.gguf"), "rb") as src, \
          lzma.open(os.path.join(out, "model-f32.gguf.xz"), "wb", preset=9) as dst:
       dst.write(src.read())
+    if "q8_0" in arch["outtypes"]:   # kept as a recipe over the f32 file (tests/gguf_recipe.py)
+      sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+      import gguf_recipe
+      gguf_recipe.write_recipe(os.path.join(out, "model-q8_0.gguf"),
+                               os.path.join(tmp, "model-f32.gguf"),
+                               os.path.join(out, "model-q8_0.recipe.npz"))
     ref = references(model)
     if "q8_0" in arch["outtypes"]:
       # The mapping is checked on the f32 file: its matrices must give back the model exactly.

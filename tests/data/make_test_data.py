@@ -3,7 +3,8 @@
   python tests/data/make_test_data.py /path/to/shared/fixtures
 
 Copies the tiny Qwen3.5 GGUFs (the f32 one xz-compressed: 23 MB -> 8 MB, decompressed by the tests
-into a temp dir), the tiny z-lab draft, and the subset of reference arrays the tests use.
+into a temp dir; the q8_0 one as a recipe over the f32 one, tests/gguf_recipe.py), the tiny z-lab
+draft, and the subset of reference arrays the tests use.
 """
 
 import json
@@ -21,11 +22,16 @@ DST = os.path.dirname(os.path.abspath(__file__))
 def main():
   q = os.path.join(DST, "qwen35_tiny")
   os.makedirs(q, exist_ok=True)
-  for name in ("model-q8_0.gguf", "model-q4_k_m.gguf"):
-    shutil.copy(os.path.join(SRC, "qwen35_tiny", name), q)
+  shutil.copy(os.path.join(SRC, "qwen35_tiny", "model-q4_k_m.gguf"), q)
   with open(os.path.join(SRC, "qwen35_tiny", "model-f32.gguf"), "rb") as fh:
     with lzma.open(os.path.join(q, "model-f32.gguf.xz"), "wb", preset=6) as out:
       out.write(fh.read())
+  # the Q8_0 file as a recipe over the F32 one (6.2 MB -> 6 KB; conftest rebuilds it, sha256-checked)
+  sys.path.insert(0, os.path.dirname(DST))
+  import gguf_recipe
+  gguf_recipe.write_recipe(os.path.join(SRC, "qwen35_tiny", "model-q8_0.gguf"),
+                           os.path.join(SRC, "qwen35_tiny", "model-f32.gguf"),
+                           os.path.join(q, "model-q8_0.recipe.npz"))
   ref = np.load(os.path.join(SRC, "qwen35_tiny", "reference.npz"))
   keep = ["tokens", "hf_logits", "hf_greedy", "hf_dequant_logits_q8_0", "hf_dequant_logits_q4_k_m",
           "hf_dequant_greedy_q8_0", "hf_dequant_greedy_q4_k_m", "llamacpp_logits_q4_k_m_kvf32"]
