@@ -15,6 +15,13 @@ DRAFT = os.path.join(DATA, "dflash_tiny")
 SMOL = os.path.join(DATA, "smollm2")
 
 
+def unxz(src: str, dst) -> str:
+  """Decompress the .xz file src to dst; returns dst as a str."""
+  with lzma.open(src, "rb") as fin, open(dst, "wb") as fout:
+    shutil.copyfileobj(fin, fout)
+  return str(dst)
+
+
 def _rebuild_q8_0_files():
   """tests/data/*/model-q8_0.gguf from their recipes (tests/gguf_recipe.py: the header kept, the
   tensors re-quantized from the xz-compressed F32 file and sha256-checked against the file
@@ -32,9 +39,7 @@ def _rebuild_q8_0_files():
         if hashlib.sha256(fh.read()).hexdigest() == str(np.load(recipe)["sha256"]):
           continue
     with tempfile.TemporaryDirectory() as tmp:
-      f32 = os.path.join(tmp, "model-f32.gguf")
-      with lzma.open(os.path.join(DATA, d, "model-f32.gguf.xz"), "rb") as src, open(f32, "wb") as dst:
-        shutil.copyfileobj(src, dst)
+      f32 = unxz(os.path.join(DATA, d, "model-f32.gguf.xz"), os.path.join(tmp, "model-f32.gguf"))
       gguf_recipe.rebuild(recipe, f32, out)
 
 
@@ -71,10 +76,8 @@ def mean_kl(ref_logits, logits):
 
 @pytest.fixture(scope="session")
 def qwen_f32_path(tmp_path_factory):
-  out = tmp_path_factory.mktemp("qwen") / "model-f32.gguf"
-  with lzma.open(os.path.join(QWEN, "model-f32.gguf.xz"), "rb") as src, open(out, "wb") as dst:
-    shutil.copyfileobj(src, dst)
-  return str(out)
+  return unxz(os.path.join(QWEN, "model-f32.gguf.xz"),
+              tmp_path_factory.mktemp("qwen") / "model-f32.gguf")
 
 
 @pytest.fixture(scope="session")

@@ -80,17 +80,21 @@ def test_oracle_matches_zlab_acceptance(qwen_f32, draft_ref):
   assert r.accept_lens == ref       # the last one clipped at max_new_tokens, as the package does
 
 
-def test_oracle_every_acceptance_length_tiny_hybrid(qwen_f32, qwen_ref):
-  """Error at offset 0..14 -> acceptance length 1..15; offset 99 -> full block (16)."""
-  prompt = qwen_ref["tokens"][2, :16]
-  truth = dj.generate(qwen_f32, None, prompt, max_new_tokens=200, mode="ar", max_ctx=512,
+def check_every_acceptance_length(target, prompt, max_new: int, max_ctx: int):
+  """An oracle draft wrong at offset 0..14 (acceptance length 1..15), then right (16), over the
+  target's own greedy output: the chain reproduces it with exactly those acceptance lengths."""
+  truth = dj.generate(target, None, prompt, max_new_tokens=max_new, mode="ar", max_ctx=max_ctx,
                       eog_ids=()).tokens
   pattern = list(range(15)) + [99]
-  r = _oracle_run(qwen_f32, prompt, np.asarray(truth, np.int32), pattern, 512)
+  r = _oracle_run(target, prompt, np.asarray(truth, np.int32), pattern, max_ctx)
   assert r.tokens == truth
-  expect = [(p + 1 if p < 15 else 16) for p in pattern]
-  assert r.accept_lens[:16] == expect
+  assert r.accept_lens[:16] == [(p + 1 if p < 15 else 16) for p in pattern]
   assert sum(r.accept_lens) == len(truth) - 1      # nothing committed past the output
+
+
+def test_oracle_every_acceptance_length_tiny_hybrid(qwen_f32, qwen_ref):
+  """Error at offset 0..14 -> acceptance length 1..15; offset 99 -> full block (16)."""
+  check_every_acceptance_length(qwen_f32, qwen_ref["tokens"][2, :16], 200, 512)
 
 
 def test_oracle_every_acceptance_length_smollm2(smol, smol_prompts):

@@ -7,15 +7,13 @@ Norms: logits by max abs difference (|logits| <= 2.4 here); measured ours vs tra
 1.3e-6 / 1.6e-6, llama.cpp f32 vs transformers 1.5e-6.
 """
 
-import lzma
 import os
-import shutil
 
 import numpy as np
 import pytest
 
 import dflash_jax as dj
-from conftest import DATA
+from conftest import DATA, unxz
 from test_draft_and_decode import _random_draft
 
 QWEN2 = os.path.join(DATA, "qwen2_tiny")
@@ -28,10 +26,8 @@ def ref():
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
-  out = tmp_path_factory.mktemp("qwen2") / "model-f32.gguf"
-  with lzma.open(os.path.join(QWEN2, "model-f32.gguf.xz"), "rb") as src, open(out, "wb") as dst:
-    shutil.copyfileobj(src, dst)
-  return str(out)
+  return unxz(os.path.join(QWEN2, "model-f32.gguf.xz"),
+              tmp_path_factory.mktemp("qwen2") / "model-f32.gguf")
 
 
 @pytest.fixture(scope="module")
