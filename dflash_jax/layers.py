@@ -427,6 +427,7 @@ def moe_ffn(y: jax.Array, p, *, n_used: int, weights_scale: float, rt: Runtime,
   w = w / jnp.maximum(jnp.sum(w, -1, keepdims=True), 6.103515625e-5)
   if weights_scale not in (0.0, 1.0):
     w = w * weights_scale
+
   def swiglu(run):          # run(w) -> an expert matmul's output [..., N]
     if p.up_exps is None:   # merged rows: [gate | up] per expert
       gu = run(p.gate_up_exps)

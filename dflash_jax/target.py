@@ -217,7 +217,7 @@ def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_all, v_all, li: int, star
 
 
 def _ffn(y, p, cfg: TargetConfig, rt: Runtime):
-  """A layer's FFN over y [T, D] (normed): SwiGLU, or routed experts + shared expert (qwen35moe)."""
+  """A layer's FFN over y [T, D] (normed): SwiGLU, or routed experts (qwen35moe, qwen3moe)."""
   if cfg.moe:
     return layers.moe_ffn(y, p, n_used=cfg.n_expert_used, weights_scale=cfg.expert_weights_scale,
                           rt=rt)

@@ -194,7 +194,10 @@ def _moe(f: GGUFFile, cfg: TargetConfig, p: str, weights: str, fuse: bool, norm:
         shared_gate=_dense(f, shexp_gate, gate_shape).reshape(d))
   return MoEParams(
       norm=_vec(f, norm, d),
-      router=_mat(f, p + "ffn_gate_inp.weight", (e, d), weights),
+      # the router stays float32 when weights are dequantized at load (a bf16 router would choose
+      # other experts than the file's F32 one near ties)
+      router=_mat(f, p + "ffn_gate_inp.weight", (e, d),
+                  "quantized" if weights == "quantized" else "f32"),
       gate_up_exps=gate_up, up_exps=up,
       down_exps=_experts(f, p + "ffn_down_exps.weight", (e, d, fe), weights), **shared)
 
