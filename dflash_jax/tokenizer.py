@@ -47,7 +47,8 @@ _DEEPSEEK_CODER = ("[\r\n]", "\\s?\\p{L}+", "\\s?\\p{P}+", "[\u4e00-\u9fa5\u0800
 PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     "gpt-2": (_GPT2,), "gpt2": (_GPT2,), "mpt": (_GPT2,), "olmo": (_GPT2,),
     "smollm": (r"\p{N}", _GPT2), "starcoder": (r"\p{N}", _GPT2), "refact": (r"\p{N}", _GPT2),
-    "qwen2": (_QWEN2,), "deepseek-r1-qwen": (_QWEN2,), "qwen35": (_QWEN35,), "llama-bpe": (_LLAMA3,), "llama3": (_LLAMA3,),
+    "qwen2": (_QWEN2,), "deepseek-r1-qwen": (_QWEN2,), "qwen35": (_QWEN35,),
+    "llama-bpe": (_LLAMA3,), "llama3": (_LLAMA3,),
     "deepseek-llm": _DEEPSEEK_LLM, "deepseek-coder": _DEEPSEEK_CODER,
 }
 

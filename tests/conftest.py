@@ -31,13 +31,8 @@ def _rebuild_q8_0_files():
   for d in sorted(os.listdir(DATA)):
     recipe = os.path.join(DATA, d, "model-q8_0.recipe.npz")
     out = os.path.join(DATA, d, "model-q8_0.gguf")
-    if not os.path.exists(recipe):
+    if not os.path.exists(recipe) or gguf_recipe.matches(recipe, out):
       continue
-    if os.path.exists(out):
-      import hashlib
-      with open(out, "rb") as fh:
-        if hashlib.sha256(fh.read()).hexdigest() == str(np.load(recipe)["sha256"]):
-          continue
     with tempfile.TemporaryDirectory() as tmp:
       f32 = unxz(os.path.join(DATA, d, "model-f32.gguf.xz"), os.path.join(tmp, "model-f32.gguf"))
       gguf_recipe.rebuild(recipe, f32, out)

@@ -6,7 +6,8 @@ converter). The rebuilt file must hash to the recorded sha256, so the tests read
 llama.cpp's converter wrote (a mismatch is an error, never a silent stand-in).
 
     write_recipe(q8_path, f32_path, recipe_path)   # tests/data/make_*.py, once
-    rebuild(recipe_path, f32_path, q8_path)        # conftest, when q8_path is missing
+    matches(recipe_path, q8_path)                  # conftest: is the file there and current?
+    rebuild(recipe_path, f32_path, q8_path)        # conftest, when it is not
 """
 
 import hashlib
@@ -24,7 +25,8 @@ def write_recipe(q8_path: str, f32_path: str, recipe_path: str):
   q8_path's bytes back (a tensor that is neither a copy nor gguf-py's Q8_0 of the F32 one)."""
   import gguf
   q = gguf.GGUFReader(q8_path)
-  raw = open(q8_path, "rb").read()
+  with open(q8_path, "rb") as fh:
+    raw = fh.read()
   names = [t.name for t in q.tensors]
   recipe = dict(header=np.frombuffer(raw[:q.data_offset], np.uint8), size=np.int64(len(raw)),
                 sha256=np.str_(_sha256(raw)), names=np.array(names),
@@ -51,6 +53,14 @@ def _build(recipe_path: str, f32_path: str) -> bytes:
     b = np.ascontiguousarray(data).tobytes()
     buf[int(off):int(off) + len(b)] = b
   return bytes(buf)
+
+
+def matches(recipe_path: str, path: str) -> bool:
+  """True when path exists and hashes to the recipe's recorded sha256."""
+  if not os.path.exists(path):
+    return False
+  with open(path, "rb") as fh:
+    return _sha256(fh.read()) == str(np.load(recipe_path)["sha256"])
 
 
 def rebuild(recipe_path: str, f32_path: str, out_path: str):

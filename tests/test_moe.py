@@ -1,12 +1,13 @@
 """MoE targets on tiny random models converted by llama.cpp's own converter
-(tests/data/make_moe_tiny.py): `qwen35moe` (Gated DeltaNet + gated attention with routed experts
+(tests/data/make_converted_tiny.py): `qwen35moe` (Gated DeltaNet + gated attention with routed experts
 and a gated shared expert, as Qwen3.5-35B-A3B) and `qwen3moe` (softmax attention, routed experts,
 as Qwen3-30B-A3B). Logits against transformers and llama.cpp, the MoE FFN against a float64
 numpy reference on gguf-py-dequantized expert tensors, lossless speculative decoding.
 
 Norms: logits by max abs difference (|logits| <= 2.5 here); measured ours vs transformers
-5.7e-6 / 9.4e-6 (qwen35moe f32), 7.7e-6 / 6.7e-6 (qwen35moe q8_0 vs transformers on the
-dequantized q8_0 matrices); llama.cpp f32 vs transformers 8.3e-6 (qwen35moe), 1.9e-6 (qwen3moe).
+5.7e-6 / 9.4e-6 (qwen35moe f32), 1.2e-6 / 1.7e-6 (qwen3moe f32), 7.7e-6 / 6.7e-6 (qwen35moe q8_0 vs
+transformers on the dequantized q8_0 matrices); llama.cpp f32 vs transformers 8.3e-6 (qwen35moe),
+1.9e-6 (qwen3moe).
 """
 
 import dataclasses
@@ -90,8 +91,9 @@ def test_greedy_matches_transformers_and_llama_cpp(targets, refs, which):
 
 
 def _moe_float64(y, f: gguf.GGUFReader, layer: int, n_used: int):
-  """Float64 numpy reference of one qwen35moe FFN (transformers' Qwen3_5MoeSparseMoeBlock) on
-  the file's tensors dequantized by gguf-py. y: [T, D]."""
+  """Float64 numpy reference of one MoE FFN (transformers' Qwen3_5MoeSparseMoeBlock, or
+  Qwen3MoeSparseMoeBlock when the file has no shared expert) on the file's tensors dequantized by
+  gguf-py. y: [T, D]."""
   t = {x.name: x for x in f.tensors}
 
   def w(name):

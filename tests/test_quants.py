@@ -96,14 +96,13 @@ def jax_tree(w):
 def test_q8_0_recipe_rebuilds_llama_cpps_file(tmp_path):
   """tests/gguf_recipe.py: the Q8_0 file rebuilt from the F32 one hashes to the recorded sha256 of
   the file llama.cpp's converter wrote; a recipe whose header was altered is refused by name."""
-  import hashlib
   import gguf_recipe
   from conftest import unxz
   recipe = os.path.join(QWEN, "model-q8_0.recipe.npz")
   f32 = unxz(os.path.join(QWEN, "model-f32.gguf.xz"), tmp_path / "f32.gguf")
   gguf_recipe.rebuild(recipe, f32, str(tmp_path / "q8.gguf"))
+  assert gguf_recipe.matches(recipe, str(tmp_path / "q8.gguf"))
   r = dict(np.load(recipe))
-  assert hashlib.sha256((tmp_path / "q8.gguf").read_bytes()).hexdigest() == str(r["sha256"])
   r["header"] = r["header"].copy()
   r["header"][100] ^= 1
   np.savez(tmp_path / "bad.npz", **r)
