@@ -20,6 +20,7 @@ from dflash_jax import draft_io
 from dflash_jax import grammar as grammar_lib
 from dflash_jax import target as target_lib
 from dflash_jax import layers, target_params
+from dflash_jax import mtp as mtp_lib
 from dflash_jax.config import (AUTO, DFLASH2, DRAFT_ARCHITECTURES, SUPPORTED_ARCHS, DecodeConfig,
                                DraftConfig, TargetConfig)
 from dflash_jax.gguf_io import read_gguf
@@ -61,11 +62,18 @@ class Target:
 
 @dataclasses.dataclass
 class Draft:
-  """A loaded z-lab DFlash draft: config, params on device, and the directory it came from."""
+  """A loaded draft: a z-lab DFlash draft (config DraftConfig, params DraftParams, path its
+  directory), or the target's own MTP block (`load_draft(MTP, target)`: config mtp.MTPConfig,
+  params mtp.MTPParams, path "<target gguf>#mtp")."""
 
-  config: DraftConfig
-  params: draft_lib.DraftParams
+  config: DraftConfig | mtp_lib.MTPConfig
+  params: draft_lib.DraftParams | mtp_lib.MTPParams
   path: str
+
+  @property
+  def is_mtp(self) -> bool:
+    """True for the target's own multi-token-prediction block (mtp.py)."""
+    return isinstance(self.config, mtp_lib.MTPConfig)
 
 
 WEIGHTS = ("auto", "quantized", "f32", "bf16")
@@ -184,13 +192,27 @@ def _recommended_sampling(meta, path: str) -> Optional[SamplingConfig]:
 
 
 DRAFT_VARIANTS = (DRAFT_ARCHITECTURES[0], DFLASH2)
+MTP = "mtp"     # load_draft's name for the target's own multi-token-prediction block
 
 
-def load_draft(draft_dir: str, target: Target) -> Draft:
+def load_draft(draft_dir: str, target: Target, *, mtp_steps: int = mtp_lib.DEFAULT_STEPS) -> Draft:
   """Load a z-lab draft directory, DFlash-1 (`DFlashDraftModel`) or DFlash-2
   (`DFlash2DraftModel`: draft2.py, proposing through its candidate selector), and check it
-  against `target` (hidden size, vocab, target_layer_ids, mask id). Raises FileNotFoundError /
-  ValueError naming the draft."""
+  against `target` (hidden size, vocab, target_layer_ids, mask id); or, for draft_dir "mtp"
+  (`MTP`), the target GGUF's own multi-token-prediction block (mtp.py: Qwen3.5 files converted
+  with it), drafting `mtp_steps` tokens per step by default (the block size is 1 + that unless
+  the DecodeConfig names another). Raises FileNotFoundError / ValueError naming the draft (for
+  "mtp": naming the target file when it has no MTP block)."""
+  if draft_dir == MTP:
+    if not 1 <= mtp_steps <= mtp_lib.MAX_STEPS:
+      raise ValueError(f"mtp_steps={mtp_steps}: must be in [1, {mtp_lib.MAX_STEPS}]")
+    mtp_lib.check_target(target.config, target.path)
+    kv_cache.check_format(target.runtime.k_format, target.config.head_dim,
+                          f"kv_dtype (MTP block of {target.path})")
+    mp = mtp_lib.load_params(read_gguf(target.path), target.config,
+                             weights="quantized" if target.weights == "quantized" else target.weights)
+    return Draft(mtp_lib.MTPConfig(target.config, block_size=mtp_steps + 1), jax.device_put(mp),
+                 f"{target.path}#{MTP}")
   cfg, params = draft_io.load(draft_dir, target.config, variants=DRAFT_VARIANTS)
   kv_cache.check_format(target.runtime.k_format, cfg.head_dim, f"kv_dtype (draft {draft_dir})")
   kv_cache.check_format(target.runtime.v_format, cfg.head_dim, f"kv_dtype_v (draft {draft_dir})")
@@ -342,11 +364,17 @@ def resolve_config(draft: Optional[Draft], config: Optional[DecodeConfig] = None
                             has_draft=draft is not None)
   if dec.uses_draft and draft is None and not has_proposer:
     raise ValueError(f"mode={dec.mode!r} needs a draft (or a proposer)")
-  if draft is not None and dec.block_size not in (None, draft.config.block_size):
+  mtp = draft is not None and draft.is_mtp
+  if not mtp and draft is not None and dec.block_size not in (None, draft.config.block_size):
     raise ValueError(f"block_size={dec.block_size} differs from the draft's block_size="
                      f"{draft.config.block_size}")
   if dec.block_size is None:
     dec = dataclasses.replace(dec, block_size=draft.config.block_size if draft is not None else 16)
+  if mtp and dec.draft_window:
+    raise ValueError(f"draft_window={dec.draft_window}: the MTP block attends to every position "
+                     "(a full-attention layer); use draft_window=0 (the default with it)")
+  if mtp and dec.draft_window is None:
+    dec = dataclasses.replace(dec, draft_window=0)
   if dec.draft_window is None:
     # Every layer windowed: nothing past its window is read anyway; else the full layers' 4096.
     sw = draft.config.sliding_window if draft is not None and all(draft.config.sliding) else 0

@@ -107,6 +107,9 @@ class TargetConfig:
     d_ff_exp, d_ff_shexp: a routed expert's and the shared expert's FFN width
       (`expert_feed_forward_length`, `expert_shared_feed_forward_length`; llama.cpp's defaults
       d_ff / n_expert_used and d_ff); d_ff_shexp 0: no shared expert (qwen3moe).
+    n_nextn: multi-token-prediction (MTP / NextN) blocks stored after the trunk
+      (`nextn_predict_layers`; Qwen3.5 files converted with MTP have 1, at block n_layer): the
+      built-in draft of `mtp.py`.
   """
 
   arch: str
@@ -137,6 +140,7 @@ class TargetConfig:
   d_ff_exp: int = 0
   d_ff_shexp: int = 0
   expert_weights_scale: float = 0.0
+  n_nextn: int = 0
 
   @property
   def moe(self) -> bool:
@@ -171,7 +175,8 @@ class TargetConfig:
 
     m = _Fields(meta, path, "GGUF metadata key", prefix=f"{arch}.")
     n_block = m.int("block_count", 1, MAX_LAYERS)
-    n_layer = n_block - m.int("nextn_predict_layers", 0, n_block - 1, default=0)
+    n_nextn = m.int("nextn_predict_layers", 0, n_block - 1, default=0)
+    n_layer = n_block - n_nextn
     d_model = m.int("embedding_length", 1, MAX_DIM)
     n_head = m.int("attention.head_count", 1, MAX_DIM)
     n_kv_head = m.int("attention.head_count_kv", 1, n_head, default=n_head)
@@ -201,7 +206,7 @@ class TargetConfig:
         rope_dim=rope_dim, rope_theta=m.number("rope.freq_base", 0.0, 1e30, default=10000.0),
         rms_eps=m.number("attention.layer_norm_rms_epsilon", 0.0, 1.0),
         n_ctx_train=m.int("context_length", 0, 1 << 40, default=0),
-        has_rope_freqs=has_rope_freqs, **moe)
+        has_rope_freqs=has_rope_freqs, n_nextn=n_nextn, **moe)
     if arch in ("llama", "qwen2", "qwen3", "qwen3moe"):
       return cls(**common, rope_style="norm" if arch == "llama" else "neox",
                  qk_norm=arch in ("qwen3", "qwen3moe"), attn_gate=False,

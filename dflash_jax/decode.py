@@ -34,6 +34,7 @@ from dflash_jax import draft as draft_lib
 from dflash_jax import draft2 as draft2_lib
 from dflash_jax import grammar as grammar_lib
 from dflash_jax import layers
+from dflash_jax import mtp as mtp_lib
 from dflash_jax import ngram as ngram_lib
 from dflash_jax import sampling as sampling_lib
 from dflash_jax import target as target_lib
@@ -62,6 +63,11 @@ class Plan:
   def uses_draft(self) -> bool:
     """True when a DFlash draft runs in the loop (context cache, target features)."""
     return self.dcfg is not None and self.dec.uses_draft
+
+  @property
+  def is_mtp(self) -> bool:
+    """True when the draft is the target's own MTP block (mtp.py) rather than a DFlash draft."""
+    return self.uses_draft and isinstance(self.dcfg, mtp_lib.MTPConfig)
 
   @property
   def draft_relative(self) -> bool:
@@ -106,6 +112,11 @@ class PrefillPlan:
     return self.dcfg is not None
 
   @property
+  def is_mtp(self) -> bool:
+    """True when the chunk feeds the target's MTP block (mtp.py) rather than a DFlash draft."""
+    return isinstance(self.dcfg, mtp_lib.MTPConfig)
+
+  @property
   def feature_layers(self) -> tuple[int, ...]:
     """Target layer ids whose outputs feed the draft (empty without a draft)."""
     return tuple(self.dcfg.target_layer_ids) if self.uses_draft else ()
@@ -137,6 +148,9 @@ class DecodeState:
       penalties' window; entries at negative positions are ignored).
     gstate: [] int32 the row's grammar state after the bonus token (a state of the batch's
       grammar.GrammarTables), or grammar.NO_GRAMMAR (-1) for an unconstrained row.
+    mtp_h: [D] float32 with an MTP draft (mtp.py): the target's normed hidden state of position
+      pos - 1, which the MTP block pairs with the bonus token (zeros before any prefill); else
+      None.
   """
 
   out: jax.Array
@@ -154,6 +168,7 @@ class DecodeState:
   finite: jax.Array
   recent: jax.Array
   gstate: jax.Array
+  mtp_h: Optional[jax.Array] = None
 
 
 def init_row(plan: Plan) -> DecodeState:
@@ -171,7 +186,8 @@ def init_row(plan: Plan) -> DecodeState:
              if plan.uses_draft else None),
       key=jax.random.key(0), samp=sampling_lib.SamplingConfig().params(),
       finite=jnp.bool_(True), recent=jnp.zeros((sampling_lib.PENALTY_WINDOW,), jnp.int32),
-      gstate=jnp.int32(grammar_lib.NO_GRAMMAR))
+      gstate=jnp.int32(grammar_lib.NO_GRAMMAR),
+      mtp_h=jnp.zeros((tcfg.d_model,), jnp.float32) if plan.is_mtp else None)
 
 
 def init_state(plan: Plan, batch: int = 1) -> DecodeState:
@@ -216,7 +232,13 @@ def _prefill_row(tparams, dparams, row: DecodeState, k_all, v_all, slot, tokens,
   pre = target_lib.prefill(tparams, plan.tcfg, tokens, start, n_valid, tc, plan.rt,
                            feature_layers=plan.feature_layers, kv_row=slot)
   dk = dv = None
-  if plan.uses_draft:
+  mtp_h = row.mtp_h
+  if plan.is_mtp:
+    h = mtp_lib.target_hidden(tparams, plan.tcfg, pre.feats)
+    dk, dv = mtp_lib.ingest_rows(dparams, tparams, plan.tcfg, tokens,
+                                 jnp.concatenate([row.mtp_h[None], h[:-1]]), start, plan.rt)
+    mtp_h = h[n_valid - 1]
+  elif plan.uses_draft:
     dk, dv = draft_lib.ingest_rows(dparams, plan.dcfg, pre.feats, start, plan.rt,
                                     rope_keys=not plan.draft_relative)
   last = jax.lax.dynamic_slice_in_dim(pre.hidden, n_valid - 1, 1, axis=0)
@@ -240,7 +262,7 @@ def _prefill_row(tparams, dparams, row: DecodeState, k_all, v_all, slot, tokens,
   new = dataclasses.replace(
       row, target=dataclasses.replace(row.target, ssm=pre.cache.ssm, conv=pre.cache.conv),
       pos=start + n_valid, bonus=first, finite=jnp.all(jnp.isfinite(logits)), recent=recent,
-      gstate=gstate,
+      gstate=gstate, mtp_h=mtp_h,
       out=row.out.at[0].set(first), n_out=jnp.int32(1),
       done=jnp.any(first == eog_ids) | (row.max_new <= 1) | ~final,
       n_steps=jnp.int32(0))
@@ -288,6 +310,8 @@ def prefill_chunk(tparams, dparams, state: DecodeState, slot: jax.Array, tokens:
   tc = row.target             # keeps the previous sequence's; stale KV rows are masked by position)
   tc = dataclasses.replace(tc, ssm=jnp.where(fresh, 0.0, tc.ssm), conv=jnp.where(fresh, 0.0, tc.conv))
   row = dataclasses.replace(row, key=jax.random.key(seed), max_new=max_new, samp=samp, target=tc)
+  if row.mtp_h is not None:
+    row = dataclasses.replace(row, mtp_h=jnp.where(fresh, 0.0, row.mtp_h))
   row, k, v, dk, dv = _prefill_row(tparams, dparams, row, tk, tv, slot, tokens, start, n_valid,
                                    eog_ids, final, before, grammar,
                                    jnp.int32(grammar_lib.NO_GRAMMAR) if gstart is None else gstart,
@@ -331,7 +355,11 @@ def draft_rows(tparams, dparams, s: DecodeState, *, dcfg: DraftConfig, dec: Deco
   features of every committed position were ingested when they were committed); DFlash-1
   (`draft.propose`) or DFlash-2 (`draft2.propose`: the selector's greedy path as log-probs over
   its candidates). Returns (logits [D, V] float32 for positions pos+1..pos+D, DraftCache),
-  D = dec.draft_depth (L-1 for chain; min(budget, L-1) for DDTree)."""
+  D = dec.draft_depth (L-1 for chain; min(budget, L-1) for DDTree). An MTP draft (mtp.py)
+  runs the target's MTP block D times instead (`mtp.propose`; dparams: its MTPParams)."""
+  if isinstance(dcfg, mtp_lib.MTPConfig):
+    return mtp_lib.propose(dparams, tparams, dcfg.tcfg, s.bonus, s.pos, s.mtp_h, s.draft, rt,
+                           n=dec.draft_depth), s.draft
   return _propose_fn(dcfg)(dparams, dcfg, tparams.embed, tparams.lm_head, s.bonus, s.pos,
                            s.draft, rt, n_logits=dec.draft_depth)
 
@@ -631,10 +659,17 @@ def _step(tparams, dparams, s: DecodeState, eog_ids, live_bound, rules, grammar,
                         max_ctx=dec.max_ctx, feature_layers=plan.feature_layers,
                         live_bound=live_bound, invariant_rows=dec.invariant_rows)
   dk = dv = None
-  if plan.uses_draft:
+  mtp_h = s.mtp_h
+  if plan.is_mtp:
+    # the committed path's MTP rows: (path token, h of the position before), and the new pending h
+    h = mtp_lib.target_hidden(tparams, plan.tcfg, c.feats)
+    dk, dv = mtp_lib.ingest_rows(dparams, tparams, plan.tcfg, jnp.take(tree.tokens, c.path),
+                                 jnp.concatenate([s.mtp_h[None], h[:-1]]), s.pos, plan.rt)
+    mtp_h = h[c.n_acc]
+  elif plan.uses_draft:
     dk, dv = draft_lib.ingest_rows(dparams, plan.dcfg, c.feats, s.pos, plan.rt,
                                     rope_keys=not plan.draft_relative)
-  new = _advance(s, c.emit, c.n_acc, eog_ids)
+  new = dataclasses.replace(_advance(s, c.emit, c.n_acc, eog_ids), mtp_h=mtp_h)
   if prop.cache is not None:
     new = dataclasses.replace(new, draft=prop.cache)
   if grammar is not None:
@@ -750,6 +785,9 @@ def decode_loop(tparams, dparams, state: DecodeState, max_steps: jax.Array, eog_
 def draft_once(tparams, dparams, state: DecodeState, slot: jax.Array, *, plan: Plan):
   """Draft logits [L-1, V] for row `slot` right after its prefill (no verify)."""
   row = jax.tree.map(lambda x: x[slot], state)
+  if plan.is_mtp:
+    return mtp_lib.propose(dparams, tparams, plan.tcfg, row.bonus, row.pos, row.mtp_h, row.draft,
+                           plan.rt, n=plan.dec.L - 1)
   logits, _ = _propose_fn(plan.dcfg)(dparams, plan.dcfg, tparams.embed, tparams.lm_head,
                                      row.bonus, row.pos, row.draft, plan.rt)
   return logits

@@ -178,14 +178,10 @@ def logits(params: TargetParams, cfg: TargetConfig, hidden: jax.Array, rt: Runti
 
 # ----------------------------------------------------------------------------- layers
 
-def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_all, v_all, li: int, start, pos,
-                local_mask, rope_freqs, rt: Runtime, live_bound=None, kv_row=None, ordered=None):
-  """Softmax attention (gated for qwen35). x: [T, D]; k_all/v_all: [n_attn, Hkv, S, Dh] the
-  whole KV cache (read only: rows < start are the committed past, all visible); li: this
-  layer's row in it; pos: [T] int32 RoPE positions; local_mask: [T, T] bool which of this
-  call's own rows each row sees. Returns (out [T, D], k [T, Hkv, Dh], v [T, Hkv, Dv]) float32
-  (what a commit encodes and writes; this call's own rows are attended to as the cache will
-  return them, kv_cache.roundtrip, so a verify sees what autoregressive decoding sees)."""
+def attn_qkv(x, p: AttnParams, cfg: TargetConfig, pos, rope_freqs, rt: Runtime):
+  """The attention sublayer's inputs (llama.cpp src/models/{llama,qwen3,qwen35}.cpp): x [T, D]
+  the residual stream -> attn_norm -> q [T, H, Dh], k [T, Hkv, Dh] (q/k norms for qk_norm, RoPE at
+  pos [T] int32), v [T, Hkv, Dv], gate [T, H*Dv] or None (qwen35's output gate) float32."""
   t = x.shape[0]
   h, hkv, dh, dv = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.v_head_dim
   y = layers.rms_norm(x, p.norm, cfg.rms_eps)
@@ -202,7 +198,27 @@ def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_all, v_all, li: int, star
     k = layers.rms_norm(k, p.k_norm, cfg.rms_eps)
   rope = functools.partial(layers.rope, pos=pos, rot_dim=cfg.rope_dim, theta=cfg.rope_theta,
                            style=cfg.rope_style, freq_factors=rope_freqs)
-  q, k = rope(q), rope(k)
+  return rope(q), rope(k), v, gate
+
+
+def attn_out(o, gate, p: AttnParams, rt: Runtime):
+  """The attention sublayer's output: o [T, H, Dv] attention -> (times sigmoid(gate) when gated)
+  -> attn_output -> [T, D] float32."""
+  o = o.reshape(o.shape[0], -1)
+  if gate is not None:
+    o = o * jax.nn.sigmoid(gate)
+  return layers.linear(o, p.wo, rt)
+
+
+def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_all, v_all, li: int, start, pos,
+                local_mask, rope_freqs, rt: Runtime, live_bound=None, kv_row=None, ordered=None):
+  """Softmax attention (gated for qwen35). x: [T, D]; k_all/v_all: [n_attn, Hkv, S, Dh] the
+  whole KV cache (read only: rows < start are the committed past, all visible); li: this
+  layer's row in it; pos: [T] int32 RoPE positions; local_mask: [T, T] bool which of this
+  call's own rows each row sees. Returns (out [T, D], k [T, Hkv, Dh], v [T, Hkv, Dv]) float32
+  (what a commit encodes and writes; this call's own rows are attended to as the cache will
+  return them, kv_cache.roundtrip, so a verify sees what autoregressive decoding sees)."""
+  q, k, v, gate = attn_qkv(x, p, cfg, pos, rope_freqs, rt)
   kr, vr = kv_cache.roundtrip(k_all.fmt, k), kv_cache.roundtrip(v_all.fmt, v)
   if ordered is not None:
     o = layers.attention_ordered(q, k_all, v_all, li, start, kr, vr, *ordered,
@@ -210,13 +226,10 @@ def _attn_layer(x, p: AttnParams, cfg: TargetConfig, k_all, v_all, li: int, star
   else:
     o = layers.attention_live(q, k_all, v_all, li, None, start, local=(kr, vr, local_mask),
                               live_bound=live_bound, row=kv_row, dense=rt.dense)
-  o = o.reshape(t, h * dv)
-  if gate is not None:
-    o = o * jax.nn.sigmoid(gate)
-  return layers.linear(o, p.wo, rt), k, v
+  return attn_out(o, gate, p, rt), k, v
 
 
-def _ffn(y, p, cfg: TargetConfig, rt: Runtime):
+def ffn(y, p, cfg: TargetConfig, rt: Runtime):
   """A layer's FFN over y [T, D] (normed): SwiGLU, or routed experts (qwen35moe, qwen3moe)."""
   if cfg.moe:
     return layers.moe_ffn(y, p, n_used=cfg.n_expert_used, weights_scale=cfg.expert_weights_scale,
@@ -250,7 +263,7 @@ def _trunk(params: TargetParams, cfg: TargetConfig, x, cache: TargetCache, start
       vs.append(v)
       ia += 1
     x = x + o
-    x = x + _ffn(layers.rms_norm(x, p.ffn.norm, cfg.rms_eps), p.ffn, cfg, rt)
+    x = x + ffn(layers.rms_norm(x, p.ffn.norm, cfg.rms_eps), p.ffn, cfg, rt)
     if i in feature_layers:
       feats[i] = x
   feat = jnp.concatenate([feats[l] for l in feature_layers], axis=-1) if feature_layers else None

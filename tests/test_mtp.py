@@ -1,0 +1,168 @@
+"""The target's own MTP block as a draft (dflash_jax/mtp.py), on tests/data/qwen35mtp_tiny: a
+tiny random Qwen3.5 with an MTP block, converted by llama.cpp's converter (MTP tensors as block
+n_layer, `blk.4.nextn.*`), with transformers references (tests/data/make_mtp_tiny.py):
+
+- the block's logits under teacher forcing and a 4-token drafted chain equal the transformers
+  assembly of the block (vLLM's Qwen3_5MultiTokenPredictor) to float32 rounding;
+- the decode loop's MTP cache rows and pending hidden state after chain / DDTree steps equal
+  those of one prefill of the committed tokens (every commit wrote the right pairs);
+- greedy output with the MTP draft is token-identical to autoregressive decoding (and to
+  transformers' greedy continuation), batched too;
+- files without an MTP block, and options the block cannot honour, are refused by name.
+"""
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dflash_jax as dj
+from dflash_jax import batching, draft as draft_lib, mtp
+from dflash_jax import target as target_lib
+from conftest import DATA, unxz
+
+MTP_DIR = os.path.join(DATA, "qwen35mtp_tiny")
+QWEN = os.path.join(DATA, "qwen35_tiny")
+
+
+@pytest.fixture(scope="module")
+def mtp_target(tmp_path_factory):
+  path = unxz(os.path.join(MTP_DIR, "model-f32.gguf.xz"),
+              tmp_path_factory.mktemp("mtp") / "model-f32.gguf")
+  return dj.load_target(path, weights="f32", tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def mtp_draft(mtp_target):
+  return dj.load_draft("mtp", mtp_target)
+
+
+@pytest.fixture(scope="module")
+def ref():
+  return dict(np.load(os.path.join(MTP_DIR, "reference.npz")))
+
+
+def _rel(a, b):
+  """max |a - b| / max |b| (the tolerance norm of these checks)."""
+  return float(np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b)))
+
+
+def _mtp_cache(target, draft, tokens):
+  """(cache, h_prev [T, D]): the block's rows of a whole sequence from one target prefill."""
+  cfg, rt = target.config, target.runtime
+  n = len(tokens)
+  pre = target_lib.prefill(target.params, cfg, jnp.asarray(tokens, jnp.int32), jnp.int32(0),
+                           jnp.int32(n), target_lib.init_cache(cfg, n, rt), rt,
+                           feature_layers=draft.config.target_layer_ids)
+  h = mtp.target_hidden(target.params, cfg, pre.feats)
+  h_prev = jnp.concatenate([jnp.zeros_like(h[:1]), h[:-1]])
+  k, v = mtp.ingest_rows(draft.params, target.params, cfg, jnp.asarray(tokens, jnp.int32), h_prev,
+                         jnp.int32(0), rt)
+  cache = draft_lib.init_cache(draft.config, n + 8, rt).write(jnp.int32(0), k, v)
+  return cache, h_prev, h
+
+
+def test_config_and_trunk(mtp_target, mtp_draft, ref):
+  cfg = mtp_target.config
+  assert (cfg.n_layer, cfg.n_nextn) == (4, 1)
+  assert mtp_draft.is_mtp and mtp_draft.config.block_size == mtp.DEFAULT_STEPS + 1
+  logits = dj.forward_logits(mtp_target, ref["tokens"][0])
+  assert _rel(logits, ref["hf_logits"][0]) < 1e-4
+
+
+def test_teacher_forced_logits_match_transformers(mtp_target, mtp_draft, ref):
+  """Row q of the block (pair (x_q, h_{q-1}) over rows < q) = transformers' row q."""
+  rt = mtp_target.runtime
+  for r, tokens in enumerate(ref["tokens"]):
+    cache, h_prev, _ = _mtp_cache(mtp_target, mtp_draft, tokens)
+    step = jax.jit(lambda q, tok, hp: mtp.propose(mtp_draft.params, mtp_target.params,
+                                                  mtp_target.config, tok, q, hp, cache, rt, n=1))
+    got = np.stack([np.asarray(step(jnp.int32(q), jnp.int32(tokens[q]), h_prev[q]))[0]
+                    for q in range(len(tokens))])
+    assert _rel(got, ref["mtp_logits"][r]) < 1e-4
+    # the block is not the trunk: its logits differ from the target's (a test that can fail)
+    assert _rel(got, ref["hf_logits"][r]) > 0.1
+
+
+def test_drafted_chain_matches_transformers(mtp_target, mtp_draft, ref):
+  """Four chained steps (each feeding the previous step's argmax and normed output)."""
+  for r, tokens in enumerate(ref["tokens"]):
+    s = int(ref["chain_start"][r])
+    cache, h_prev, _ = _mtp_cache(mtp_target, mtp_draft, tokens)
+    got = np.asarray(mtp.propose(mtp_draft.params, mtp_target.params, mtp_target.config,
+                                 jnp.int32(tokens[s]), jnp.int32(s), h_prev[s], cache,
+                                 mtp_target.runtime, n=4))
+    assert _rel(got, ref["chain_logits"][r]) < 1e-4
+    np.testing.assert_array_equal(got.argmax(-1), ref["chain_tokens"][r])
+
+
+@pytest.mark.parametrize("mode", ["chain", "ddtree"])
+def test_loop_state_equals_one_prefill(mtp_target, mtp_draft, ref, mode):
+  """After a prefill in two chunks and decode steps, the slot's MTP rows 0..pos-1 and its pending
+  hidden state are those of one prefill of the committed tokens."""
+  dec = dj.api.resolve_config(mtp_draft, mode=mode, budget=6, max_ctx=96, prefill_chunk=8)
+  b = batching.SlotBatch(mtp_target, mtp_draft, dec, 2, jnp.asarray([-1], jnp.int32))
+  prompt = np.asarray(ref["tokens"][1, :13], np.int32)
+  b.prefill(1, prompt, 20, dj.SamplingConfig())
+  b.run(1 << 20)
+  out = b.row(1).tokens
+  assert len(out) == 20
+  committed = np.concatenate([prompt, out[:-1]])
+  pos = int(b.state.pos[1])
+  assert pos == len(committed)
+  cache, _, h = _mtp_cache(mtp_target, mtp_draft, committed)
+  st = b.state.draft
+  for got, want in ((st.k, cache.k), (st.v, cache.v)):
+    g = np.asarray(got.planes[0][1, :, :, :pos])
+    w = np.asarray(want.planes[0][:, :, :pos])
+    assert _rel(g, w) < 1e-4
+  assert _rel(b.state.mtp_h[1], np.asarray(h[-1])) < 1e-4
+
+
+@pytest.mark.parametrize("mode,steps", [("chain", 3), ("chain", 7), ("ddtree", 3)])
+def test_greedy_output_equals_autoregressive(mtp_target, ref, mode, steps):
+  draft = dj.load_draft("mtp", mtp_target, mtp_steps=steps)
+  lens = []
+  for r, tokens in enumerate(ref["tokens"]):
+    prompt = tokens[:12]
+    ar = dj.generate(mtp_target, None, prompt, max_new_tokens=24, mode="ar", max_ctx=128,
+                     eog_ids=())
+    sp = dj.generate(mtp_target, draft, prompt, max_new_tokens=24, mode=mode, budget=8,
+                     max_ctx=128, eog_ids=())
+    assert sp.tokens == ar.tokens == ref["hf_greedy"][r].tolist()
+    assert sum(sp.accept_lens) == 23 and max(sp.accept_lens) <= steps + 1
+    lens += sp.accept_lens
+  # the fixture's block is distilled on the trunk's text: multi-token commits are exercised
+  assert np.mean(lens) > 1.3 and max(lens) >= 3
+
+
+def test_batched_rows_equal_alone(mtp_target, mtp_draft, ref):
+  prompts = [ref["tokens"][0, :9], ref["tokens"][1, :15], ref["tokens"][0, 20:31]]
+  kw = dict(max_ctx=96, eog_ids=(), mode="chain")
+  rows = dj.generate_batch(mtp_target, mtp_draft, prompts, max_new_tokens=[10, 17, 5],
+                           batch_size=2, **kw)
+  for p, n, got in zip(prompts, [10, 17, 5], rows):
+    assert got.tokens == dj.generate(mtp_target, None, p, max_new_tokens=n, max_ctx=96,
+                                     eog_ids=(), mode="ar").tokens
+
+
+def test_sampled_rows_are_reproducible(mtp_target, mtp_draft, ref):
+  kw = dict(max_new_tokens=16, max_ctx=96, eog_ids=(), mode="chain", temperature=0.8, seed=3)
+  a = dj.generate(mtp_target, mtp_draft, ref["tokens"][0, :10], **kw)
+  b = dj.generate(mtp_target, mtp_draft, ref["tokens"][0, :10], **kw)
+  assert a.tokens == b.tokens and len(a.tokens) == 16
+
+
+def test_refusals(mtp_target, mtp_draft, qwen_f32):
+  with pytest.raises(ValueError, match="no multi-token-prediction block"):
+    dj.load_draft("mtp", qwen_f32)
+  with pytest.raises(ValueError, match="mtp_steps"):
+    dj.load_draft("mtp", mtp_target, mtp_steps=0)
+  with pytest.raises(ValueError, match="draft_window"):
+    dj.api.resolve_config(mtp_draft, mode="chain", draft_window=64)
+  dec = dj.api.resolve_config(mtp_draft, mode="chain", block_size=6)   # any block size
+  assert dec.block_size == 6 and dec.draft_window == 0
+  assert dataclasses.replace(dec, mode="ddtree").draft_depth == 5
