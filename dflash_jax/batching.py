@@ -96,8 +96,10 @@ def _any_active(state, *, dec):
 
 @jax.jit
 def _recurrent_state(state, slot):
-  """Copies of row `slot`'s (SSM state, conv state)."""
-  return state.target.ssm[slot], state.target.conv[slot]
+  """Copies of row `slot`'s (SSM state, conv state), plus its MTP pending hidden state with an
+  MTP draft (DecodeState.mtp_h: like the recurrent state, valid only at the length it was taken)."""
+  st = (state.target.ssm[slot], state.target.conv[slot])
+  return st + ((state.mtp_h[slot],) if state.mtp_h is not None else ())
 
 
 @jax.jit
@@ -354,11 +356,11 @@ class SlotBatch:
     hit = cache.lookup(ids, pc.layout(self.state))
     if hit is None:
       return 0
-    ssm, conv = hit.state if hit.state is not None else (
+    st = hit.state if hit.state is not None else (
         jnp.zeros(self.state.target.ssm.shape[1:], self.state.target.ssm.dtype),
         jnp.zeros(self.state.target.conv.shape[1:], self.state.target.conv.dtype))
     self.state = pc.restore_rows(self.state, jnp.int32(slot), jnp.int32(hit.n), hit.entry.kv,
-                                 ssm, conv)
+                                 *st)
     self._restored[slot] = hit.n
     return hit.n
 
@@ -373,9 +375,9 @@ class SlotBatch:
       return
     seq = (np.concatenate([ids, np.asarray(out[:n - ids.size], np.int32)]) if n >= ids.size
            else np.asarray(ids[:n], np.int32))
-    kv, ssm, conv = pc.extract_rows(self.state, jnp.int32(slot),
-                                    rows=pc.padded_rows(n, self.state.target.k.shape[3]))
+    kv, _, _ = pc.extract_rows(self.state, jnp.int32(slot),
+                               rows=pc.padded_rows(n, self.state.target.k.shape[3]))
     states = {p: st for p, st in (checkpoints or {}).items() if p <= n}
     if self.recurrent:
-      states[n] = (ssm, conv)
+      states[n] = _recurrent_state(self.state, jnp.int32(slot))
     cache.insert(pc.Entry(tokens=seq, kv=kv, states=states, layout=pc.layout(self.state)))

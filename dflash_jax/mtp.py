@@ -106,14 +106,15 @@ class MTPConfig:
 
 def check_target(cfg: TargetConfig, path: str):
   """Raises ValueError naming the file when it has no MTP block this module runs."""
+  if cfg.arch not in HYBRID_ARCHS:
+    raise ValueError(f"{path}: MTP drafting runs the multi-token-prediction block of Qwen3.5 "
+                     f"files ({', '.join(HYBRID_ARCHS)}); a {cfg.arch!r} model has none: use a "
+                     f"DFlash draft directory instead")
   if cfg.n_nextn == 0:
     raise ValueError(f"{path}: no multi-token-prediction block ({cfg.arch}.nextn_predict_layers "
                      f"is absent or 0): the file was converted without it (llama.cpp's "
                      f"convert_hf_to_gguf.py --no-mtp, or a converter older than its MTP export); "
                      f"use a DFlash draft directory instead")
-  if cfg.arch not in HYBRID_ARCHS:
-    raise ValueError(f"{path}: MTP drafting is implemented for {', '.join(HYBRID_ARCHS)} (Qwen3.5 "
-                     f"blocks), not {cfg.arch!r}")
   if cfg.n_nextn != 1:
     raise ValueError(f"{path}: {cfg.arch}.nextn_predict_layers={cfg.n_nextn}; one MTP block is "
                      f"supported (as llama.cpp's qwen35 graph_mtp)")

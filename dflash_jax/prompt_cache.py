@@ -61,9 +61,11 @@ def extract_rows(state, slot: jax.Array, *, rows: int):
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def restore_rows(state, slot: jax.Array, n: jax.Array, kv, ssm: jax.Array, conv: jax.Array):
+def restore_rows(state, slot: jax.Array, n: jax.Array, kv, ssm: jax.Array, conv: jax.Array,
+                 mtp_h: Optional[jax.Array] = None):
   """Write an entry's rows (see `extract_rows`) into slot `slot` of the donated batched state
-  at rows 0.., and its recurrent state; the other slots and the slot's later rows are untouched
+  at rows 0.., and its recurrent state (with an MTP draft also its pending hidden state mtp_h
+  [D], DecodeState.mtp_h; None: zeros); the other slots and the slot's later rows are untouched
   (in place: dynamic-update-slices). The slot's position becomes n (the restored prefix): the
   decode loop writes a free slot's rows at its position (discarded work), which must land past
   the restored rows while the slot waits for its prefill."""
@@ -78,6 +80,10 @@ def restore_rows(state, slot: jax.Array, n: jax.Array, kv, ssm: jax.Array, conv:
       conv=jax.lax.dynamic_update_index_in_dim(t.conv, conv.astype(t.conv.dtype), slot, 0))
   if d is not None:
     d = dataclasses.replace(d, k=put(d.k, kv[2]), v=put(d.v, kv[3]))
+  if state.mtp_h is not None:
+    h = jnp.zeros(state.mtp_h.shape[1:], state.mtp_h.dtype) if mtp_h is None else mtp_h
+    state = dataclasses.replace(
+        state, mtp_h=jax.lax.dynamic_update_index_in_dim(state.mtp_h, h, slot, 0))
   return dataclasses.replace(state, target=t, draft=d,
                              pos=jax.lax.dynamic_update_index_in_dim(state.pos, n, slot, 0),
                              done=jax.lax.dynamic_update_index_in_dim(
@@ -106,8 +112,9 @@ class Entry:
     tokens: [n] int32 the sequence whose rows 0..n-1 the entry holds.
     kv: device kv_cache.KVBuffers (target k, v, draft k, v or None), each [n_layer, Hkv, R,
       Dh], R >= n, in the state's formats.
-    states: {length p: (ssm, conv)} recurrent state after the first p tokens (hybrid targets;
-      empty otherwise).
+    states: {length p: (ssm, conv) or (ssm, conv, mtp_h)} recurrent state after the first p
+      tokens, with the MTP draft's pending hidden state when one runs (hybrid targets; empty
+      otherwise).
     layout: `layout` of the state it came from.
   """
 

@@ -18,7 +18,8 @@ from dflash_jax import decode_flags, serve, target_flags
 
 _TF = target_flags.define()
 _DF = decode_flags.define()
-_DRAFT = flags.DEFINE_string("draft", None, "z-lab DFlash draft directory; default: the "
+_DRAFT = flags.DEFINE_string("draft", None, "z-lab DFlash draft directory, or 'mtp' (the "
+                             "target GGUF's own multi-token-prediction block); default: the "
                              "checkpoints/ draft matching the target; 'none': autoregressive.")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
 _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")

@@ -25,8 +25,11 @@ _DF = decode_flags.define()
 flags.adopt_module_key_flags(target_flags)  # list them in --help
 flags.adopt_module_key_flags(decode_flags)
 _DRAFT = flags.DEFINE_string("draft", None, "z-lab DFlash draft directory (config.json + "
-                             "model.safetensors). Default: the checkpoints/ draft matching the "
-                             "target, else autoregressive decoding. 'none' forces no draft.")
+                             "model.safetensors), or 'mtp': the target GGUF's own multi-token-"
+                             "prediction block (Qwen3.5 files converted with it; --block_size = "
+                             "1 + tokens drafted per step, default 4). Default: the checkpoints/ "
+                             "draft matching the target, else autoregressive decoding. 'none' "
+                             "forces no draft.")
 _PROMPT = flags.DEFINE_string("prompt", None, "Prompt text; read from stdin when neither "
                               "--prompt nor --prompt_file is given.")
 _PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "JSONL batch of prompts.")

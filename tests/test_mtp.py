@@ -24,13 +24,19 @@ from dflash_jax import batching, draft as draft_lib, mtp
 from dflash_jax import target as target_lib
 from conftest import DATA, unxz
 
-MTP_DIR = os.path.join(DATA, "qwen35mtp_tiny")
-QWEN = os.path.join(DATA, "qwen35_tiny")
+# dense Qwen3.5 (4 layers), and Qwen3.5-MoE (2 layers; the MTP block's FFN is routed experts plus
+# the gated shared expert, as in Qwen3.5-35B-A3B)
+FIXTURES = ["qwen35mtp_tiny", "qwen35moemtp_tiny"]
+
+
+@pytest.fixture(scope="module", params=FIXTURES)
+def fixture_dir(request):
+  return os.path.join(DATA, request.param)
 
 
 @pytest.fixture(scope="module")
-def mtp_target(tmp_path_factory):
-  path = unxz(os.path.join(MTP_DIR, "model-f32.gguf.xz"),
+def mtp_target(fixture_dir, tmp_path_factory):
+  path = unxz(os.path.join(fixture_dir, "model-f32.gguf.xz"),
               tmp_path_factory.mktemp("mtp") / "model-f32.gguf")
   return dj.load_target(path, weights="f32", tokenizer=False)
 
@@ -41,8 +47,8 @@ def mtp_draft(mtp_target):
 
 
 @pytest.fixture(scope="module")
-def ref():
-  return dict(np.load(os.path.join(MTP_DIR, "reference.npz")))
+def ref(fixture_dir):
+  return dict(np.load(os.path.join(fixture_dir, "reference.npz")))
 
 
 def _rel(a, b):
@@ -65,9 +71,13 @@ def _mtp_cache(target, draft, tokens):
   return cache, h_prev, h
 
 
-def test_config_and_trunk(mtp_target, mtp_draft, ref):
+def test_config_and_trunk(mtp_target, mtp_draft, ref, fixture_dir):
+  import json
+  with open(os.path.join(fixture_dir, "config.json")) as fh:
+    hf = json.load(fh)
   cfg = mtp_target.config
-  assert (cfg.n_layer, cfg.n_nextn) == (4, 1)
+  assert (cfg.n_layer, cfg.n_nextn, cfg.moe) == (hf["num_hidden_layers"], 1, "num_experts" in hf)
+  assert mtp_draft.params.layer.ffn.__class__.__name__ == ("MoEParams" if cfg.moe else "FFNParams")
   assert mtp_draft.is_mtp and mtp_draft.config.block_size == mtp.DEFAULT_STEPS + 1
   logits = dj.forward_logits(mtp_target, ref["tokens"][0])
   assert _rel(logits, ref["hf_logits"][0]) < 1e-4
@@ -156,9 +166,11 @@ def test_sampled_rows_are_reproducible(mtp_target, mtp_draft, ref):
   assert a.tokens == b.tokens and len(a.tokens) == 16
 
 
-def test_refusals(mtp_target, mtp_draft, qwen_f32):
+def test_refusals(mtp_target, mtp_draft, qwen_f32, smol):
   with pytest.raises(ValueError, match="no multi-token-prediction block"):
-    dj.load_draft("mtp", qwen_f32)
+    dj.load_draft("mtp", qwen_f32)          # a Qwen3.5 file converted with --no-mtp
+  with pytest.raises(ValueError, match="'llama' model has none"):
+    dj.load_draft("mtp", smol)
   with pytest.raises(ValueError, match="mtp_steps"):
     dj.load_draft("mtp", mtp_target, mtp_steps=0)
   with pytest.raises(ValueError, match="draft_window"):
@@ -166,3 +178,32 @@ def test_refusals(mtp_target, mtp_draft, qwen_f32):
   dec = dj.api.resolve_config(mtp_draft, mode="chain", block_size=6)   # any block size
   assert dec.block_size == 6 and dec.draft_window == 0
   assert dataclasses.replace(dec, mode="ddtree").draft_depth == 5
+
+
+@pytest.mark.parametrize("mode", ["chain", "ddtree"])
+def test_prompt_cache_warm_equals_cold(mtp_target, mtp_draft, ref, mode):
+  """A next turn restored from the prompt cache (rows, recurrent state and the MTP pending
+  hidden state at a checkpoint, then the rest prefilled) leaves the slot's MTP rows and pending
+  state as a cold prefill does, and decodes the same tokens with the same acceptance lengths."""
+  from dflash_jax import prompt_cache as pc
+  kw = dict(mode=mode, budget=6, max_ctx=128, prefill_chunk=16, eog_ids=())
+  cache = pc.PromptCache.for_target(mtp_target, 1 << 26)
+  t = ref["tokens"]
+  p0 = np.asarray(t[0, :20], np.int32)
+  first = dj.generate(mtp_target, mtp_draft, p0, max_new_tokens=9, prompt_cache=cache, **kw)
+  ids = np.concatenate([p0, np.asarray(first.tokens, np.int32), t[1, :5]])
+  dec = dj.api.resolve_config(mtp_draft, **{k: v for k, v in kw.items() if k != "eog_ids"})
+  rows = []
+  for warm in (False, True):
+    b = batching.SlotBatch(mtp_target, mtp_draft, dec, 1, jnp.asarray([-1], jnp.int32))
+    n = b.reuse(0, ids, cache) if warm else 0
+    assert (n > 0) == warm
+    for _ in b.prefill_chunks(0, ids, 14, dj.SamplingConfig(), start=n):
+      pass
+    rows.append((np.asarray(b.state.draft.k.planes[0][0, :, :, :ids.size]),
+                 np.asarray(b.state.mtp_h[0])))
+  assert _rel(rows[1][0], rows[0][0]) < 1e-5 and _rel(rows[1][1], rows[0][1]) < 1e-5
+  cold = dj.generate(mtp_target, mtp_draft, ids, max_new_tokens=14, **kw)
+  warm = dj.generate(mtp_target, mtp_draft, ids, max_new_tokens=14, prompt_cache=cache, **kw)
+  assert warm.cached_tokens > 0
+  assert warm.tokens == cold.tokens and warm.accept_lens == cold.accept_lens

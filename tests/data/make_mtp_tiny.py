@@ -1,4 +1,5 @@
-"""Make tests/data/qwen35mtp_tiny: a tiny random Qwen3.5 (dense, hybrid) with a multi-token-
+"""Make tests/data/qwen35mtp_tiny and qwen35moemtp_tiny: a tiny random Qwen3.5 (dense, hybrid)
+and Qwen3.5-MoE (routed experts + shared expert, also in the MTP block) with a multi-token-
 prediction block, converted to GGUF by llama.cpp's own converter (which stores the `mtp.*`
 tensors as block n_layer, `blk.N.nextn.*`, and writes `qwen35.nextn_predict_layers` = 1), and
 transformers references for the trunk and the MTP block.
@@ -16,9 +17,14 @@ Not run by the tests (they read its output). Needs Python 3.11 with torch, trans
 and llama.cpp's converter (`conversion/qwen.py` with `_QwenMtpMixin`, e.g. the
 `vendor/llama.cpp` of the llama-cpp-python 0.3.36 sdist):
 
-    python tests/data/make_mtp_tiny.py --llama_cpp /path/to/llama.cpp
+    python tests/data/make_mtp_tiny.py --llama_cpp /path/to/llama.cpp [--arch qwen35moe]
 
-Writes tests/data/qwen35mtp_tiny/{model-f32.gguf.xz, reference.npz, config.json}; reference.npz:
+The trunk's mixer and FFN output projections are scaled by MIXER_SCALE (a calmer random trunk
+whose next token depends mostly on the current one) and the block is distilled on the trunk's
+greedy text (`train_mtp`), so its drafts are accepted (1.6-3.1 tokens a step) and multi-token
+commits get tested.
+
+Writes tests/data/<name>/{model-f32.gguf.xz, reference.npz, config.json}; reference.npz:
   tokens [2, 40] int32 random ids; hf_logits [2, 40, V] float32 (the trunk, full forward);
   hf_greedy [2, 24] int32 (greedy continuation of tokens[:, :12]); mtp_logits [2, 40, V] float32
   (teacher forcing: row q = the block's logits for position q + 1 from (tokens[q], h_{q-1}));
@@ -52,34 +58,38 @@ CONFIG = dict(vocab_size=N_VOCAB, hidden_size=64, intermediate_size=64, num_hidd
               layer_types=["linear_attention"] * 3 + ["full_attention"],
               rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
                                    mrope_section=[2, 1, 1], mrope_interleaved=True))
-ARCH = dict(hf_class="Qwen3_5ForCausalLM", hf_config="Qwen3_5TextConfig",
-            converter_class="Qwen3_5TextModel", pre="qwen35", zero_centred_norms=True,
-            config=CONFIG)
+ARCHS = {
+    "qwen35": dict(hf_class="Qwen3_5ForCausalLM", hf_config="Qwen3_5TextConfig",
+                   converter_class="Qwen3_5TextModel", pre="qwen35", zero_centred_norms=True,
+                   config=CONFIG, out="qwen35mtp_tiny"),
+    # Qwen3.5-MoE (as Qwen3.5-35B-A3B): the MTP block's FFN is routed experts + the shared expert
+    "qwen35moe": dict(hf_class="Qwen3_5MoeForCausalLM", hf_config="Qwen3_5MoeTextConfig",
+                      converter_class="Qwen3_5MoeTextModel", pre="qwen35", zero_centred_norms=True,
+                      config=dict({k: v for k, v in CONFIG.items() if k != "intermediate_size"},
+                                  num_hidden_layers=2, layer_types=["linear_attention",
+                                                                    "full_attention"],
+                                  moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                                  num_experts=4, num_experts_per_tok=2),
+                      out="qwen35moemtp_tiny"),
+}
 N_CHAIN = 4
 MIXER_SCALE = 0.25
 
 
 def mtp_weights(model) -> dict:
-  """Random MTP block weights under the checkpoint's `mtp.*` names (bf16-exact float32)."""
+  """Random MTP block weights under the checkpoint's `mtp.*` names (bf16-exact float32): fc,
+  the three norms, and a full-attention decoder block of the trunk's own class (dense or MoE)."""
   cfg = model.config
-  d, f = cfg.hidden_size, cfg.intermediate_size
-  h, hkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+  d = cfg.hidden_size
   g = torch.Generator().manual_seed(SEED + 5)
-  shapes = {"fc.weight": (d, 2 * d), "pre_fc_norm_embedding.weight": (d,),
-            "pre_fc_norm_hidden.weight": (d,), "norm.weight": (d,),
-            "layers.0.input_layernorm.weight": (d,), "layers.0.post_attention_layernorm.weight": (d,),
-            "layers.0.self_attn.q_proj.weight": (2 * h * dh, d),
-            "layers.0.self_attn.k_proj.weight": (hkv * dh, d),
-            "layers.0.self_attn.v_proj.weight": (hkv * dh, d),
-            "layers.0.self_attn.o_proj.weight": (d, h * dh),
-            "layers.0.self_attn.q_norm.weight": (dh,), "layers.0.self_attn.k_norm.weight": (dh,),
-            "layers.0.mlp.gate_proj.weight": (f, d), "layers.0.mlp.up_proj.weight": (f, d),
-            "layers.0.mlp.down_proj.weight": (d, f)}
-  out = {}
-  for name, shape in shapes.items():
-    scale = 0.15 if name.endswith("norm.weight") else (0.1 if name == "fc.weight" else 0.08)
-    out["mtp." + name] = (scale * torch.randn(shape, generator=g)).to(torch.bfloat16).float()
-  return out
+  layer = type(model.model.layers[0])(cfg, cfg.layer_types.index("full_attention"))
+  out = {"mtp.fc.weight": 0.1 * torch.randn((d, 2 * d), generator=g)}
+  for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+    out[f"mtp.{name}.weight"] = 0.15 * torch.randn((d,), generator=g)
+  for name, p in layer.state_dict().items():
+    scale = 0.15 if name.endswith("norm.weight") else (0.3 if name == "mlp.gate.weight" else 0.08)
+    out["mtp.layers.0." + name] = scale * torch.randn(p.shape, generator=g)
+  return {k: v.to(torch.bfloat16).float() for k, v in out.items()}
 
 
 def _rms(x, w, eps):            # Qwen3.5's zero-centred RMSNorm (1 + w)
@@ -91,13 +101,11 @@ class MTPBlock(torch.nn.Module):
   embedding and lm_head are shared (frozen)."""
 
   def __init__(self, model, w: dict):
-    import transformers
     super().__init__()
     cfg = copy.deepcopy(model.config)
     cfg._attn_implementation = "eager"
     self.model, self.eps = model, cfg.rms_norm_eps
-    self.layer = transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5DecoderLayer(
-        cfg, cfg.layer_types.index("full_attention"))
+    self.layer = type(model.model.layers[0])(cfg, cfg.layer_types.index("full_attention"))
     self.layer.load_state_dict({k[len("mtp.layers.0."):]: v for k, v in w.items()
                                 if k.startswith("mtp.layers.0.")})
     self.top = torch.nn.ParameterDict({k[len("mtp."):-len(".weight")]:   # fc, norm, pre_fc_*
@@ -211,15 +219,21 @@ def main():
   here = os.path.dirname(os.path.abspath(__file__))
   ap = argparse.ArgumentParser()
   ap.add_argument("--llama_cpp", required=True, help="llama.cpp source tree (convert_hf_to_gguf.py)")
+  ap.add_argument("--arch", choices=sorted(ARCHS), action="append",
+                  help="architectures to make (default: all)")
   args = ap.parse_args()
-  out = os.path.join(here, "qwen35mtp_tiny")
+  for name in args.arch or sorted(ARCHS):
+    make(ARCHS[name], args.llama_cpp, os.path.join(here, ARCHS[name]["out"]))
+
+
+def make(arch: dict, llama_cpp: str, out: str):
   os.makedirs(out, exist_ok=True)
   mct.SEED = SEED
   mct.N_VOCAB = N_VOCAB
-  model = mct.make_model(ARCH)
+  model = mct.make_model(arch)
   with torch.no_grad():     # quieter mixers and FFNs: a trunk whose next token the block can learn
     for name, p in model.named_parameters():
-      if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+      if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "down_proj")):
         p.copy_((MIXER_SCALE * p).to(torch.bfloat16).float())
   w = train_mtp(model, mtp_weights(model))
   with tempfile.TemporaryDirectory() as tmp:
@@ -232,11 +246,11 @@ def main():
     save_file(sd, st, metadata={"format": "pt"})
     patch = os.path.join(tmp, "convert.py")
     with open(patch, "w") as fh:
-      fh.write(mct.VOCAB_PATCH.format(llama_cpp=os.path.abspath(args.llama_cpp), pre=ARCH["pre"],
-                                      converter_class=ARCH["converter_class"]))
+      fh.write(mct.VOCAB_PATCH.format(llama_cpp=os.path.abspath(llama_cpp), pre=arch["pre"],
+                                      converter_class=arch["converter_class"]))
     gguf_path = os.path.join(tmp, "model-f32.gguf")
     subprocess.run([sys.executable, patch, hf, "--outtype", "f32", "--outfile", gguf_path],
-                   check=True, cwd=args.llama_cpp)
+                   check=True, cwd=llama_cpp)
     with open(gguf_path, "rb") as src, \
          lzma.open(os.path.join(out, "model-f32.gguf.xz"), "wb", preset=9) as dst:
       dst.write(src.read())
@@ -244,7 +258,7 @@ def main():
   ref.update(mtp_references(model, w, ref["tokens"]))
   np.savez_compressed(os.path.join(out, "reference.npz"), **ref)
   with open(os.path.join(out, "config.json"), "w") as fh:
-    json.dump(dict(CONFIG, architectures=[ARCH["hf_class"]], seed=SEED), fh, indent=1)
+    json.dump(dict(arch["config"], architectures=[arch["hf_class"]], seed=SEED), fh, indent=1)
 
 
 if __name__ == "__main__":
