@@ -410,6 +410,9 @@ def dflash_proposer(tparams, dparams, s: DecodeState, *, plan: "Plan", key: jax.
   """
   dcfg, dec = plan.dcfg, plan.dec
   mixing = table is not None and dec.table_mix > 0
+  if (plan.is_mtp and dec.mode == "chain" and grammar is None and not mixing
+      and _uses_rejection(dec, sampled)):
+    return _mtp_sampled_chain(tparams, dparams, s, plan, key)
   if dcfg.dflash2 is None or grammar is not None or dec.mode != "chain" or mixing:
     return _ROWS_PROPOSER(tparams, dparams, s, plan=plan, key=key, sampled=sampled,
                           grammar=grammar, table=table)
@@ -420,6 +423,26 @@ def dflash_proposer(tparams, dparams, s: DecodeState, *, plan: "Plan", key: jax.
       key=key if rejection else None)
   tree = tree_lib.path_tree(jnp.concatenate([s.bonus[None], tokens]))
   return Proposal(tree, q if rejection else None, s.draft)
+
+
+def _mtp_sampled_chain(tparams, dparams, s: DecodeState, plan: "Plan", key: jax.Array) -> Proposal:
+  """An MTP draft's chain for a row sampled under the rejection rule: each block step draws its
+  token from its processed distribution q (the row's sampling params) and the next step feeds
+  the drawn token (ancestral sampling, as the block drafts in llama.cpp and vLLM), so later
+  drafts condition on the tokens actually proposed; a greedy row (temperature 0) takes argmaxes.
+  The rule verifies each draft against the q it was drawn from: exact."""
+  keys = jax.random.split(key, plan.dec.draft_depth)
+  sp = _safe(s.samp)
+
+  def draw(logits, j):
+    q = sampling_lib.process_logits(logits[None], sp)
+    tok = jnp.where(s.samp.temperature > 0, sampling_lib.draw(keys[j], q)[0],
+                    jnp.argmax(logits).astype(jnp.int32))
+    return tok.astype(jnp.int32), q[0]
+
+  tokens, q = mtp_lib.propose(dparams, tparams, plan.tcfg, s.bonus, s.pos, s.mtp_h, s.draft,
+                              plan.rt, n=plan.dec.draft_depth, draw=draw)
+  return Proposal(tree_lib.path_tree(jnp.concatenate([s.bonus[None], tokens])), q, s.draft)
 
 
 def _constrained_rows(dlogits, grammar, gstate, sp, key, rejection: bool):

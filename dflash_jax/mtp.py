@@ -172,12 +172,18 @@ def ingest_rows(mp: MTPParams, tparams: TargetParams, cfg: TargetConfig, tokens:
 
 def propose(mp: MTPParams, tparams: TargetParams, cfg: TargetConfig, bonus: jax.Array,
             start: jax.Array, h_pending: jax.Array, cache: DraftCache, rt: Runtime,
-            n: int) -> jax.Array:
+            n: int, draw=None):
   """n draft rows after the bonus token at position `start` (the committed length): step j
   feeds (t_j, g_j) at position start + j (t_0 = bonus, g_0 = h_pending [D], the normed target
-  hidden state of position start - 1; then t_j = argmax of step j-1's logits, g_j = its output
-  after head_norm), attending to the cache rows < start and steps 0..j. Returns logits [n, V]
-  float32 (row j: the distribution of position start + j + 1). The cache is only read."""
+  hidden state of position start - 1; then t_j = the token step j-1 chose, g_j = its output
+  after head_norm), attending to the cache rows < start and steps 0..j. The cache is only read.
+
+  draw: None: each step chooses its argmax; returns logits [n, V] float32 (row j: the
+  distribution of position start + j + 1), the rows a chain or DDTree is built from. Or a
+  function (logits [V] float32, step j [] int32) -> (token [] int32, q [V] float32) choosing each
+  step's token, e.g. a draw from the processed distribution q (ancestral sampling: later steps
+  condition on the drawn tokens); returns (tokens [n] int32, q [n, V] float32).
+  """
   hkv, dh = cfg.n_kv_head, cfg.head_dim
   p = mp.layer
   head = mp.head if mp.head is not None else tparams.lm_head
@@ -195,9 +201,12 @@ def propose(mp: MTPParams, tparams: TargetParams, cfg: TargetConfig, bonus: jax.
     x = x + target_lib.ffn(layers.rms_norm(x, p.ffn.norm, cfg.rms_eps), p.ffn, cfg, rt)
     out = layers.rms_norm(x, mp.head_norm, cfg.rms_eps)
     logits = layers.linear(out, head, rt)[0].astype(jnp.float32)
-    return (jnp.argmax(logits).astype(jnp.int32), out[0], bk, bv), logits
+    if draw is None:
+      return (jnp.argmax(logits).astype(jnp.int32), out[0], bk, bv), logits
+    nxt, q = draw(logits, j)
+    return (nxt, out[0], bk, bv), (nxt, q)
 
   init = (jnp.asarray(bonus, jnp.int32), h_pending.astype(jnp.float32),
           jnp.zeros((n, hkv, dh), jnp.float32), jnp.zeros((n, hkv, dh), jnp.float32))
-  _, logits = jax.lax.scan(body, init, steps)
-  return logits
+  _, rows = jax.lax.scan(body, init, steps)
+  return rows

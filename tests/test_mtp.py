@@ -207,3 +207,18 @@ def test_prompt_cache_warm_equals_cold(mtp_target, mtp_draft, ref, mode):
   warm = dj.generate(mtp_target, mtp_draft, ids, max_new_tokens=14, prompt_cache=cache, **kw)
   assert warm.cached_tokens > 0
   assert warm.tokens == cold.tokens and warm.accept_lens == cold.accept_lens
+
+
+def test_sampled_chain_matches_autoregressive(mtp_target, mtp_draft, ref):
+  """Sampled with the MTP chain (each block step draws its token from its processed distribution,
+  the next step feeds the draw; the rejection rule against that q): the first 4 tokens of 1000
+  runs at temperature 1 / top_k 3 follow the exact autoregressive joint distribution (Pearson
+  chi-square, as tests/test_sampling.py), and the drafts get accepted."""
+  import test_sampling as ts
+  prompt, joint, _ = ts._exact_joint(mtp_target, {"prompt_ids": ref["tokens"][0, :10]})
+  dec = dj.api.resolve_config(mtp_draft, dj.DecodeConfig(mode="chain", **ts.SMALL_CTX))
+  samples = ts._sample_many(mtp_target, mtp_draft, prompt, dec, ts.CFG, ts.N_SAMPLES)
+  assert ts._chi_square_p(samples, joint) > 1e-4
+  r = dj.generate(mtp_target, mtp_draft, prompt, max_new_tokens=24, max_ctx=64, eog_ids=(),
+                  mode="chain", temperature=1.0, top_k=3, seed=5)
+  assert max(r.accept_lens) >= 2
