@@ -36,7 +36,9 @@ _E2E = flags.DEFINE_list("e2e", ["pallas", "pallas_unfused", "reference"],
                         "Runtime.gdn_commit='replay': no per-node SSM states), pallas_dense (fused, "
                         "Runtime.attention='dense': no data-dependent loop per attention layer), "
                         "mosaic (fused, Q4_K "
-                        "weights through the Mosaic GPU kernel), reference (XLA dequantize + dot); "
+                        "weights through the Mosaic GPU kernel), reference (XLA dequantize + dot), "
+                        "pallas_mtp (fused, with an MTP block: its 3-step draft and a chain-4 "
+                        "verify timed too); "
                         "empty for none.")
 _TABLES = flags.DEFINE_list("tables", ["matmul", "tree_gdn"], "Kernel tables to run: matmul, "
                             "tree_gdn, tiles (a TileConfig sweep over --sweep), variants (kernel "
@@ -122,10 +124,11 @@ def _copy_bandwidth(mb, repeats):
   return 2 * x.nbytes / (ms * 1e-3) / 1e9
 
 
-def _random_qwen35(sz):
+def _random_qwen35(sz, mtp: bool = False):
   """(TargetConfig, GGUFFile) of a Qwen3.5-27B-shaped random model in the real Q4_K_M mix: Q6_K
   output and about half of ffn_down / attn_qkv / attn_v (llama.cpp's use_more_bits layers), Q4_K
-  elsewhere, F32 norms."""
+  elsewhere, F32 norms. mtp: with a multi-token-prediction block after the trunk (block n_layer:
+  nextn.eh_proj Q4_K, its norms, a full-attention block; `nextn_predict_layers` 1)."""
   import numpy as np
   from dflash_jax.config import TargetConfig
   from dflash_jax.gguf_io import GGUFFile, GGUFTensor
@@ -138,7 +141,7 @@ def _random_qwen35(sz):
                      rms_eps=1e-6, qk_norm=True, attn_gate=True,
                      recurrent=tuple((i + 1) % 4 != 0 for i in range(n_layer)),
                      gdn_n_k_head=sz["n_k"], gdn_n_v_head=g["hv"], gdn_d_k=g["dk"], gdn_d_v=g["dv"],
-                     conv_kernel=4)
+                     conv_kernel=4, n_nextn=int(mtp))
   rng = np.random.default_rng(0)
 
   def more_bits(i):  # llama.cpp use_more_bits(i, n): first/last eighth and every third layer
@@ -157,15 +160,19 @@ def _random_qwen35(sz):
   mat("output.weight", sz["vocab"], d, "q6_k")
   vec("output_norm.weight", d)
   hv, dk, dv = g["hv"], g["dk"], g["dv"]
-  for i in range(n_layer):
+  for i in range(n_layer + int(mtp)):
     p = f"blk.{i}."
     hi = "q6_k" if more_bits(i) else "q4_k"
+    if i == n_layer:                                # the MTP block's own tensors
+      mat(p + "nextn.eh_proj.weight", d, 2 * d, "q4_k")
+      for name in ("enorm", "hnorm", "shared_head_norm"):
+        vec(p + f"nextn.{name}.weight", d)
     vec(p + "attn_norm.weight", d)
     vec(p + "post_attention_norm.weight", d)
     mat(p + "ffn_gate.weight", sz["d_ff"], d, "q4_k")
     mat(p + "ffn_up.weight", sz["d_ff"], d, "q4_k")
     mat(p + "ffn_down.weight", d, sz["d_ff"], hi)
-    if cfg.recurrent[i]:
+    if i < n_layer and cfg.recurrent[i]:
       c = 2 * cfg.gdn_n_k_head * dk + hv * dv
       mat(p + "attn_qkv.weight", c, d, hi)
       mat(p + "attn_gate.weight", hv * dv, d, "q4_k")
@@ -188,11 +195,16 @@ def _random_qwen35(sz):
   return cfg, GGUFFile("random-qwen35-27b-shaped", {}, tensors)
 
 
-def _e2e(sz, copy_gbs, repeats, kernels, fuse=True, gdn_commit="states", attention="live"):
+def _e2e(sz, copy_gbs, repeats, kernels, fuse=True, gdn_commit="states", attention="live",
+         mtp=False):
   """AR step and 23-node tree verify of the `_random_qwen35` model (bf16 compute). fuse: load
   with fused projections (the default) or one matmul per GGUF tensor; gdn_commit: the
   Runtime's (per-node SSM states written by the verify, or replayed at commit); attention: the
-  Runtime's ("live": a data-dependent chunk loop per attention layer, "dense": none)."""
+  Runtime's ("live": a data-dependent chunk loop per attention layer, "dense": none). mtp: also
+  the model's MTP block (`--draft mtp`): 3 chained block steps (`mtp.propose`, its draft per
+  decode step) and a 4-token chain verify, and the acceptance length at which such a step
+  costs what as many AR steps cost (random weights: the block's acceptance itself is not
+  measured)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -200,12 +212,18 @@ def _e2e(sz, copy_gbs, repeats, kernels, fuse=True, gdn_commit="states", attenti
   from dflash_jax import layers, target_params
   from dflash_jax import tree as tree_lib
   from dflash_jax.runtime import Runtime
-  cfg, f = _random_qwen35(sz)
-  # bytes read per token: every matrix except the embedding (one row is gathered)
-  model_bytes = f.n_tensor_bytes - f.tensors["token_embd.weight"].n_bytes
+  cfg, f = _random_qwen35(sz, mtp=mtp)
+  # bytes read per token: every matrix except the embedding (one row is gathered) and the MTP block
+  mtp_names = [n for n in f.tensors if n.startswith(f"blk.{cfg.n_layer}.")]
+  model_bytes = (f.n_tensor_bytes - f.tensors["token_embd.weight"].n_bytes
+                 - sum(f.tensors[n].n_bytes for n in mtp_names))
   rt = Runtime(kernels=kernels, compute_dtype="bfloat16", gdn_commit=gdn_commit,
                attention=attention)
   params = target_params.load_params(f, cfg, fuse=fuse)
+  mparams = None
+  if mtp:
+    from dflash_jax import mtp as mtp_lib
+    mparams = jax.device_put(mtp_lib.load_params(f, cfg, fuse=fuse))
   if rt.mosaic:                                    # Q4_K layer weights for the Mosaic GPU kernel
     params = target_params.tile_q4k(params, rows_multiple=layers.mosaic_rows_multiple(rt))
   params = jax.device_put(params)
@@ -238,7 +256,23 @@ def _e2e(sz, copy_gbs, repeats, kernels, fuse=True, gdn_commit="states", attenti
   tree_ms = _median_ms(tree_step, params, cache, jnp.zeros((n_tree,), jnp.int32), repeats=repeats)
   _log(f"e2e tree-23 verify {tree_ms:.2f} ms")
   floor_ms = model_bytes / (copy_gbs * 1e9) * 1e3
-  return {"model_bytes": model_bytes, "floor_ms": floor_ms, "ar_ms": ar_ms,
+  extra = {}
+  if mtp:
+    from dflash_jax import draft as draft_lib
+    from dflash_jax import mtp as mtp_lib
+    mcfg = mtp_lib.MTPConfig(cfg)
+    mcache = draft_lib.init_cache(mcfg, ctx + 64, rt)
+    propose = jax.jit(lambda mp, params, mc, h: mtp_lib.propose(
+        mp, params, cfg, jnp.int32(0), jnp.int32(ctx), h, mc, rt, n=3))
+    h0 = jnp.ones((cfg.d_model,), jnp.float32)
+    jax.block_until_ready(propose(mparams, params, mcache, h0))
+    mtp_ms = _median_ms(propose, mparams, params, mcache, h0, repeats=repeats)
+    chain_ms = _median_ms(ar_step, params, cache, jnp.zeros((4,), jnp.int32), repeats=repeats)
+    _log(f"e2e MTP 3 block steps {mtp_ms:.2f} ms, chain-4 verify {chain_ms:.2f} ms")
+    extra = {"mtp3_propose_ms": mtp_ms, "chain4_verify_ms": chain_ms,
+             "mtp3_step_ms": mtp_ms + chain_ms,
+             "mtp3_break_even_acceptance": (mtp_ms + chain_ms) / ar_ms}
+  return {**extra, "model_bytes": model_bytes, "floor_ms": floor_ms, "ar_ms": ar_ms,
           "ar_first_call_s": ar_compile_s,
           "ar_fraction_of_floor": floor_ms / ar_ms, "tree23_verify_ms": tree_ms,
           "tree23_over_ar": tree_ms / ar_ms}
@@ -533,12 +567,17 @@ def _print_tables(res):
   for r in res.get("tree_gdn", []):
     print(f"tree GDN {r['nodes']} nodes: kernel {r['kernel_us_per_layer']:.1f} us/layer, "
           f"reference {r['reference_us_per_layer']:.1f} us/layer")
-  for key in ("e2e", "e2e_unfused", "e2e_replay", "e2e_dense", "e2e_mosaic", "e2e_reference_kernels"):
+  for key in ("e2e", "e2e_unfused", "e2e_replay", "e2e_dense", "e2e_mosaic", "e2e_reference_kernels",
+              "e2e_mtp"):
     if key in res:
       e = res[key]
       print(f"{key}: AR {e['ar_ms']:.2f} ms/token (floor {e['floor_ms']:.2f} ms, "
             f"{e['ar_fraction_of_floor']:.2f} of floor); 23-node tree verify {e['tree23_verify_ms']:.2f} ms "
             f"({e['tree23_over_ar']:.2f}x AR)")
+      if "mtp3_propose_ms" in e:
+        print(f"  MTP: 3 block steps {e['mtp3_propose_ms']:.2f} ms + chain-4 verify "
+              f"{e['chain4_verify_ms']:.2f} ms = {e['mtp3_step_ms']:.2f} ms a step: faster than AR "
+              f"above an acceptance length of {e['mtp3_break_even_acceptance']:.2f}")
 
 
 def main(argv):
@@ -569,13 +608,14 @@ def main(argv):
               "pallas_dense": ("e2e_dense", pallas, True, "states", "dense"),
               "mosaic": ("e2e_mosaic", "mosaic_interpret" if _INTERPRET.value else "mosaic",
                          True, "states", "live"),
-              "reference": ("e2e_reference_kernels", "reference", True, "states", "live")}
+              "reference": ("e2e_reference_kernels", "reference", True, "states", "live"),
+              "pallas_mtp": ("e2e_mtp", pallas, True, "states", "live")}
   for v in _E2E.value:
     if v not in variants:
       raise app.UsageError(f"--e2e: unknown variant {v!r}; expected some of {list(variants)}")
     key, kernels, fuse, gdn_commit, attention = variants[v]
     res[key] = _e2e(sz, copy_gbs, reps, kernels, fuse=fuse, gdn_commit=gdn_commit,
-                    attention=attention)
+                    attention=attention, mtp=v == "pallas_mtp")
     _dump(res)
   _print_tables(res)
   _dump(res)

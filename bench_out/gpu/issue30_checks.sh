@@ -14,7 +14,9 @@
 #   3. the outputs-only tree Gated DeltaNet kernel: tests, then the 27B-shaped e2e with replay (session 32);
 #   4. the 27B-shaped random model end to end: pallas vs pallas_dense vs mosaic (sessions 32, 39);
 #   5. a Qwen3.5-35B-A3B-shaped MoE FFN (session 41): tests/test_moe.py, then its table (both expert
-#      paths, Pallas vs reference kernels, T = 1 .. 64).
+#      paths, Pallas vs reference kernels, T = 1 .. 64);
+#   6. the MTP draft (session 42): the 27B-shaped random model with an MTP block: 3 block steps + a chain-4 verify against an AR step (the break-even
+#      acceptance length of `--draft mtp` on this GPU).
 set -u
 BUDGET=${1:?BUDGET_S}
 DRY=${2:-}
@@ -66,4 +68,6 @@ run e2e_27b 240 "python3 scripts/bench_kernels.py --tables=tree_gdn \
 run pytest_moe 60 "python3 -m pytest -q tests/test_moe.py -k 'float64 or pallas or lowers'"
 run moe_35b 90 "python3 scripts/bench_kernels.py --tables=moe --ms=1,16,23,64 --e2e= --repeats 10 \
 --json_out $OUT/moe_35b.json"
+run e2e_mtp 200 "python3 scripts/bench_kernels.py --tables= --e2e=pallas_mtp --repeats 10 \
+--json_out $OUT/e2e_mtp.json"
 [ -z "$DRY" ] && ls -l "$OUT"
