@@ -964,3 +964,32 @@ def test_langchain_structured_output_and_bind_tools(tools_server):
   msg = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("Weather in Rome?")
   assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather"
   assert isinstance(msg.tool_calls[0]["args"]["city"], str)
+
+
+def test_mtp_draft_server(tmp_path):
+  """The server with `--draft mtp` (the target's own MTP block; tests/test_mtp.py's tiny
+  Qwen3.5): a completion equals autoregressive decoding, and the response's dflash stats name
+  the draft and an acceptance length."""
+  from conftest import DATA, unxz
+  import os
+  target = dj.load_target(unxz(os.path.join(DATA, "qwen35mtp_tiny", "model-f32.gguf.xz"),
+                               tmp_path / "mtp.gguf"), weights="f32")
+  draft = dj.load_draft("mtp", target)
+  dec = dj.api.resolve_config(draft, dj.DecodeConfig(mode="chain", max_ctx=96))
+  engine = serve.Engine(target, draft, dec, None, "tiny", max_queue=4)
+  base, srv, th = _start(engine)
+  try:
+    prompt = "the cat in the hat"
+    ids = target.tokenizer.encode(prompt)
+    ref = dj.generate(target, None, ids, max_new_tokens=20, mode="ar", max_ctx=96, eog_ids=())
+    r = _client(base).completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0)
+    assert r.choices[0].text == target.tokenizer.decode(ref.tokens)
+    stats = r.model_extra["dflash"]
+    direct = dj.generate(target, draft, ids, max_new_tokens=20, config=dec, eog_ids=())
+    assert stats["mode"] == "chain" and stats["steps"] == direct.n_steps
+    assert abs(stats["mean_acceptance_length"] - np.mean(direct.accept_lens)) < 1e-6
+    spec = _http(base, "GET", "/props")[1]["speculative"]
+    assert spec["draft"].endswith("mtp.gguf#mtp") and spec["block_size"] == 4
+  finally:
+    srv.should_exit = True
+    th.join(timeout=10)
