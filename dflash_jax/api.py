@@ -121,8 +121,8 @@ def load_target(gguf_path: str, *, weights: str = "auto", compute_dtype: str = "
                 kernels: str = "auto", gdn_commit: str = "states", attention: str = "live",
                 rounds: int = 0, fuse_projections: bool = True,
                 progress: Optional[Callable[[int, int], None]] = None) -> Target:
-  """Load a GGUF target (an architecture of `config.SUPPORTED_ARCHS`: qwen35, qwen35moe, llama,
-  qwen2, qwen3, qwen3moe).
+  """Load a GGUF target (an architecture of `config.SUPPORTED_ARCHS`: qwen35, qwen35moe,
+  qwen3next, llama, qwen2, qwen3, qwen3moe).
 
   weights: "quantized" keeps GGUF blocks packed on device and dequantizes inside the jitted
     forward; "f32"/"bf16" dequantize once at load (4-8x the memory); "auto" (default) picks per

@@ -11,9 +11,9 @@ from typing import Any, Mapping, Optional
 
 import jax
 
-SUPPORTED_ARCHS = ("qwen35", "qwen35moe", "llama", "qwen2", "qwen3", "qwen3moe")
-MOE_ARCHS = ("qwen35moe", "qwen3moe")
-HYBRID_ARCHS = ("qwen35", "qwen35moe")
+SUPPORTED_ARCHS = ("qwen35", "qwen35moe", "qwen3next", "llama", "qwen2", "qwen3", "qwen3moe")
+MOE_ARCHS = ("qwen35moe", "qwen3next", "qwen3moe")
+HYBRID_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
 # Sane bounds for model sizes read from files (far above any released model; a corrupt or hostile
 # value fails here with the key named instead of as a huge allocation or a division by zero).
 MAX_DIM = 1 << 20
@@ -96,7 +96,11 @@ class TargetConfig:
     attn_gate: `attn_q` packs per head [query | gate] and the output is multiplied by sigmoid(gate) (qwen35).
     recurrent: [n_layer] True = Gated DeltaNet layer, False = softmax attention.
     gdn_n_k_head, gdn_n_v_head, gdn_d_k, gdn_d_v, conv_kernel: Gated DeltaNet shapes (`ssm.*`);
-      V head h reads K head h % gdn_n_k_head (llama.cpp's tiled layout).
+      V head h reads K head h % gdn_n_k_head (llama.cpp's tiled layout for qwen35 / qwen35moe, whose
+      converter reorders the V heads), or h // (gdn_n_v_head / gdn_n_k_head) with gdn_grouped.
+    gdn_grouped: qwen3next (Qwen3-Next-80B-A3B): V heads in the checkpoint's grouped order (each K
+      head's V heads next to each other; llama.cpp src/models/qwen3next.cpp, transformers
+      Qwen3NextGatedDeltaNet's repeat_interleave).
     n_ctx_train: `context_length`.
     has_rope_freqs: a `rope_freqs.weight` tensor divides the RoPE frequencies (llama 3.x).
     n_expert, n_expert_used: routed experts per layer and experts each token uses (`expert_count`,
@@ -129,6 +133,7 @@ class TargetConfig:
   attn_gate: bool
   recurrent: tuple[bool, ...]
   gdn_n_k_head: int = 0
+  gdn_grouped: bool = False
   gdn_n_v_head: int = 0
   gdn_d_k: int = 0
   gdn_d_v: int = 0
@@ -195,7 +200,8 @@ class TargetConfig:
                  d_ff_exp=m.int("expert_feed_forward_length", 1, MAX_DIM,
                                 default=d_ff // n_used or None),
                  d_ff_shexp=(m.int("expert_shared_feed_forward_length", 1, MAX_DIM,
-                                   default=d_ff or None) if arch == "qwen35moe" else 0),
+                                   default=d_ff or None) if arch in ("qwen35moe", "qwen3next")
+                             else 0),
                  expert_weights_scale=m.number("expert_weights_scale", -1e30, 1e30, default=0.0))
     else:
       d_ff = m.int("feed_forward_length", 1, MAX_DIM)
@@ -211,7 +217,7 @@ class TargetConfig:
       return cls(**common, rope_style="norm" if arch == "llama" else "neox",
                  qk_norm=arch in ("qwen3", "qwen3moe"), attn_gate=False,
                  recurrent=(False,) * n_layer)
-    # qwen35 / qwen35moe: hybrid Gated DeltaNet + gated attention.
+    # qwen35 / qwen35moe / qwen3next: hybrid Gated DeltaNet + gated attention.
     rec = meta.get(f"{arch}.attention.recurrent_layers")
     if rec is not None and len(rec):
       if len(rec) < n_layer:
@@ -229,6 +235,7 @@ class TargetConfig:
     if inner % n_v:
       m.fail("ssm.inner_size", inner, f"must be a multiple of ssm.time_step_rank={n_v}")
     return cls(**common, rope_style="neox", qk_norm=True, attn_gate=True, recurrent=recurrent,
+               gdn_grouped=arch == "qwen3next",
                gdn_n_k_head=n_k, gdn_n_v_head=n_v, gdn_d_k=m.int("ssm.state_size", 1, MAX_DIM),
                gdn_d_v=inner // n_v, conv_kernel=m.int("ssm.conv_kernel", 1, 64))
 

@@ -163,13 +163,18 @@ def _inputs(x, p, cfg: TargetConfig, rt: Runtime):
 
 def _qkv(mixed, cfg: TargetConfig):
   """Split the conv output [T, C] into q, k [T, Hv, Dk] (L2-normed, q scaled by Dk**-0.5) and
-  v [T, Hv, Dv]; GGUF's tiled V-head order: V head h reads K head h % Hk."""
+  v [T, Hv, Dv]; GGUF's tiled V-head order: V head h reads K head h % Hk (qwen35, qwen35moe), or
+  the grouped order h // (Hv / Hk) with cfg.gdn_grouped (qwen3next)."""
   t, hk, hv, dk = mixed.shape[0], cfg.gdn_n_k_head, cfg.gdn_n_v_head, cfg.gdn_d_k
   q = mixed[:, :hk * dk].reshape(t, hk, dk)
   k = mixed[:, hk * dk:2 * hk * dk].reshape(t, hk, dk)
   v = mixed[:, 2 * hk * dk:].reshape(t, hv, cfg.gdn_d_v)
-  q = jnp.tile(layers.l2_norm(q, cfg.rms_eps), (1, hv // hk, 1)) * (dk ** -0.5)
-  k = jnp.tile(layers.l2_norm(k, cfg.rms_eps), (1, hv // hk, 1))
+  if cfg.gdn_grouped:
+    spread = lambda a: jnp.repeat(a, hv // hk, axis=1)
+  else:
+    spread = lambda a: jnp.tile(a, (1, hv // hk, 1))
+  q = spread(layers.l2_norm(q, cfg.rms_eps)) * (dk ** -0.5)
+  k = spread(layers.l2_norm(k, cfg.rms_eps))
   return q, k, v
 
 

@@ -2,7 +2,8 @@
 and `verify` (a draft tree in one forward, per-node states kept), and `commit_path`, the only
 commit. The chain is a path tree and autoregressive decoding a root-only tree (tree.path_tree).
 
-Covers `llama`, `qwen3` (dense) and `qwen35` (Qwen3.5 hybrid: Gated DeltaNet + gated attention),
+Covers `llama`, `qwen2`, `qwen3`, `qwen3moe` and the hybrids `qwen35`, `qwen35moe`, `qwen3next`
+(Gated DeltaNet + gated attention),
 with tensors exactly as llama.cpp stores them (src/models/{llama,qwen3,qwen35}.cpp); params come
 from target_params.load_params.
 """

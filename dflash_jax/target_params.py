@@ -1,6 +1,6 @@
 """Target parameters read from GGUF: the params pytree (packed GGUF weights, f32 norms) and the
 load-time projection fusion. Tensor names and layouts exactly as llama.cpp stores them
-(src/models/{llama,qwen2,qwen3,qwen3moe,qwen35,qwen35moe}.cpp).
+(src/models/{llama,qwen2,qwen3,qwen3moe,qwen35,qwen35moe,qwen3next}.cpp).
 """
 
 from __future__ import annotations
@@ -214,14 +214,49 @@ def _ffn(f: GGUFFile, cfg: TargetConfig, p: str, weights: str, fuse: bool) -> FF
                    down=_mat(f, p + "ffn_down.weight", (d, cfg.d_ff), weights))
 
 
+def _rows(w: QuantWeight, idx: np.ndarray) -> QuantWeight:
+  """Rows `idx` of a weight (packed GGUF rows of any format: a block never crosses a row)."""
+  return QuantWeight(np.asarray(w.data)[idx], w.fmt, (len(idx), w.shape[1]))
+
+
+def _qwen3next_inputs(f: GGUFFile, cfg: TargetConfig, p: str, weights: str):
+  """Qwen3-Next's Gated DeltaNet input projections as qwen35's four: (attn_qkv [C, D], attn_gate
+  [Hv*Dv, D], ssm_beta [Hv, D], ssm_alpha [Hv, D]), V heads in the checkpoint's grouped order
+  (cfg.gdn_grouped). `ssm_ba` [2*Hv, D] holds per K head g its r = Hv/Hk beta rows then its r
+  alpha rows (transformers Qwen3NextGatedDeltaNet.fix_query_key_value_ordering); a legacy file's
+  fused `ssm_in` [C + Hv*Dv, D] holds per K head [q (Dk), k (Dk), v (r*Dv), z (r*Dv)] rows, which
+  current converters write as attn_qkv = [all q; all k; all v] and attn_gate = all z (llama.cpp
+  src/models/qwen3next.cpp build_qkvz, conversion/qwen.py Qwen3NextModel)."""
+  d, hk, hv, dk, dv = cfg.d_model, cfg.gdn_n_k_head, cfg.gdn_n_v_head, cfg.gdn_d_k, cfg.gdn_d_v
+  r, c = hv // hk, cfg.conv_dim
+  ba = _mat(f, p + "ssm_ba.weight", (2 * hv, d), weights)
+  g, j = np.arange(hk)[:, None], np.arange(r)[None, :]
+  beta, alpha = _rows(ba, (g * 2 * r + j).ravel()), _rows(ba, (g * 2 * r + r + j).ravel())
+  if p + "ssm_in.weight" in f.tensors and p + "attn_qkv.weight" not in f.tensors:
+    fused = _mat(f, p + "ssm_in.weight", (c + hv * dv, d), weights)
+    w = 2 * dk + 2 * r * dv                       # rows per K head
+    base = np.arange(hk)[:, None] * w
+    q = (base + np.arange(dk)).ravel()
+    k = (base + dk + np.arange(dk)).ravel()
+    v = (base + 2 * dk + np.arange(r * dv)).ravel()
+    z = (base + 2 * dk + r * dv + np.arange(r * dv)).ravel()
+    return _rows(fused, np.concatenate([q, k, v])), _rows(fused, z), beta, alpha
+  return (_mat(f, p + "attn_qkv.weight", (c, d), weights),
+          _mat(f, p + "attn_gate.weight", (hv * dv, d), weights), beta, alpha)
+
+
 def _gdn_layer(f: GGUFFile, cfg: TargetConfig, p: str, weights: str, fuse: bool) -> GDNParams:
   d, hv, dv, c = cfg.d_model, cfg.gdn_n_v_head, cfg.gdn_d_v, cfg.conv_dim
+  if cfg.arch == "qwen3next":
+    ins = _qwen3next_inputs(f, cfg, p, weights)
+  else:
+    ins = (_mat(f, p + "attn_qkv.weight", (c, d), weights),
+           _mat(f, p + "attn_gate.weight", (hv * dv, d), weights),
+           _mat(f, p + "ssm_beta.weight", (hv, d), weights),
+           _mat(f, p + "ssm_alpha.weight", (hv, d), weights))
   return GDNParams(
       norm=_vec(f, p + "attn_norm.weight", d),
-      in_proj=fuse_projections([_mat(f, p + "attn_qkv.weight", (c, d), weights),
-                                _mat(f, p + "attn_gate.weight", (hv * dv, d), weights),
-                                _mat(f, p + "ssm_beta.weight", (hv, d), weights),
-                                _mat(f, p + "ssm_alpha.weight", (hv, d), weights)], fuse),
+      in_proj=fuse_projections(list(ins), fuse),
       conv=_dense(f, p + "ssm_conv1d.weight", (c, cfg.conv_kernel)),
       dt_bias=_vec(f, p + "ssm_dt.bias", hv), ssm_a=_vec(f, p + "ssm_a", hv),
       ssm_norm=_vec(f, p + "ssm_norm.weight", dv),

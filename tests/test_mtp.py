@@ -79,8 +79,9 @@ def test_config_and_trunk(mtp_target, mtp_draft, ref, fixture_dir):
   assert (cfg.n_layer, cfg.n_nextn, cfg.moe) == (hf["num_hidden_layers"], 1, "num_experts" in hf)
   assert mtp_draft.params.layer.ffn.__class__.__name__ == ("MoEParams" if cfg.moe else "FFNParams")
   assert mtp_draft.is_mtp and mtp_draft.config.block_size == mtp.DEFAULT_STEPS + 1
-  logits = dj.forward_logits(mtp_target, ref["tokens"][0])
-  assert _rel(logits, ref["hf_logits"][0]) < 1e-4
+  ar = dj.generate(mtp_target, None, ref["tokens"][0, :12], max_new_tokens=24, mode="ar",
+                   max_ctx=64, eog_ids=())
+  assert ar.tokens == ref["hf_greedy"][0].tolist()          # the trunk is transformers' model
 
 
 def test_teacher_forced_logits_match_transformers(mtp_target, mtp_draft, ref):
@@ -94,7 +95,7 @@ def test_teacher_forced_logits_match_transformers(mtp_target, mtp_draft, ref):
                     for q in range(len(tokens))])
     assert _rel(got, ref["mtp_logits"][r]) < 1e-4
     # the block is not the trunk: its logits differ from the target's (a test that can fail)
-    assert _rel(got, ref["hf_logits"][r]) > 0.1
+    assert _rel(got, np.asarray(dj.forward_logits(mtp_target, tokens))) > 0.1
 
 
 def test_drafted_chain_matches_transformers(mtp_target, mtp_draft, ref):

@@ -1,8 +1,10 @@
-"""Make tests/data/{qwen35moe,qwen3moe,qwen2}_tiny: tiny random models converted to GGUF by
-llama.cpp's own converter, with transformers and llama.cpp references.
+"""Make tests/data/{qwen35moe,qwen3next,qwen3moe,qwen2}_tiny: tiny random models converted to GGUF
+by llama.cpp's own converter, with transformers and llama.cpp references.
 
 - qwen35moe: Qwen3.5-MoE (hybrid Gated DeltaNet + gated attention, routed experts + a gated shared
   expert, as Qwen3.5-35B-A3B), transformers `Qwen3_5MoeForCausalLM`;
+- qwen3next: Qwen3-Next (the same hybrid with routed experts, plain RoPE, grouped V heads and a fused
+  beta/alpha projection, as Qwen3-Next-80B-A3B), transformers `Qwen3NextForCausalLM`;
 - qwen3moe: Qwen3-MoE (softmax attention with q/k norms, routed experts, as Qwen3-30B-A3B and
   Qwen3-Coder-30B-A3B), transformers `Qwen3MoeForCausalLM` with norm_topk_prob (llama.cpp's
   qwen3moe always renormalises the top-k weights, as the released models' configs ask);
@@ -59,6 +61,22 @@ ARCHS = {
                     rope_parameters=dict(rope_type="default", rope_theta=1e7,
                                          partial_rotary_factor=0.25, mrope_section=[3, 3, 2],
                                          mrope_interleaved=True))),
+    # Qwen3-Next (as Qwen3-Next-80B-A3B): hybrid like qwen35moe but plain RoPE, the checkpoint's
+    # grouped V-head order, a fused beta/alpha projection (ssm_ba); 2 K heads x 2 V heads each,
+    # so the grouped and tiled orders differ
+    "qwen3next": dict(
+        hf_class="Qwen3NextForCausalLM", hf_config="Qwen3NextConfig",
+        converter_class="Qwen3NextModel", pre="qwen2", zero_centred_norms=True,
+        converter_args=["--no-mtp"], outtypes=("f32",),
+        config=dict(vocab_size=320, hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+                    head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                    max_position_embeddings=4096, num_hidden_layers=2, intermediate_size=64,
+                    moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=4,
+                    num_experts_per_tok=2, norm_topk_prob=True, linear_conv_kernel_dim=4,
+                    linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                    linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"],
+                    rope_parameters=dict(rope_type="default", rope_theta=1e7,
+                                         partial_rotary_factor=0.25))),
     "qwen3moe": dict(
         hf_class="Qwen3MoeForCausalLM", hf_config="Qwen3MoeConfig",
         converter_class="Qwen3MoeModel", pre="qwen2", zero_centred_norms=False, converter_args=[],
@@ -139,7 +157,7 @@ def make_model(arch: dict):
 
 def references(model):
   rng = np.random.default_rng(SEED + 2)
-  tokens = rng.integers(0, N_VOCAB, size=(2, 40)).astype(np.int32)
+  tokens = rng.integers(0, model.config.vocab_size, size=(2, 40)).astype(np.int32)
   logits = []
   with torch.no_grad():
     for row in tokens:
