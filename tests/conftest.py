@@ -22,6 +22,35 @@ def unxz(src: str, dst) -> str:
   return str(dst)
 
 
+def tiny_gguf(name: str, tmp_path_factory) -> str:
+  """tests/data/<name>/model-f32.gguf.xz (a converted tiny model) decompressed into a fresh temp
+  directory; returns the GGUF's path."""
+  return unxz(os.path.join(DATA, name, "model-f32.gguf.xz"),
+              tmp_path_factory.mktemp(name) / "model-f32.gguf")
+
+
+def tiny_ref(name: str) -> dict:
+  """tests/data/<name>/reference.npz as a dict of arrays."""
+  return dict(np.load(os.path.join(DATA, name, "reference.npz")))
+
+
+def check_logits_and_greedy(target, ref, draft, tol: float = 3e-5):
+  """A converted tiny model (make_converted_tiny.py's references): logits of both token rows
+  against transformers, and llama.cpp when the reference has its logits (max abs < tol); greedy
+  AR / chain / DDTree with `draft` equal to transformers' greedy continuation of tokens[:, :12]."""
+  import dflash_jax as dj
+  for r in range(2):
+    lg = np.asarray(dj.forward_logits(target, ref["tokens"][r]))
+    assert np.abs(lg - ref["hf_logits"][r]).max() < tol
+    if "llamacpp_logits_f32_kvf32" in ref:
+      assert np.abs(lg - ref["llamacpp_logits_f32_kvf32"][r]).max() < tol
+  for r in range(2):
+    for mode in ("ar", "chain", "ddtree"):
+      res = dj.generate(target, draft, ref["tokens"][r, :12], max_new_tokens=24, mode=mode,
+                        max_ctx=128, eog_ids=())
+      assert res.tokens == ref["hf_greedy"][r].tolist(), (mode, r)
+
+
 def _rebuild_q8_0_files():
   """tests/data/*/model-q8_0.gguf from their recipes (tests/gguf_recipe.py: the header kept, the
   tensors re-quantized from the xz-compressed F32 file and sha256-checked against the file

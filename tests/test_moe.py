@@ -22,7 +22,7 @@ import dflash_jax as dj
 from dflash_jax import layers
 from dflash_jax.config import TargetConfig
 from dflash_jax.runtime import Runtime
-from conftest import DATA, unxz
+from conftest import DATA, tiny_gguf, tiny_ref
 from test_draft_and_decode import _random_draft, check_every_acceptance_length
 
 ARCHS = ("qwen35moe", "qwen3moe")
@@ -34,13 +34,12 @@ def _dir(arch):
 
 @pytest.fixture(scope="module")
 def refs():
-  return {a: np.load(os.path.join(_dir(a), "reference.npz")) for a in ARCHS}
+  return {a: tiny_ref(f"{a}_tiny") for a in ARCHS}
 
 
 @pytest.fixture(scope="module")
 def f32_paths(tmp_path_factory):
-  return {a: unxz(os.path.join(_dir(a), "model-f32.gguf.xz"),
-                  tmp_path_factory.mktemp(a) / "model-f32.gguf") for a in ARCHS}
+  return {a: tiny_gguf(f"{a}_tiny", tmp_path_factory) for a in ARCHS}
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import pytest
 import dflash_jax as dj
 from dflash_jax import batching, draft as draft_lib, mtp
 from dflash_jax import target as target_lib
-from conftest import DATA, unxz
+from conftest import DATA, tiny_gguf, tiny_ref
 
 # dense Qwen3.5 (4 layers), and Qwen3.5-MoE (2 layers; the MTP block's FFN is routed experts plus
 # the gated shared expert, as in Qwen3.5-35B-A3B)
@@ -30,15 +30,13 @@ FIXTURES = ["qwen35mtp_tiny", "qwen35moemtp_tiny"]
 
 
 @pytest.fixture(scope="module", params=FIXTURES)
-def fixture_dir(request):
-  return os.path.join(DATA, request.param)
+def fixture_name(request):
+  return request.param
 
 
 @pytest.fixture(scope="module")
-def mtp_target(fixture_dir, tmp_path_factory):
-  path = unxz(os.path.join(fixture_dir, "model-f32.gguf.xz"),
-              tmp_path_factory.mktemp("mtp") / "model-f32.gguf")
-  return dj.load_target(path, weights="f32", tokenizer=False)
+def mtp_target(fixture_name, tmp_path_factory):
+  return dj.load_target(tiny_gguf(fixture_name, tmp_path_factory), weights="f32", tokenizer=False)
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +45,8 @@ def mtp_draft(mtp_target):
 
 
 @pytest.fixture(scope="module")
-def ref(fixture_dir):
-  return dict(np.load(os.path.join(fixture_dir, "reference.npz")))
+def ref(fixture_name):
+  return tiny_ref(fixture_name)
 
 
 def _rel(a, b):
@@ -71,9 +69,9 @@ def _mtp_cache(target, draft, tokens):
   return cache, h_prev, h
 
 
-def test_config_and_trunk(mtp_target, mtp_draft, ref, fixture_dir):
+def test_config_and_trunk(mtp_target, mtp_draft, ref, fixture_name):
   import json
-  with open(os.path.join(fixture_dir, "config.json")) as fh:
+  with open(os.path.join(DATA, fixture_name, "config.json")) as fh:
     hf = json.load(fh)
   cfg = mtp_target.config
   assert (cfg.n_layer, cfg.n_nextn, cfg.moe) == (hf["num_hidden_layers"], 1, "num_experts" in hf)

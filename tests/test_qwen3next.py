@@ -9,36 +9,27 @@ Norms: logits by max abs difference (|logits| <= ~3 here).
 """
 
 import dataclasses
-import os
 
 import jax
 import numpy as np
 import pytest
 
 import dflash_jax as dj
-from conftest import DATA, unxz
+from conftest import check_logits_and_greedy, tiny_gguf, tiny_ref
 from dflash_jax import target_params
 from dflash_jax.config import TargetConfig
 from dflash_jax.gguf_io import GGUFTensor, read_gguf
 from test_draft_and_decode import _random_draft
 
-NEXT = os.path.join(DATA, "qwen3next_tiny")
-
 
 @pytest.fixture(scope="module")
 def ref():
-  return dict(np.load(os.path.join(NEXT, "reference.npz")))
+  return tiny_ref("qwen3next_tiny")
 
 
 @pytest.fixture(scope="module")
-def path(tmp_path_factory):
-  return unxz(os.path.join(NEXT, "model-f32.gguf.xz"),
-              tmp_path_factory.mktemp("qwen3next") / "model-f32.gguf")
-
-
-@pytest.fixture(scope="module")
-def target(path):
-  return dj.load_target(path, weights="f32")
+def target(tmp_path_factory):
+  return dj.load_target(tiny_gguf("qwen3next_tiny", tmp_path_factory), weights="f32")
 
 
 def _with_params(target, f, cfg=None):
@@ -55,36 +46,27 @@ def test_config(target):
 
 
 def test_logits_and_greedy_match_transformers_and_llama_cpp(target, ref):
-  for r in range(2):
-    lg = np.asarray(dj.forward_logits(target, ref["tokens"][r]))
-    assert np.abs(lg - ref["hf_logits"][r]).max() < 3e-5
-    if "llamacpp_logits_f32_kvf32" in ref:
-      assert np.abs(lg - ref["llamacpp_logits_f32_kvf32"][r]).max() < 3e-5
-  draft = _random_draft(target)
-  for r in range(2):
-    for mode in ("ar", "chain", "ddtree"):
-      res = dj.generate(target, draft, ref["tokens"][r, :12], max_new_tokens=24, mode=mode,
-                        max_ctx=128, eog_ids=())
-      assert res.tokens == ref["hf_greedy"][r].tolist(), (mode, r)
+  assert "llamacpp_logits_f32_kvf32" in ref
+  check_logits_and_greedy(target, ref, _random_draft(target))
 
 
-def test_tiled_head_order_would_be_wrong(target, path, ref):
+def test_tiled_head_order_would_be_wrong(target, ref):
   """The grouped order matters here (a test that can fail): the same file read with qwen35's
   tiled V-head order is far from transformers."""
-  tiled = _with_params(target, read_gguf(path), dataclasses.replace(target.config,
+  tiled = _with_params(target, read_gguf(target.path), dataclasses.replace(target.config,
                                                                      gdn_grouped=False))
   lg = np.asarray(dj.forward_logits(tiled, ref["tokens"][0]))
   assert np.abs(lg - ref["hf_logits"][0]).max() > 1e-2
 
 
-def test_legacy_fused_ssm_in(target, path, ref):
+def test_legacy_fused_ssm_in(target, ref):
   """A file of an older converter stores each Gated DeltaNet layer's q/k/v/z projections as one
   `ssm_in` tensor, per K head [q (Dk), k (Dk), v (r*Dv), z (r*Dv)] rows (llama.cpp
   qwen3next.cpp's legacy path): rebuilt from this file's attn_qkv / attn_gate, it loads to the
   same projections and the same logits, bit for bit."""
   c = target.config
   hk, dk, dv, r = c.gdn_n_k_head, c.gdn_d_k, c.gdn_d_v, c.gdn_n_v_head // c.gdn_n_k_head
-  f = read_gguf(path)
+  f = read_gguf(target.path)
   for i in c.gdn_layers:
     p = f"blk.{i}."
     qkv = np.asarray(f.tensors.pop(p + "attn_qkv.weight").data).reshape(-1, c.d_model)
@@ -101,8 +83,8 @@ def test_legacy_fused_ssm_in(target, path, ref):
                                 np.asarray(dj.forward_logits(target, ref["tokens"][1])))
 
 
-def test_missing_tensor_named(path):
-  f = read_gguf(path)
+def test_missing_tensor_named(target):
+  f = read_gguf(target.path)
   cfg = TargetConfig.from_gguf(f.meta, n_vocab=320, path=f.path)
   del f.tensors["blk.0.ssm_ba.weight"]
   with pytest.raises(ValueError, match="ssm_ba"):

@@ -281,15 +281,21 @@ def make(name: str, llama_cpp: str, out: str):
     json.dump(dict(arch["config"], architectures=[arch["hf_class"]], seed=SEED), fh, indent=1)
 
 
-def main():
+def run_main(archs, make_fn, out_name):
+  """The makers' command line: --llama_cpp (required), --arch (repeatable; default all of
+  `archs`); calls make_fn(name, llama_cpp, tests/data/<out_name(name)>) for each."""
   here = os.path.dirname(os.path.abspath(__file__))
   ap = argparse.ArgumentParser()
   ap.add_argument("--llama_cpp", required=True, help="llama.cpp source tree (convert_hf_to_gguf.py)")
-  ap.add_argument("--arch", choices=sorted(ARCHS), action="append",
-                  help="architectures to make (default: all); each goes to tests/data/<arch>_tiny")
+  ap.add_argument("--arch", choices=sorted(archs), action="append",
+                  help="architectures to make (default: all)")
   args = ap.parse_args()
-  for name in args.arch or sorted(ARCHS):
-    make(name, args.llama_cpp, os.path.join(here, f"{name}_tiny"))
+  for name in args.arch or sorted(archs):
+    make_fn(name, args.llama_cpp, os.path.join(here, out_name(name)))
+
+
+def main():
+  run_main(ARCHS, make, lambda name: f"{name}_tiny")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ Writes tests/data/<name>/{model-f32.gguf.xz, reference.npz, config.json}; refere
   (argmax of step j-1, the block's normed output of step j-1)), over the rows before s.
 """
 
-import argparse
 import copy
 import json
 import lzma
@@ -215,17 +214,11 @@ def mtp_references(model, w: dict, tokens: np.ndarray) -> dict:
 
 
 def main():
-  here = os.path.dirname(os.path.abspath(__file__))
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--llama_cpp", required=True, help="llama.cpp source tree (convert_hf_to_gguf.py)")
-  ap.add_argument("--arch", choices=sorted(ARCHS), action="append",
-                  help="architectures to make (default: all)")
-  args = ap.parse_args()
-  for name in args.arch or sorted(ARCHS):
-    make(ARCHS[name], args.llama_cpp, os.path.join(here, ARCHS[name]["out"]))
+  mct.run_main(ARCHS, make, lambda name: ARCHS[name]["out"])
 
 
-def make(arch: dict, llama_cpp: str, out: str):
+def make(name: str, llama_cpp: str, out: str):
+  arch = ARCHS[name]
   os.makedirs(out, exist_ok=True)
   mct.SEED = SEED
   mct.N_VOCAB = N_VOCAB
