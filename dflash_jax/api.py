@@ -209,8 +209,7 @@ def load_draft(draft_dir: str, target: Target, *, mtp_steps: int = mtp_lib.DEFAU
     mtp_lib.check_target(target.config, target.path)
     kv_cache.check_format(target.runtime.k_format, target.config.head_dim,
                           f"kv_dtype (MTP block of {target.path})")
-    mp = mtp_lib.load_params(read_gguf(target.path), target.config,
-                             weights="quantized" if target.weights == "quantized" else target.weights)
+    mp = mtp_lib.load_params(read_gguf(target.path), target.config, weights=target.weights)
     return Draft(mtp_lib.MTPConfig(target.config, block_size=mtp_steps + 1), jax.device_put(mp),
                  f"{target.path}#{MTP}")
   cfg, params = draft_io.load(draft_dir, target.config, variants=DRAFT_VARIANTS)

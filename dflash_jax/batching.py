@@ -375,8 +375,8 @@ class SlotBatch:
       return
     seq = (np.concatenate([ids, np.asarray(out[:n - ids.size], np.int32)]) if n >= ids.size
            else np.asarray(ids[:n], np.int32))
-    kv, _, _ = pc.extract_rows(self.state, jnp.int32(slot),
-                               rows=pc.padded_rows(n, self.state.target.k.shape[3]))
+    kv = pc.extract_rows(self.state, jnp.int32(slot),
+                         rows=pc.padded_rows(n, self.state.target.k.shape[3]))
     states = {p: st for p, st in (checkpoints or {}).items() if p <= n}
     if self.recurrent:
       states[n] = _recurrent_state(self.state, jnp.int32(slot))

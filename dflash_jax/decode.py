@@ -67,7 +67,7 @@ class Plan:
   @property
   def is_mtp(self) -> bool:
     """True when the draft is the target's own MTP block (mtp.py) rather than a DFlash draft."""
-    return self.uses_draft and isinstance(self.dcfg, mtp_lib.MTPConfig)
+    return self.prefill.is_mtp
 
   @property
   def draft_relative(self) -> bool:
@@ -234,10 +234,8 @@ def _prefill_row(tparams, dparams, row: DecodeState, k_all, v_all, slot, tokens,
   dk = dv = None
   mtp_h = row.mtp_h
   if plan.is_mtp:
-    h = mtp_lib.target_hidden(tparams, plan.tcfg, pre.feats)
-    dk, dv = mtp_lib.ingest_rows(dparams, tparams, plan.tcfg, tokens,
-                                 jnp.concatenate([row.mtp_h[None], h[:-1]]), start, plan.rt)
-    mtp_h = h[n_valid - 1]
+    dk, dv, mtp_h = mtp_lib.commit_rows(dparams, tparams, plan.tcfg, tokens, pre.feats, mtp_h,
+                                        start, n_valid, plan.rt)
   elif plan.uses_draft:
     dk, dv = draft_lib.ingest_rows(dparams, plan.dcfg, pre.feats, start, plan.rt,
                                     rope_keys=not plan.draft_relative)
@@ -683,12 +681,9 @@ def _step(tparams, dparams, s: DecodeState, eog_ids, live_bound, rules, grammar,
                         live_bound=live_bound, invariant_rows=dec.invariant_rows)
   dk = dv = None
   mtp_h = s.mtp_h
-  if plan.is_mtp:
-    # the committed path's MTP rows: (path token, h of the position before), and the new pending h
-    h = mtp_lib.target_hidden(tparams, plan.tcfg, c.feats)
-    dk, dv = mtp_lib.ingest_rows(dparams, tparams, plan.tcfg, jnp.take(tree.tokens, c.path),
-                                 jnp.concatenate([s.mtp_h[None], h[:-1]]), s.pos, plan.rt)
-    mtp_h = h[c.n_acc]
+  if plan.is_mtp:           # the committed path's MTP rows, and the new pending state
+    dk, dv, mtp_h = mtp_lib.commit_rows(dparams, tparams, plan.tcfg, jnp.take(tree.tokens, c.path),
+                                        c.feats, mtp_h, s.pos, c.n_acc + 1, plan.rt)
   elif plan.uses_draft:
     dk, dv = draft_lib.ingest_rows(dparams, plan.dcfg, c.feats, s.pos, plan.rt,
                                     rope_keys=not plan.draft_relative)

@@ -170,6 +170,21 @@ def ingest_rows(mp: MTPParams, tparams: TargetParams, cfg: TargetConfig, tokens:
   return k[None], v[None]
 
 
+def commit_rows(mp: MTPParams, tparams: TargetParams, cfg: TargetConfig, tokens: jax.Array,
+                feats: jax.Array, h_pending: jax.Array, start: jax.Array, n_keep: jax.Array,
+                rt: Runtime) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The block's rows of T committed tokens at positions start..start+T-1 (a prefill chunk, or a
+  verify's accepted path) and the row's next pending state: row q pairs tokens[q - start] with
+  the normed target hidden state of position q - 1 (h_pending [D] for the first row, then the
+  tokens' own, from feats [T, D], their final residual stream). n_keep: [] int32 tokens kept
+  (the rest is padding or rejected). Returns (k, v [1, T, Hkv, Dh] as `ingest_rows`, the normed
+  hidden state of the last kept token [D]: the pending state of the next position)."""
+  h = target_hidden(tparams, cfg, feats)
+  k, v = ingest_rows(mp, tparams, cfg, tokens, jnp.concatenate([h_pending[None], h[:-1]]), start,
+                     rt)
+  return k, v, h[n_keep - 1]
+
+
 def propose(mp: MTPParams, tparams: TargetParams, cfg: TargetConfig, bonus: jax.Array,
             start: jax.Array, h_pending: jax.Array, cache: DraftCache, rt: Runtime,
             n: int, draw=None):

@@ -47,17 +47,15 @@ def padded_rows(n: int, capacity: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("rows",))
 def extract_rows(state, slot: jax.Array, *, rows: int):
-  """Copies of slot `slot`'s cache rows 0..rows-1 and its recurrent state, from a batched
-  decode.DecodeState (read only). Returns (kv: (target k, target v, draft k, draft v) each
-  [n_layer, Hkv, rows, Dh] (draft None without a draft), ssm [n_gdn, Hv, Dk, Dv], conv
-  [n_gdn, K-1, C])."""
+  """Copies of slot `slot`'s cache rows 0..rows-1, from a batched decode.DecodeState (read
+  only; its recurrent state is copied by batching's `_recurrent_state`). Returns (target k,
+  target v, draft k, draft v), each [n_layer, Hkv, rows, Dh] (draft None without a draft)."""
   def cut(c):      # a draft ring buffer (DraftCache.window) may hold fewer rows: all of them
     return c.cut((slot,) + (jnp.int32(0),) * (c.ndim - 1),
                  (1,) + c.shape[1:3] + (min(rows, c.shape[3]),)).map(lambda p: p[0])
   d = state.draft
-  kv = (cut(state.target.k), cut(state.target.v),
-        None if d is None else cut(d.k), None if d is None else cut(d.v))
-  return kv, state.target.ssm[slot], state.target.conv[slot]
+  return (cut(state.target.k), cut(state.target.v),
+          None if d is None else cut(d.k), None if d is None else cut(d.v))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
