@@ -21,7 +21,7 @@ from dflash_jax import grammar as grammar_lib
 from dflash_jax import target as target_lib
 from dflash_jax import layers, target_params
 from dflash_jax import mtp as mtp_lib
-from dflash_jax.config import (AUTO, DFLASH2, DRAFT_ARCHITECTURES, SUPPORTED_ARCHS, DecodeConfig,
+from dflash_jax.config import (AUTO, DFLASH2, DRAFT_ARCHITECTURES, DSPARK, SUPPORTED_ARCHS, DecodeConfig,
                                DraftConfig, TargetConfig)
 from dflash_jax.gguf_io import read_gguf
 from dflash_jax.prompt_cache import PromptCache
@@ -191,13 +191,15 @@ def _recommended_sampling(meta, path: str) -> Optional[SamplingConfig]:
     raise ValueError(f"{path}: bad recommended sampling metadata {found}: {e}") from None
 
 
-DRAFT_VARIANTS = (DRAFT_ARCHITECTURES[0], DFLASH2)
+DRAFT_VARIANTS = (DRAFT_ARCHITECTURES[0], DFLASH2, DSPARK)
 MTP = "mtp"     # load_draft's name for the target's own multi-token-prediction block
 
 
 def load_draft(draft_dir: str, target: Target, *, mtp_steps: int = mtp_lib.DEFAULT_STEPS) -> Draft:
   """Load a z-lab draft directory, DFlash-1 (`DFlashDraftModel`) or DFlash-2
-  (`DFlash2DraftModel`: draft2.py, proposing through its candidate selector), and check it
+  (`DFlash2DraftModel`: draft2.py, proposing through its candidate selector), or a DeepSpec
+  DSpark draft (`Qwen3DSparkModel`: dspark.py, anchor-first blocks with a Markov head; a block
+  of L slots proposes L tokens, so the decode block size defaults to L + 1), and check it
   against `target` (hidden size, vocab, target_layer_ids, mask id); or, for draft_dir "mtp"
   (`MTP`), the target GGUF's own multi-token-prediction block (mtp.py: Qwen3.5 files converted
   with it), drafting `mtp_steps` tokens per step by default (the block size is 1 + that unless
@@ -345,10 +347,11 @@ def resolve_config(draft: Optional[Draft], config: Optional[DecodeConfig] = None
   """The DecodeConfig a call decodes with: `config` (default DecodeConfig()) with `overrides`
   (DecodeConfig field names) applied, mode "auto" replaced by the mode measured fastest for
   `target`, `draft` and `batch` rows on this platform (auto_mode.py; "ar" without a draft or a
-  measurement), and block_size taken from the draft when unset (16 for a proposer without a
-  draft). Raises ValueError for an unknown field or a bad value (naming it), a speculative mode
-  without a draft, mode "auto" without `target` or with a proposer, or a block size that
-  differs from the draft's."""
+  measurement), and block_size taken from the draft when unset (a DSpark draft's block_size + 1:
+  its L slots propose L tokens; 16 for a proposer without a draft). Raises ValueError for an
+  unknown field or a bad value (naming it), a speculative mode without a draft, mode "auto"
+  without `target` or with a proposer, or a block size that differs from the draft's (above a
+  DSpark draft's block_size + 1)."""
   fields = {f.name for f in dataclasses.fields(DecodeConfig)}
   unknown = sorted(set(overrides) - fields)
   if unknown:
@@ -364,11 +367,18 @@ def resolve_config(draft: Optional[Draft], config: Optional[DecodeConfig] = None
   if dec.uses_draft and draft is None and not has_proposer:
     raise ValueError(f"mode={dec.mode!r} needs a draft (or a proposer)")
   mtp = draft is not None and draft.is_mtp
-  if not mtp and draft is not None and dec.block_size not in (None, draft.config.block_size):
+  dspark = not mtp and draft is not None and draft.config.dspark is not None
+  if dspark and dec.block_size is not None and dec.block_size > draft.config.block_size + 1:
+    raise ValueError(f"block_size={dec.block_size}: a DSpark draft of block_size="
+                     f"{draft.config.block_size} proposes at most {draft.config.block_size} "
+                     f"tokens a step (block_size <= {draft.config.block_size + 1})")
+  if (not mtp and not dspark and draft is not None
+      and dec.block_size not in (None, draft.config.block_size)):
     raise ValueError(f"block_size={dec.block_size} differs from the draft's block_size="
                      f"{draft.config.block_size}")
   if dec.block_size is None:
-    dec = dataclasses.replace(dec, block_size=draft.config.block_size if draft is not None else 16)
+    dec = dataclasses.replace(dec, block_size=(
+        16 if draft is None else draft.config.block_size + (1 if dspark else 0)))
   if mtp and dec.draft_window:
     raise ValueError(f"draft_window={dec.draft_window}: the MTP block attends to every position "
                      "(a full-attention layer); use draft_window=0 (the default with it)")
@@ -512,8 +522,8 @@ def _positive_int(name: str, value):
 def first_draft_logits(target: Target, draft: Draft, prompt_ids: Sequence[int], *,
                        max_ctx: int = 2048, prefill_chunk: int = 128) -> np.ndarray:
   """Prefill prompt_ids, take the greedy next token as the bonus, run one draft step over the
-  prompt's target features. Returns draft logits [block_size-1, V] float32 (row j predicts the
-  token at position P+1+j)."""
+  prompt's target features. Returns draft logits [D, V] float32 (row j predicts the token at
+  position P+1+j; D = block_size-1, a DSpark draft's block_size)."""
   dec = resolve_config(draft, mode="chain", max_ctx=max_ctx, prefill_chunk=prefill_chunk)
   b = batching.SlotBatch(target, draft, dec, 1, _eog(target, None))
   b.prefill(0, check_prompt(target, prompt_ids, dec), 2, SamplingConfig())

@@ -251,6 +251,8 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 
 DRAFT_ARCHITECTURES = ("DFlashDraftModel",)
 DFLASH2 = "DFlash2DraftModel"
+DSPARK = "Qwen3DSparkModel"
+MARKOV_HEADS = ("vanilla", "gated", "rnn")
 # Config fields of other draft variants (DFlash-2: z-lab's DFlash2DraftModel) -> the values that
 # mean "off", i.e. what the DFlash-1 forward computes. Any other value is refused.
 _DRAFT_FIELDS_OFF = {
@@ -260,6 +262,10 @@ _DRAFT_FIELDS_OFF = {
     "hidden_act": (None, "silu"), "mlp_bias": (None, False),
 }
 _DRAFT_PREFIXES_OFF = ("conv_", "selector_")
+# DeepSpec's DSpark fields (deepspec/modeling/dspark/qwen3/config.py); a DFlash-1 config with any
+# of them at a value that turns a head on is refused (its forward would ignore the head).
+_DSPARK_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head",
+                  "confidence_head_with_markov")
 
 
 @jax.tree_util.register_static
@@ -309,6 +315,51 @@ def _dflash2_fields(cfg, dfl: "_Fields", top: "_Fields", d_model: int, n_vocab: 
       causal=tuple(sliding) if causal is None else (causal,) * len(sliding))
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class DSparkFields:
+  """What a DeepSeek DSpark draft (DeepSpec `Qwen3DSparkModel`,
+  deepspec/modeling/dspark/qwen3/modeling.py; DSpark paper, Cheng et al. 2026) adds to the
+  DFlash-1 backbone, read from its config.json top level.
+
+  The block is anchor-first: slot j of [anchor, MASK x (L-1)] predicts position anchor+1+j (in
+  z-lab's DFlash slot 0 predicts nothing and slot j predicts anchor+j).
+
+  Attributes:
+    markov_rank: r, rank of the Markov head (0: none: DeepSpec's DFlash configuration).
+    markov_head: "vanilla" (bias = W2 W1[prev]), "gated" (W2 (g * W1[prev]), g =
+      sigmoid(gate([h; W1[prev]]))) or "rnn" (a GRU-like state over the block's slots); None
+      when markov_rank is 0 (markov_head.py).
+    confidence: the block has a confidence head (`enable_confidence_head`): per slot a logit of
+      the probability that the chain is accepted up to it.
+    confidence_with_markov: the confidence head reads [h; W1[prev]] (else h alone).
+  """
+
+  markov_rank: int
+  markov_head: Optional[str]
+  confidence: bool
+  confidence_with_markov: bool
+
+
+def _dspark_fields(top: "_Fields") -> DSparkFields:
+  rank = top.int("markov_rank", 0, MAX_DIM, default=0)
+  head = None
+  if rank:
+    head = top.raw("markov_head_type")
+    if head not in MARKOV_HEADS:
+      top.fail("markov_head_type", head, f"expected one of {list(MARKOV_HEADS)} with "
+               f"markov_rank={rank}")
+  conf = top.raw("enable_confidence_head", False)
+  with_markov = top.raw("confidence_head_with_markov", False) if conf else False
+  for k, v in (("enable_confidence_head", conf), ("confidence_head_with_markov", with_markov)):
+    if not isinstance(v, bool):
+      top.fail(k, v, "expected a bool")
+  if with_markov and not rank:
+    top.fail("confidence_head_with_markov", True, "needs a Markov head (markov_rank > 0)")
+  return DSparkFields(markov_rank=rank, markov_head=head, confidence=conf,
+                      confidence_with_markov=with_markov)
+
+
 def _check_variant(cfg: Mapping[str, Any], dfc: Mapping[str, Any], path: str,
                    variants: tuple[str, ...] = DRAFT_ARCHITECTURES):
   """Refuse a draft variant or a config value the DFlash-1 forward does not implement (the
@@ -324,13 +375,19 @@ def _check_variant(cfg: Mapping[str, Any], dfc: Mapping[str, Any], path: str,
           raise ValueError(f"{path}: {where}{k}={fields[k]!r} is not implemented by the "
                            f"DFlash-2 draft forward")
     return
-  if arch is not None:
+  dspark = arch == [DSPARK] and DSPARK in variants
+  if arch is not None and not dspark:
     if not isinstance(arch, list) or len(arch) != 1 or arch[0] not in DRAFT_ARCHITECTURES:
-      extra = (" (DFlash-2 drafts are read by api.load_draft, which runs them; this caller "
-               "does not)" if "DFlash2DraftModel" in
-               (arch if isinstance(arch, list) else [arch]) else "")
+      named = arch if isinstance(arch, list) else [arch]
+      extra = next((f" ({v} drafts are read by api.load_draft, which runs them; this caller "
+                    f"does not)" for v in (DFLASH2, DSPARK) if v in named), "")
       raise ValueError(f"{path}: architectures={arch!r} is not a supported draft variant; "
                        f"supported: {list(DRAFT_ARCHITECTURES)}{extra}")
+  if not dspark:
+    for k in _DSPARK_FIELDS:
+      if cfg.get(k) not in (None, 0, False):
+        raise ValueError(f"{path}: {k}={cfg[k]!r} belongs to a DSpark draft (architectures "
+                         f"[{DSPARK!r}]); the DFlash-1 draft forward has no such head")
   for where, fields in (("dflash_config.", dfc), ("", cfg)):
     for k, v in fields.items():
       if k in _DRAFT_FIELDS_OFF and v not in _DRAFT_FIELDS_OFF[k]:
@@ -357,6 +414,7 @@ class DraftConfig:
     sliding_window: window for sliding layers (tokens; 0 = unwindowed).
     dflash2: DFlash2Fields for a `DFlash2DraftModel` (read only when the caller accepts that
       variant, `from_json(variants=...)`), None for DFlash-1.
+    dspark: DSparkFields for a DeepSpec `Qwen3DSparkModel` (likewise), None otherwise.
   """
 
   d_model: int
@@ -374,6 +432,7 @@ class DraftConfig:
   sliding: tuple[bool, ...]
   sliding_window: int = 0
   dflash2: Optional[DFlash2Fields] = None
+  dspark: Optional[DSparkFields] = None
 
   @property
   def n_features(self) -> int:
@@ -381,8 +440,16 @@ class DraftConfig:
 
   @property
   def variant(self) -> str:
-    """The z-lab architecture: "DFlashDraftModel" or "DFlash2DraftModel"."""
+    """The architecture: "DFlashDraftModel", "DFlash2DraftModel" or "Qwen3DSparkModel"."""
+    if self.dspark is not None:
+      return DSPARK
     return DFLASH2 if self.dflash2 is not None else DRAFT_ARCHITECTURES[0]
+
+  @property
+  def first_row_slot(self) -> int:
+    """The block slot whose output predicts position anchor+1: 1 for z-lab's DFlash layout
+    ([bonus, MASK...]: the bonus slot predicts nothing), 0 for DSpark's anchor-first layout."""
+    return 0 if self.dspark is not None else 1
 
   @classmethod
   def from_json(cls, cfg: Mapping[str, Any], *, path: str = "?",
@@ -436,11 +503,17 @@ class DraftConfig:
     sliding = tuple(t == "sliding_attention" for t in layer_types)
     dflash2 = None
     window = top.int("sliding_window", 1, MAX_CTX) if any(sliding) else 0
+    dspark = None
     if cfg.get("architectures") == [DFLASH2]:
       vocab = top.int("vocab_size", 1, 1 << 31)
       dflash2 = _dflash2_fields(cfg, dfl, top, d_model, vocab, sliding)
       if not cfg.get("use_sliding_window", False):
         window = 0   # transformers' Qwen3Config drops sliding_window: the package runs unwindowed
+    elif cfg.get("architectures") == [DSPARK]:
+      dspark = _dspark_fields(top)
+      if any(sliding):
+        top.fail("layer_types", layer_types, "a DSpark draft's layers are all full_attention "
+                 "(DeepSpec's Qwen3 build_draft_config)")
     return cls(
         d_model=d_model, n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head,
         head_dim=top.int("head_dim", 1, MAX_DIM, default=max(d_model // n_head, 1)),
@@ -448,7 +521,8 @@ class DraftConfig:
         rms_eps=top.number("rms_norm_eps", 0.0, 1.0, default=1e-6), rope_theta=rope_theta,
         block_size=dfl.int("block_size", 2, MAX_BLOCK_SIZE, default=16),
         mask_token_id=dfl.int("mask_token_id", 0, 1 << 31),
-        target_layer_ids=layer_ids, sliding=sliding, sliding_window=window, dflash2=dflash2)
+        target_layer_ids=layer_ids, sliding=sliding, sliding_window=window, dflash2=dflash2,
+        dspark=dspark)
 
   def to_json(self) -> dict[str, Any]:
     """The z-lab config.json fields this config came from (transformers Qwen3 + dflash_config)."""
@@ -468,7 +542,19 @@ class DraftConfig:
                           "target_layer_ids": list(self.target_layer_ids),
                           "block_size": self.block_size},
         "dtype": "bfloat16",
-    } | ({} if self.dflash2 is None else self._dflash2_json())
+    } | ({} if self.dflash2 is None else self._dflash2_json()) | (
+        {} if self.dspark is None else self._dspark_json())
+
+  def _dspark_json(self) -> dict[str, Any]:
+    f = self.dspark
+    out = {"architectures": [DSPARK], "auto_map": None, "dflash_config": None,
+           "mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids),
+           "markov_rank": f.markov_rank, "enable_confidence_head": f.confidence}
+    if f.markov_head is not None:
+      out["markov_head_type"] = f.markov_head
+    if f.confidence:
+      out["confidence_head_with_markov"] = f.confidence_with_markov
+    return out
 
   def _dflash2_json(self) -> dict[str, Any]:
     f = self.dflash2

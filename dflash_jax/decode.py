@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from dflash_jax import draft as draft_lib
 from dflash_jax import draft2 as draft2_lib
+from dflash_jax import dspark as dspark_lib
 from dflash_jax import grammar as grammar_lib
 from dflash_jax import layers
 from dflash_jax import mtp as mtp_lib
@@ -363,7 +364,10 @@ def draft_rows(tparams, dparams, s: DecodeState, *, dcfg: DraftConfig, dec: Deco
 
 
 def _propose_fn(dcfg: DraftConfig):
-  """The draft forward of the config's variant: draft2.propose (DFlash-2) or draft.propose."""
+  """The draft forward of the config's variant: draft2.propose (DFlash-2), dspark.propose
+  (DSpark: the greedy Markov chain's rows) or draft.propose."""
+  if dcfg.dspark is not None:
+    return dspark_lib.propose
   return draft2_lib.propose if dcfg.dflash2 is not None else draft_lib.propose
 
 
@@ -410,7 +414,10 @@ def dflash_proposer(tparams, dparams, s: DecodeState, *, plan: "Plan", key: jax.
   mixing = table is not None and dec.table_mix > 0
   if (plan.is_mtp and dec.mode == "chain" and grammar is None and not mixing
       and _uses_rejection(dec, sampled)):
-    return _mtp_sampled_chain(tparams, dparams, s, plan, key)
+    return _ancestral_chain(tparams, dparams, s, plan, key)
+  if (dcfg.dspark is not None and dec.mode == "chain" and grammar is None and not mixing
+      and _uses_rejection(dec, sampled)):
+    return _ancestral_chain(tparams, dparams, s, plan, key)
   if dcfg.dflash2 is None or grammar is not None or dec.mode != "chain" or mixing:
     return _ROWS_PROPOSER(tparams, dparams, s, plan=plan, key=key, sampled=sampled,
                           grammar=grammar, table=table)
@@ -423,10 +430,11 @@ def dflash_proposer(tparams, dparams, s: DecodeState, *, plan: "Plan", key: jax.
   return Proposal(tree, q if rejection else None, s.draft)
 
 
-def _mtp_sampled_chain(tparams, dparams, s: DecodeState, plan: "Plan", key: jax.Array) -> Proposal:
-  """An MTP draft's chain for a row sampled under the rejection rule: each block step draws its
-  token from its processed distribution q (the row's sampling params) and the next step feeds
-  the drawn token (ancestral sampling, as the block drafts in llama.cpp and vLLM), so later
+def _ancestral_chain(tparams, dparams, s: DecodeState, plan: "Plan", key: jax.Array) -> Proposal:
+  """An MTP or DSpark draft's chain for a row sampled under the rejection rule: each step (an
+  MTP block step, a DSpark Markov slot) draws its token from its processed distribution q (the
+  row's sampling params) and the next step feeds the drawn token (ancestral sampling, as
+  llama.cpp and vLLM draft with MTP and DeepSpec's `sample_block_tokens` with DSpark), so later
   drafts condition on the tokens actually proposed; a greedy row (temperature 0) takes argmaxes.
   The rule verifies each draft against the q it was drawn from: exact."""
   keys = jax.random.split(key, plan.dec.draft_depth)
@@ -438,8 +446,13 @@ def _mtp_sampled_chain(tparams, dparams, s: DecodeState, plan: "Plan", key: jax.
                     jnp.argmax(logits).astype(jnp.int32))
     return tok.astype(jnp.int32), q[0]
 
-  tokens, q = mtp_lib.propose(dparams, tparams, plan.tcfg, s.bonus, s.pos, s.mtp_h, s.draft,
-                              plan.rt, n=plan.dec.draft_depth, draw=draw)
+  if plan.is_mtp:
+    tokens, q = mtp_lib.propose(dparams, tparams, plan.tcfg, s.bonus, s.pos, s.mtp_h, s.draft,
+                                plan.rt, n=plan.dec.draft_depth, draw=draw)
+  else:
+    tokens, _, q, _, _ = dspark_lib.chain(dparams, plan.dcfg, tparams.embed, tparams.lm_head,
+                                          s.bonus, s.pos, s.draft, plan.rt,
+                                          n=plan.dec.draft_depth, draw=draw)
   return Proposal(tree_lib.path_tree(jnp.concatenate([s.bonus[None], tokens])), q, s.draft)
 
 

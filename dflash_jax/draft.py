@@ -63,12 +63,31 @@ class DFlash2Params:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class DSparkParams:
+  """What a DSpark draft adds to DraftParams (DeepSpec markov_head.py / common.py): the Markov
+  head's predecessor embedding w1 [V, r] f32 (`markov_w1`) and bias projection w2 [V, r]
+  (`markov_w2`); gated heads: gate [r, D+r] + gate_b [r] (`gate_proj`); RNN heads: joint
+  [3r, 2r+D] + joint_b [3r] (`joint_proj`); a confidence head: conf [D(+r)] f32 + conf_b []
+  (`confidence_head.proj`). Absent parts are None."""
+  w1: "jax.Array | None" = None
+  w2: "QuantWeight | None" = None
+  gate: "QuantWeight | None" = None
+  gate_b: "jax.Array | None" = None
+  joint: "QuantWeight | None" = None
+  joint_b: "jax.Array | None" = None
+  conf: "jax.Array | None" = None
+  conf_b: "jax.Array | None" = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class DraftParams:
   fc: QuantWeight          # [D, n_features*D_target]
   hidden_norm: jax.Array   # [D] f32
   norm: jax.Array          # [D] f32
   layers: tuple            # [n_layer] DraftLayer
   dflash2: "DFlash2Params | None" = None   # DFlash-2 drafts only (draft2.py)
+  dspark: "DSparkParams | None" = None     # DSpark drafts only (dspark.py)
 
 
 @jax.tree_util.register_dataclass
@@ -205,10 +224,26 @@ def propose(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: 
   unchanged).
   Raises ValueError for n_logits outside 1..L-1.
   """
+  n_logits = check_n_logits(cfg, n_logits)
+  h = block_hidden(params, cfg, embed, bonus, start, cache, rt)
+  return layers.linear(h[1:1 + n_logits], lm_head, rt), cache
+
+
+def check_n_logits(cfg: DraftConfig, n_logits: int | None) -> int:
+  """n_logits (static) or its default L-1, checked: ValueError outside 1..L-1."""
   L = cfg.block_size
   n_logits = L - 1 if n_logits is None else n_logits
   if not 1 <= n_logits <= L - 1:
     raise ValueError(f"n_logits={n_logits} must be in [1, block_size-1={L - 1}]")
+  return n_logits
+
+
+def block_hidden(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, bonus: jax.Array,
+                 start: jax.Array, cache: DraftCache, rt: Runtime) -> jax.Array:
+  """The block [bonus, MASK x (L-1)] at positions start..start+L-1 through the draft layers and
+  the final norm (context = cache rows < start; the block's own K/V attended to directly, not
+  written). Returns h: [L, D] float32."""
+  L = cfg.block_size
   ids = jnp.concatenate([bonus[None].astype(jnp.int32),
                          jnp.full((L - 1,), cfg.mask_token_id, jnp.int32)])
   pos = start + jnp.arange(L, dtype=jnp.int32)
@@ -230,8 +265,7 @@ def propose(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: 
                               local=(k, v, local), key_fn=key_fn,
                               dense=rt.dense)
     h = _mlp_residual(h, o.reshape(L, cfg.n_head * cfg.head_dim), lay, cfg, rt)
-  h = layers.rms_norm(h, params.norm, cfg.rms_eps)
-  return layers.linear(h[1:1 + n_logits], lm_head, rt), cache
+  return layers.rms_norm(h, params.norm, cfg.rms_eps)
 
 
 def context_rope(cache: DraftCache, cfg: DraftConfig, start: jax.Array, pos: jax.Array,

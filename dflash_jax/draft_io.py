@@ -40,6 +40,31 @@ def _dflash2_keys(i: int) -> dict[str, str]:
               mlp_base=p + "mlp_conv.base_kernel", mlp_proj=p + "mlp_conv.kernel_projection.weight")
 
 
+DSPARK_KEYS = dict(w1="markov_head.markov_w1.weight", w2="markov_head.markov_w2.weight",
+                   gate="markov_head.gate_proj.weight", gate_b="markov_head.gate_proj.bias",
+                   joint="markov_head.joint_proj.weight", joint_b="markov_head.joint_proj.bias",
+                   conf="confidence_head.proj.weight", conf_b="confidence_head.proj.bias")
+# Tensors a DeepSpec checkpoint ships that the forward takes from the target instead (DeepSpec
+# trains with frozen copies of the target's): checked for shape, not used.
+DSPARK_SHIPPED = ("embed_tokens.weight", "lm_head.weight")
+
+
+def _dspark_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
+  f, d, v = cfg.dspark, cfg.d_model, cfg.n_vocab
+  r = f.markov_rank
+  k = DSPARK_KEYS
+  out = {}
+  if r:
+    out.update({k["w1"]: (v, r), k["w2"]: (v, r)})
+  if f.markov_head == "gated":
+    out.update({k["gate"]: (r, d + r), k["gate_b"]: (r,)})
+  if f.markov_head == "rnn":
+    out.update({k["joint"]: (3 * r, 2 * r + d), k["joint_b"]: (3 * r,)})
+  if f.confidence:
+    out.update({k["conf"]: (1, d + (r if f.confidence_with_markov else 0)), k["conf_b"]: (1,)})
+  return out
+
+
 SELECTOR_KEYS = dict(sel_proj="candidate_selector.hidden_projection.weight",
                      pred="candidate_selector.predecessor_codebook",
                      succ="candidate_selector.successor_codebook")
@@ -68,6 +93,8 @@ def expected_shapes(cfg: DraftConfig, d_target: int) -> dict[str, tuple[int, ...
     shapes.update({SELECTOR_KEYS["sel_proj"]: (f2.selector_rank, d),
                    SELECTOR_KEYS["pred"]: (cfg.n_vocab, f2.selector_rank),
                    SELECTOR_KEYS["succ"]: (cfg.n_vocab, f2.selector_rank)})
+  if cfg.dspark is not None:
+    shapes.update(_dspark_shapes(cfg))
   return shapes
 
 
@@ -98,8 +125,21 @@ def params_from_arrays(arrays: dict[str, np.ndarray], cfg: DraftConfig, *,
         attn_conv=tuple(conv(k, "attn") for k in ks), mlp_conv=tuple(conv(k, "mlp") for k in ks),
         sel_proj=mat(SELECTOR_KEYS["sel_proj"]), pred=vec(SELECTOR_KEYS["pred"]),
         succ=vec(SELECTOR_KEYS["succ"]))
+  dspark = None
+  if cfg.dspark is not None:
+    k = DSPARK_KEYS
+    have = lambda n: k[n] in arrays
+    dspark = draft_lib.DSparkParams(
+        w1=vec(k["w1"]) if have("w1") else None, w2=mat(k["w2"]) if have("w2") else None,
+        gate=mat(k["gate"]) if have("gate") else None,
+        gate_b=vec(k["gate_b"]) if have("gate_b") else None,
+        joint=mat(k["joint"]) if have("joint") else None,
+        joint_b=vec(k["joint_b"]) if have("joint_b") else None,
+        conf=vec(k["conf"])[0] if have("conf") else None,
+        conf_b=vec(k["conf_b"])[0] if have("conf_b") else None)
   return draft_lib.DraftParams(fc=mat("fc.weight"), hidden_norm=vec("hidden_norm.weight"),
-                               norm=vec("norm.weight"), layers=tuple(lay), dflash2=extra)
+                               norm=vec("norm.weight"), layers=tuple(lay), dflash2=extra,
+                               dspark=dspark)
 
 
 def params_to_arrays(params: draft_lib.DraftParams) -> dict[str, np.ndarray]:
@@ -120,6 +160,13 @@ def params_to_arrays(params: draft_lib.DraftParams) -> dict[str, np.ndarray]:
         out[k[side + "_proj"]] = np.asarray(conv.proj.data)
     out[SELECTOR_KEYS["sel_proj"]] = np.asarray(ex.sel_proj.data)
     out[SELECTOR_KEYS["pred"]], out[SELECTOR_KEYS["succ"]] = np.asarray(ex.pred), np.asarray(ex.succ)
+  sp = params.dspark
+  if sp is not None:
+    for n, key in DSPARK_KEYS.items():
+      x = getattr(sp, n)
+      if x is not None:
+        x = np.asarray(x.data if isinstance(x, QuantWeight) else x)
+        out[key] = x[None] if n in ("conf", "conf_b") else x
   return out
 
 
@@ -146,7 +193,8 @@ def validate(cfg: DraftConfig, tcfg: TargetConfig, *, path: str = "?"):
 
 def load(draft_dir: str, tcfg: TargetConfig, *, variants: tuple[str, ...] = DRAFT_ARCHITECTURES
          ) -> tuple[DraftConfig, draft_lib.DraftParams]:
-  """Read a z-lab draft directory (config.json + model.safetensors) and validate it against tcfg.
+  """Read a draft directory (config.json + model.safetensors, or the shards a
+  model.safetensors.index.json lists) and validate it against tcfg.
 
   variants: the architectures the caller runs (DraftConfig.from_json); a DFlash-2 draft's
   codebooks are read under z-lab's names or the `.weight` form transformers' save_pretrained
@@ -156,6 +204,8 @@ def load(draft_dir: str, tcfg: TargetConfig, *, variants: tuple[str, ...] = DRAF
 
   cfg_path = os.path.join(draft_dir, "config.json")
   st_path = os.path.join(draft_dir, "model.safetensors")
+  if not os.path.isfile(st_path) and os.path.isfile(st_path + ".index.json"):
+    st_path += ".index.json"           # sharded (transformers' save_pretrained above its shard size)
   for p in (cfg_path, st_path):
     if not os.path.isfile(p):
       raise FileNotFoundError(f"draft file not found: {p}")
@@ -166,14 +216,23 @@ def load(draft_dir: str, tcfg: TargetConfig, *, variants: tuple[str, ...] = DRAF
     raise ValueError(f"{cfg_path}: not a readable JSON file: {e}") from None
   cfg = DraftConfig.from_json(raw, path=cfg_path, variants=variants)
   validate(cfg, tcfg, path=draft_dir)
-  try:
-    arrays = _load_safetensors(st_path)
-  except Exception as e:
-    raise ValueError(f"{st_path}: cannot read safetensors (truncated or corrupt?): {e}") from e
+  arrays = {}
+  for shard in _shard_paths(st_path):
+    try:
+      arrays.update(_load_safetensors(shard))
+    except Exception as e:
+      raise ValueError(f"{shard}: cannot read safetensors (truncated or corrupt?): {e}") from e
   for key in (SELECTOR_KEYS["pred"], SELECTOR_KEYS["succ"]):
     if cfg.dflash2 is not None and key not in arrays and key + ".weight" in arrays:
       arrays[key] = arrays.pop(key + ".weight")
   expected = expected_shapes(cfg, tcfg.d_model)
+  if cfg.dspark is not None:
+    for key in DSPARK_SHIPPED:
+      if key in arrays:
+        if tuple(arrays[key].shape) != (cfg.n_vocab, cfg.d_model):
+          raise ValueError(f"{st_path}: tensor {key!r} has shape {tuple(arrays[key].shape)}, "
+                           f"expected {(cfg.n_vocab, cfg.d_model)} (the target's vocab x hidden)")
+        del arrays[key]       # the target's own embedding / lm_head are used
   unused = sorted(set(arrays) - set(expected))
   if unused:
     raise ValueError(f"{st_path}: tensor {unused[0]!r} is used by no layer of this "
@@ -198,6 +257,24 @@ def _float_dtypes():
 
 
 _FLOAT_DTYPES = _float_dtypes()
+
+
+def _shard_paths(st_path: str) -> list[str]:
+  """[st_path], or for a `model.safetensors.index.json` the shard files its weight_map names (in
+  its directory). Raises ValueError naming the index when it is unreadable or names a missing
+  shard."""
+  if not st_path.endswith(".index.json"):
+    return [st_path]
+  try:
+    with open(st_path, encoding="utf-8") as fh:
+      shards = sorted(set(json.load(fh)["weight_map"].values()))
+  except (ValueError, OSError, KeyError, TypeError, AttributeError) as e:
+    raise ValueError(f"{st_path}: not a readable safetensors index (weight_map): {e!r}") from None
+  paths = [os.path.join(os.path.dirname(st_path), str(s)) for s in shards]
+  missing = [p for p in paths if not os.path.isfile(p)]
+  if missing:
+    raise ValueError(f"{st_path}: shard {missing[0]} is missing")
+  return paths
 
 
 def _load_safetensors(path: str) -> dict[str, np.ndarray]:

@@ -85,6 +85,7 @@ class MTPConfig:
   tcfg: TargetConfig
   block_size: int = DEFAULT_STEPS + 1
   dflash2 = None                           # never a DFlash-2 selector
+  dspark = None                            # nor a DSpark Markov head
   sliding_window = 0
   sliding = (False,)
   n_layer = 1                              # one context layer: the block's own K/V

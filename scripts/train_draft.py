@@ -192,6 +192,10 @@ def main(argv):
   init = None
   if _INIT.value:
     cfg, p0 = draft_io.load(_INIT.value, target.config, variants=dj.api.DRAFT_VARIANTS)
+    if cfg.dspark is not None:
+      raise app.UsageError(f"--init_checkpoint {_INIT.value} is a DSpark draft "
+                           f"({cfg.variant}); this trainer trains z-lab DFlash-1 / DFlash-2 "
+                           f"drafts (DSpark drafts are trained with DeepSpec)")
     init = draft_io.params_from_arrays(draft_io.params_to_arrays(p0), cfg, weight_fmt="f32")
     if _LAYERS.value and _LAYERS.value != cfg.n_layer:
       try:

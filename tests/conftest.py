@@ -29,6 +29,18 @@ def tiny_gguf(name: str, tmp_path_factory) -> str:
               tmp_path_factory.mktemp(name) / "model-f32.gguf")
 
 
+def draft_dir(name: str, tmp_path_factory) -> str:
+  """tests/data/<name> as a draft directory: its config.json with model.safetensors, unpacked
+  into a fresh temp directory when the fixture stores it xz-compressed; returns the directory."""
+  src = os.path.join(DATA, name)
+  if os.path.exists(os.path.join(src, "model.safetensors")):
+    return src
+  d = tmp_path_factory.mktemp(name)
+  shutil.copy(os.path.join(src, "config.json"), d)
+  unxz(os.path.join(src, "model.safetensors.xz"), d / "model.safetensors")
+  return str(d)
+
+
 def tiny_ref(name: str) -> dict:
   """tests/data/<name>/reference.npz as a dict of arrays."""
   return dict(np.load(os.path.join(DATA, name, "reference.npz")))

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from conftest import DATA
+from conftest import DATA, draft_dir
 from dflash_jax import draft as draft_lib
 from dflash_jax import draft2, draft_io, sampling
 from dflash_jax.config import DFLASH2, DRAFT_ARCHITECTURES, DraftConfig
@@ -24,8 +24,14 @@ D2 = os.path.join(DATA, "dflash2_tiny")
 
 
 @pytest.fixture(scope="module")
-def d2(qwen_f32):
-  cfg, params = draft_io.load(D2, qwen_f32.config, variants=DRAFT_ARCHITECTURES + (DFLASH2,))
+def d2_dir(tmp_path_factory):
+  """The DFlash-2 fixture as a draft directory (its safetensors is stored xz-compressed)."""
+  return draft_dir("dflash2_tiny", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def d2(qwen_f32, d2_dir):
+  cfg, params = draft_io.load(d2_dir, qwen_f32.config, variants=DRAFT_ARCHITECTURES + (DFLASH2,))
   return cfg, jax.device_put(params)
 
 
@@ -181,8 +187,8 @@ def test_traced_calls_match_package(qwen_f32, d2, ref2):
 
 
 @pytest.fixture(scope="module")
-def d2_draft(qwen_f32):
-  return dj.load_draft(D2, qwen_f32)
+def d2_draft(qwen_f32, d2_dir):
+  return dj.load_draft(d2_dir, qwen_f32)
 
 
 def test_decode_with_dflash2_equals_greedy_and_package(qwen_f32, d2_draft, ref2):

@@ -1,6 +1,6 @@
 """Acceptance of the MTP draft's sampled chain on the tiny MTP fixtures (tests/data/qwen35mtp_tiny,
 qwen35moemtp_tiny): ancestral drafting (each block step draws its token, the next step feeds the
-draw: decode._mtp_sampled_chain, the default) against draws along the block's argmax path (the
+draw: decode._ancestral_chain, the default) against draws along the block's argmax path (the
 rows a DFlash draft gives, decode.draft_rows). Temperature 0.8, 2 prompts x 8 seeds x 32 tokens.
 One variant per process (the compiled loop is cached per process):
 
@@ -26,7 +26,7 @@ DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tes
 
 def main(variant: str):
   if variant == "argmax_rows":
-    decode._mtp_sampled_chain = lambda tp, dp, s, plan, key: decode._ROWS_PROPOSER(
+    decode._ancestral_chain = lambda tp, dp, s, plan, key: decode._ROWS_PROPOSER(
         tp, dp, s, plan=plan, key=key, sampled=True)
   elif variant != "ancestral":
     raise SystemExit(f"variant {variant!r}: expected ancestral or argmax_rows")
