@@ -489,6 +489,10 @@ class DraftConfig:
     if cfg.get("rope_scaling"):
       raise NotImplementedError(f"{path}: rope_scaling={cfg['rope_scaling']!r} is not supported yet")
     if "target_layer_ids" in dfc or "target_layer_ids" in cfg:
+      raw_ids = dfl.raw("target_layer_ids")
+      if isinstance(raw_ids, list) and -1 in raw_ids:
+        dfl.fail("target_layer_ids", raw_ids, "-1 (DeepSpec's embedding-output feature) is not "
+                 "supported: features come from decoder layers 0..n-1")
       layer_ids = dfl.int_list("target_layer_ids", 0, MAX_LAYERS)
       if not layer_ids:
         dfl.fail("target_layer_ids", [], "needs at least one layer")

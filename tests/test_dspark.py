@@ -110,6 +110,8 @@ def test_config_fields_and_refusals():
     DraftConfig.from_json({**raw, "markov_head_type": "lstm"}, variants=both)
   with pytest.raises(ValueError, match="needs a Markov head"):
     DraftConfig.from_json({**raw, "markov_rank": 0}, variants=both)
+  with pytest.raises(ValueError, match="embedding-output feature"):
+    DraftConfig.from_json({**raw, "target_layer_ids": [-1, 3]}, variants=both)
   with pytest.raises(ValueError, match="full_attention"):
     DraftConfig.from_json({**raw, "layer_types": ["sliding_attention"], "sliding_window": 4},
                           variants=both)
