@@ -401,6 +401,9 @@ def dflash_proposer(tparams, dparams, s: DecodeState, *, plan: "Plan", key: jax.
   `LogitsProposer`).
 
   DFlash-1: the chain / DDTree construction over the draft's rows (`LogitsProposer`).
+  DSpark: a sampled chain drafts ancestrally (`_ancestral_chain`); DDTree with a Markov head grows
+  each node's children from the head conditioned on that node's token (`dspark.tree`); otherwise
+  the greedy Markov chain's rows, as DFlash-1's.
   DFlash-2, chain without a grammar: the candidate selector's own path (`draft2.propose_path`),
   greedy, or for a row sampled under the rejection rule drawn ancestrally at the row's
   temperature with q = the selector's softmax over its candidates (the z-lab package's
@@ -418,6 +421,12 @@ def dflash_proposer(tparams, dparams, s: DecodeState, *, plan: "Plan", key: jax.
   if (dcfg.dspark is not None and dec.mode == "chain" and grammar is None and not mixing
       and _uses_rejection(dec, sampled)):
     return _ancestral_chain(tparams, dparams, s, plan, key)
+  if (dcfg.dspark is not None and dcfg.dspark.markov_rank and dec.mode == "ddtree"
+      and grammar is None and not mixing):
+    tree = dspark_lib.tree(dparams, dcfg, tparams.embed, tparams.lm_head, s.bonus, s.pos, s.draft,
+                           plan.rt, depth=dec.draft_depth, budget=dec.budget,
+                           top_k=dec.tree_top_k, chain_seed=dec.chain_seed, temp=dec.draft_temp)
+    return Proposal(tree, None, s.draft)
   if dcfg.dflash2 is None or grammar is not None or dec.mode != "chain" or mixing:
     return _ROWS_PROPOSER(tparams, dparams, s, plan=plan, key=key, sampled=sampled,
                           grammar=grammar, table=table)

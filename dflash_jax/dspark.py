@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from dflash_jax import draft as draft_lib
 from dflash_jax import layers
+from dflash_jax import tree as tree_lib
 from dflash_jax.config import DraftConfig, DSparkFields
 from dflash_jax.draft import DraftCache, DraftParams, DSparkParams
 from dflash_jax.quants import QuantWeight
@@ -133,3 +134,27 @@ def propose(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: 
   Returns (rows [n_logits, V] float32, the cache unchanged)."""
   _, rows, _, _, _ = chain(params, cfg, embed, lm_head, bonus, start, cache, rt, n=n_logits)
   return rows, cache
+
+
+def tree(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: QuantWeight,
+         bonus: jax.Array, start: jax.Array, cache: DraftCache, rt: Runtime, *, depth: int,
+         budget: int, top_k: int, chain_seed: bool = True, temp: float = 1.0) -> tree_lib.Tree:
+  """A DDTree whose every node's children come from the Markov head conditioned on that node's
+  own token (and, for RNN heads, its own path's state): `tree.build_tree_cond` over the block's
+  slots, child rows log_softmax((lm_head(h_d) + bias(node token)) / temp). The top-1 chain is the
+  greedy Markov chain (`chain`); a branch off it continues with its own predecessor instead of
+  the chain's (DDTree over `propose`'s rows). depth: static, 1..L. Needs a Markov head."""
+  f = cfg.dspark
+  if not f.markov_rank:
+    raise ValueError("dspark.tree needs a Markov head (markov_rank > 0)")
+  depth = check_n(cfg, depth)
+  hidden = draft_lib.block_hidden(params, cfg, embed, bonus, start, cache, rt)[:depth]
+  base = layers.linear(hidden, lm_head, rt)                                   # [depth, V]
+
+  def child_fn(d, token, state):
+    bias, state = _step(params.dspark, f, hidden[d], token, state, rt)
+    return jax.nn.log_softmax((base[d] + bias) / temp), state
+
+  return tree_lib.build_tree_cond(child_fn, jnp.asarray(bonus, jnp.int32),
+                                  jnp.zeros((f.markov_rank,), jnp.float32), depth=depth,
+                                  budget=budget, top_k=top_k, chain_seed=chain_seed)

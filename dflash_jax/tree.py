@@ -257,6 +257,84 @@ def build_tree(logp: jax.Array, root_token: jax.Array, *, budget: int, top_k: in
               max_depth=min(D, budget))
 
 
+def build_tree_cond(child_fn, root_token: jax.Array, root_state: jax.Array, *, depth: int,
+                    budget: int, top_k: int, chain_seed: bool = True) -> Tree:
+  """Best-first tree whose children's log-probs depend on their parent (a draft whose next row
+  is conditioned on the token before it: DSpark's Markov head), the tree `build_tree` grows from
+  rows that do not.
+
+  child_fn(d, token, state) -> (logp [V] float32, child_state): the log-probabilities of the
+    children (at depth d+1) of a node at depth d (d: [] int32, 0..depth-1) holding `token`
+    ([] int32) and carrying `state` (its parent's child_state; root_state for the root; any
+    fixed-shape float32 array), and the state its own children carry.
+  root_token: [] int32. depth: static, the deepest row child_fn gives (the tree is at most that
+  deep). budget: nodes besides the root. top_k: children kept per node (<= budget).
+  chain_seed: insert the top-1 chain first (each node's best child, depths 1..min(depth, budget)),
+  then expand best-first; a node's score is the sum of its path's log-probs.
+  Each inserted node calls child_fn once (its children's list: top_k_rows of its row).
+  """
+  D, K, N = depth, min(top_k, budget), budget + 1
+  C = 2 * budget + D + 2
+  nodes = (jnp.zeros((N,), jnp.int32).at[0].set(root_token), jnp.full((N,), -1, jnp.int32),
+           jnp.zeros((N,), jnp.int32), jnp.zeros((N,), jnp.float32),
+           jnp.zeros((N,), bool).at[0].set(True))
+  cand = (jnp.full((C,), -jnp.inf), jnp.zeros((C,), jnp.int32), jnp.ones((C,), jnp.int32),
+          jnp.zeros((C,), jnp.int32))
+  kids = (jnp.full((N, K), -jnp.inf, jnp.float32), jnp.zeros((N, K), jnp.int32),
+          jnp.zeros((N,) + root_state.shape, jnp.float32))
+
+  def expand(kids, i, d, token, state):
+    """Node i's children list (values [K], ids [K], the state they carry); none at depth D."""
+    lp, child_state = child_fn(jnp.minimum(d, D - 1), token, state)
+    v, ix = top_k_rows(lp[None], K)
+    cv, ci, cs = kids
+    return (cv.at[i].set(jnp.where(d < D, v[0], -jnp.inf)), ci.at[i].set(ix[0]),
+            cs.at[i].set(child_state.astype(jnp.float32)))
+
+  kids = expand(kids, 0, jnp.int32(0), root_token, root_state)
+  n_c = jnp.int32(0)
+  n_seed = min(D, budget) if chain_seed else 0
+  tokens, parents, depths, scores, valid = nodes
+  for d in range(1, n_seed + 1):
+    cv, ci, cs = kids
+    tokens, parents = tokens.at[d].set(ci[d - 1, 0]), parents.at[d].set(d - 1)
+    depths, valid = depths.at[d].set(d), valid.at[d].set(True)
+    scores = scores.at[d].set(scores[d - 1] + cv[d - 1, 0])
+    if K > 1:
+      cand, n_c = _push(cand, n_c, scores[d - 1] + cv[d - 1, 1], jnp.int32(d - 1), jnp.int32(d),
+                        jnp.int32(1), jnp.bool_(True))
+    kids = expand(kids, d, jnp.int32(d), ci[d - 1, 0], cs[d - 1])
+  nodes = (tokens, parents, depths, scores, valid)
+  if not chain_seed:
+    cand, n_c = _push(cand, n_c, kids[0][0, 0], jnp.int32(0), jnp.int32(1), jnp.int32(0),
+                      jnp.bool_(True))
+
+  def pop(i, carry):
+    (tokens, parents, depths, scores, valid), cand, n_c, kids = carry
+    c_score, c_parent, c_depth, c_rank = cand
+    c = jnp.argmax(c_score)
+    ok = c_score[c] > -jnp.inf
+    d, r, par, sc = c_depth[c], c_rank[c], c_parent[c], c_score[c]
+    cv, ci, cs = kids
+    tok = jnp.where(ok, ci[par, r], 0)
+    nodes = (tokens.at[i].set(tok), parents.at[i].set(jnp.where(ok, par, -1)),
+             depths.at[i].set(jnp.where(ok, d, 0)), scores.at[i].set(jnp.where(ok, sc, -jnp.inf)),
+             valid.at[i].set(ok))
+    cand = (c_score.at[c].set(-jnp.inf), c_parent, c_depth, c_rank)
+    cand, n_c = _push(cand, n_c, scores[par] + cv[par, jnp.minimum(r + 1, K - 1)], par, d, r + 1,
+                      ok & (r + 1 < K))                                           # next sibling
+    kids = expand(kids, i, jnp.where(ok, d, D), tok, cs[par])
+    cand, n_c = _push(cand, n_c, sc + kids[0][i, 0], i, d + 1, jnp.int32(0),
+                      ok & (d < D))                                               # first child
+    return nodes, cand, n_c, kids
+
+  if n_seed + 1 <= budget:
+    nodes, _, _, _ = jax.lax.fori_loop(n_seed + 1, budget + 1, pop, (nodes, cand, n_c, kids))
+  tokens, parents, depths, scores, valid = nodes
+  return Tree(tokens=tokens, parents=parents, depths=depths, valid=valid, scores=scores,
+              max_depth=min(D, budget))
+
+
 def ancestor_matrix(parents: jax.Array, max_depth: int) -> jax.Array:
   """[N, N] bool: anc[i, j] = node j is node i or one of its ancestors.
 

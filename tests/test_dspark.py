@@ -288,3 +288,113 @@ def test_sharded_checkpoint_loads_the_same(qwen_f32, tmp_path):
   os.remove(os.path.join(d, "model-00002-of-00002.safetensors"))
   with pytest.raises(ValueError, match="shard .*model-00002-of-00002.safetensors is missing"):
     draft_io.load(d, qwen_f32.config, variants=both)
+
+
+def _ref_cond_tree(rows_fn, root, depth, budget, k, chain_seed=True):
+  """Independent reference of the conditional best-first tree: enumerate every path whose each
+  step is among its parent's top-k children (rows_fn(d, token) -> logp [V], parent-dependent),
+  score = sum of log-probs; the tree = the top-1 chain (if seeded) plus the best-scoring other
+  paths (scores fall along a path, so the best ones form a prefix-closed set). Returns the set of
+  token paths (tuples, root excluded)."""
+  paths = {}
+
+  def walk(path, tok, score, d):
+    if d == depth:
+      return
+    lp = np.asarray(rows_fn(d, tok), np.float64)
+    for c in np.argsort(-lp)[:k]:
+      p = path + (int(c),)
+      paths[p] = score + lp[c]
+      walk(p, int(c), score + lp[c], d + 1)
+
+  walk((), root, 0.0, 0)
+  chain, tok = [], root
+  if chain_seed:
+    for d in range(min(depth, budget)):
+      tok = int(np.argmax(rows_fn(d, tok)))
+      chain.append(tuple(chain[-1]) + (tok,) if chain else (tok,))
+  rest = sorted((p for p in paths if p not in chain), key=lambda p: -paths[p])
+  return set(chain) | set(rest[:budget - len(chain)])
+
+
+def _tree_paths(tree):
+  tok, par, val = (np.asarray(x) for x in (tree.tokens, tree.parents, tree.valid))
+  out = set()
+  for i in range(1, len(tok)):
+    if val[i]:
+      p, j = [], i
+      while j > 0:
+        p.append(int(tok[j]))
+        j = int(par[j])
+      out.add(tuple(reversed(p)))
+  return out
+
+
+@pytest.mark.parametrize("chain_seed", [True, False])
+def test_conditional_tree_against_enumeration_and_build_tree(chain_seed):
+  """tree.build_tree_cond (children's rows depend on the parent's token) equals an enumeration
+  of the best-scoring top-k paths; with rows that ignore the parent it builds exactly
+  tree.build_tree's tree from those rows."""
+  from dflash_jax import tree as tree_lib
+  rng = np.random.default_rng(7)
+  V, D, B, K = 12, 4, 9, 3
+  table = rng.standard_normal((D, V, V)).astype(np.float32) * 2.0   # [depth, parent token, child]
+  logp = jax.nn.log_softmax(jnp.asarray(table), axis=-1)
+
+  def child_fn(d, token, state):
+    return logp[d, token], state + 1.0
+
+  got = jax.jit(lambda: tree_lib.build_tree_cond(child_fn, jnp.int32(5), jnp.zeros((2,)), depth=D,
+                                                 budget=B, top_k=K, chain_seed=chain_seed))()
+  want = _ref_cond_tree(lambda d, t: np.asarray(logp[d, t]), 5, D, B, K, chain_seed)
+  assert _tree_paths(got) == want and len(want) == B
+  rows = logp[:, 0, :]                                    # parent-independent rows
+  a = tree_lib.build_tree_cond(lambda d, t, s: (rows[d], s), jnp.int32(5), jnp.zeros((1,)),
+                               depth=D, budget=B, top_k=K, chain_seed=chain_seed)
+  b = tree_lib.build_tree(rows, jnp.int32(5), budget=B, top_k=K, chain_seed=chain_seed)
+  for x, y in zip((a.tokens, a.parents, a.depths, a.valid), (b.tokens, b.parents, b.depths, b.valid)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  np.testing.assert_allclose(np.asarray(a.scores), np.asarray(b.scores), rtol=1e-6)
+
+
+def test_dspark_tree_branches_continue_with_their_own_token(qwen_f32, loaded, ref):
+  """A bigram Markov head whose first choice after the anchor is wrong (the true successor
+  second): DDTree over the greedy chain's rows continues the right sibling with the wrong token's
+  successors (the true path is 1 token deep in the tree), the conditional tree with the right
+  token's (the true continuation runs 6+ deep, and the loop's first step accepts 7+ tokens);
+  the output == AR."""
+  p = [int(x) for x in ref["prompt_ids"]]
+  ar = dj.generate(qwen_f32, None, p, max_new_tokens=24, mode="ar", max_ctx=128, eog_ids=())
+  logits, feats = dj.forward_logits(qwen_f32, p, feature_layers=(2, 6))
+  bonus = int(logits[-1].argmax())
+  assert bonus == ar.tokens[0]
+  truth = ar.tokens[1:]                                  # the drafts a perfect tree would hold
+  succ = {}
+  for a, b in zip(ar.tokens, ar.tokens[1:]):
+    succ.setdefault(a, b)
+  wrong = (succ[bonus] + 1) % 1024
+  d = _bigram_draft(loaded["vanilla"], succ, 1024)
+  t = np.asarray(d.params.dspark.w2.data).T.copy()       # T[a, b]
+  t[bonus, wrong] = 52.0           # the anchor's first choice: wrong (the true one ~2 nats behind)
+  from dflash_jax.quants import QuantWeight
+  import dataclasses
+  d = dj.api.Draft(d.config, dataclasses.replace(d.params, dspark=dataclasses.replace(
+      d.params.dspark, w2=QuantWeight(jnp.asarray(t.T), "f32", (1024, 1024)))), d.path)
+  cache = _cache(qwen_f32, d.config, d.params, feats, len(p))
+  rt, tp = qwen_f32.runtime, qwen_f32.params
+  args = (d.params, d.config, tp.embed, tp.lm_head, jnp.int32(bonus), jnp.int32(len(p)), cache, rt)
+  from dflash_jax import tree as tree_lib
+
+  def depth_of_truth(tree):
+    paths = _tree_paths(tree)
+    return max([n for n in range(len(truth) + 1) if tuple(truth[:n]) in paths or n == 0])
+
+  cond = dspark.tree(*args, depth=8, budget=16, top_k=4)
+  rows, _ = dspark.propose(*args, n_logits=8)
+  flat = tree_lib.build_tree(jax.nn.log_softmax(rows, axis=-1), jnp.int32(bonus), budget=16,
+                             top_k=4)
+  assert depth_of_truth(flat) == 1
+  assert depth_of_truth(cond) >= 6
+  res = dj.generate(qwen_f32, d, p, max_new_tokens=24, max_ctx=128, eog_ids=(), mode="ddtree",
+                    budget=16)
+  assert res.tokens == ar.tokens and res.accept_lens[0] >= 7
