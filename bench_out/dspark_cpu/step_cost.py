@@ -6,6 +6,11 @@ layout shifts the slots), so the figure to compare is ms per decode step (decode
 tok/s and acceptance are printed for completeness. Every output is checked against AR.
 
     python bench_out/dspark_cpu/step_cost.py --json_out bench_out/dspark_cpu/step_cost.json
+    python bench_out/dspark_cpu/step_cost.py --mode ddtree --budget 22 \
+      --json_out bench_out/dspark_cpu/step_cost_ddtree.json
+
+(DDTree with a Markov head grows every node's children from the head conditioned on that node's
+token: dspark.tree, one [V, r] projection and one top-k over V per node.)
 
 Prints a JSON line per configuration and a table."""
 
@@ -60,6 +65,8 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--n_prompts", type=int, default=4)
   ap.add_argument("--n_gen", type=int, default=64)
+  ap.add_argument("--mode", default="chain", choices=["chain", "ddtree"])
+  ap.add_argument("--budget", type=int, default=22)
   ap.add_argument("--json_out", default=None)
   args = ap.parse_args()
   target = dj.load_target(cli.default_target_path())
@@ -71,10 +78,12 @@ def main():
   rows = []
   for kind, rank, head, bf16_w2 in CONFIGS:
     d = base if kind == "dflash1" else as_dspark(base, rank, head, bf16_w2=bf16_w2)
-    dj.generate(target, d, prompts[0], max_new_tokens=8, mode="chain", block_size=16)  # compile
+    kw = dict(mode=args.mode, block_size=16) | (
+        dict(budget=args.budget) if args.mode == "ddtree" else {})
+    dj.generate(target, d, prompts[0], max_new_tokens=8, **kw)  # compile
     dec_s, steps, toks, acc = [], 0, 0, []
     for p, want in zip(prompts, ar):
-      r = dj.generate(target, d, p, max_new_tokens=args.n_gen, mode="chain", block_size=16)
+      r = dj.generate(target, d, p, max_new_tokens=args.n_gen, **kw)
       assert r.tokens == want, (kind, rank, head)
       dec_s.append(r.decode_s)
       steps += r.n_steps
@@ -93,7 +102,8 @@ def main():
           f"{r['tok_s']:7.2f} {r['acceptance']:6.3f}")
   if args.json_out:
     with open(args.json_out, "w") as fh:
-      json.dump(dict(n_prompts=args.n_prompts, n_gen=args.n_gen, block_size=16, rows=rows), fh,
+      json.dump(dict(n_prompts=args.n_prompts, n_gen=args.n_gen, block_size=16, mode=args.mode,
+                     budget=args.budget if args.mode == "ddtree" else None, rows=rows), fh,
                 indent=1)
 
 
