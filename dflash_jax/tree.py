@@ -194,15 +194,22 @@ def _push(cand, n_c, score, parent, depth, rank, ok):
 
 def _seed_chain(nodes, cand, vals, ids, n_seed: int, K: int):
   """Nodes 1..n_seed = the top-1 chain; each chain node's rank-1 sibling becomes a candidate."""
-  tokens, parents, depths, scores, valid = nodes
   n_c = jnp.int32(0)
   for d in range(1, n_seed + 1):
-    tokens, parents = tokens.at[d].set(ids[d - 1, 0]), parents.at[d].set(d - 1)
-    depths, valid = depths.at[d].set(d), valid.at[d].set(True)
-    scores = scores.at[d].set(scores[d - 1] + vals[d - 1, 0])
-    if K > 1:
-      cand, n_c = _push(cand, n_c, scores[d - 1] + vals[d - 1, 1], jnp.int32(d - 1), jnp.int32(d),
-                        jnp.int32(1), jnp.bool_(True))
+    nodes, cand, n_c = _seed_node(nodes, cand, n_c, d, ids[d - 1], vals[d - 1], K)
+  return nodes, cand, n_c
+
+
+def _seed_node(nodes, cand, n_c, d: int, ids, vals, K: int):
+  """Chain node d (static) = the best of its parent d-1's children (ids / vals [K], descending);
+  the parent's second child becomes a candidate."""
+  tokens, parents, depths, scores, valid = nodes
+  tokens, parents = tokens.at[d].set(ids[0]), parents.at[d].set(d - 1)
+  depths, valid = depths.at[d].set(d), valid.at[d].set(True)
+  scores = scores.at[d].set(scores[d - 1] + vals[0])
+  if K > 1:
+    cand, n_c = _push(cand, n_c, scores[d - 1] + vals[1], jnp.int32(d - 1), jnp.int32(d),
+                      jnp.int32(1), jnp.bool_(True))
   return (tokens, parents, depths, scores, valid), cand, n_c
 
 
@@ -294,17 +301,10 @@ def build_tree_cond(child_fn, root_token: jax.Array, root_state: jax.Array, *, d
   kids = expand(kids, 0, jnp.int32(0), root_token, root_state)
   n_c = jnp.int32(0)
   n_seed = min(D, budget) if chain_seed else 0
-  tokens, parents, depths, scores, valid = nodes
   for d in range(1, n_seed + 1):
     cv, ci, cs = kids
-    tokens, parents = tokens.at[d].set(ci[d - 1, 0]), parents.at[d].set(d - 1)
-    depths, valid = depths.at[d].set(d), valid.at[d].set(True)
-    scores = scores.at[d].set(scores[d - 1] + cv[d - 1, 0])
-    if K > 1:
-      cand, n_c = _push(cand, n_c, scores[d - 1] + cv[d - 1, 1], jnp.int32(d - 1), jnp.int32(d),
-                        jnp.int32(1), jnp.bool_(True))
+    nodes, cand, n_c = _seed_node(nodes, cand, n_c, d, ci[d - 1], cv[d - 1], K)
     kids = expand(kids, d, jnp.int32(d), ci[d - 1, 0], cs[d - 1])
-  nodes = (tokens, parents, depths, scores, valid)
   if not chain_seed:
     cand, n_c = _push(cand, n_c, kids[0][0, 0], jnp.int32(0), jnp.int32(1), jnp.int32(0),
                       jnp.bool_(True))
