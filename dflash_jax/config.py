@@ -445,12 +445,6 @@ class DraftConfig:
       return DSPARK
     return DFLASH2 if self.dflash2 is not None else DRAFT_ARCHITECTURES[0]
 
-  @property
-  def first_row_slot(self) -> int:
-    """The block slot whose output predicts position anchor+1: 1 for z-lab's DFlash layout
-    ([bonus, MASK...]: the bonus slot predicts nothing), 0 for DSpark's anchor-first layout."""
-    return 0 if self.dspark is not None else 1
-
   @classmethod
   def from_json(cls, cfg: Mapping[str, Any], *, path: str = "?",
                 variants: tuple[str, ...] = DRAFT_ARCHITECTURES) -> "DraftConfig":

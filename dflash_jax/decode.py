@@ -415,11 +415,8 @@ def dflash_proposer(tparams, dparams, s: DecodeState, *, plan: "Plan", key: jax.
   """
   dcfg, dec = plan.dcfg, plan.dec
   mixing = table is not None and dec.table_mix > 0
-  if (plan.is_mtp and dec.mode == "chain" and grammar is None and not mixing
-      and _uses_rejection(dec, sampled)):
-    return _ancestral_chain(tparams, dparams, s, plan, key)
-  if (dcfg.dspark is not None and dec.mode == "chain" and grammar is None and not mixing
-      and _uses_rejection(dec, sampled)):
+  if ((plan.is_mtp or dcfg.dspark is not None) and dec.mode == "chain" and grammar is None
+      and not mixing and _uses_rejection(dec, sampled)):
     return _ancestral_chain(tparams, dparams, s, plan, key)
   if (dcfg.dspark is not None and dcfg.dspark.markov_rank and dec.mode == "ddtree"
       and grammar is None and not mixing):

@@ -224,17 +224,18 @@ def propose(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: 
   unchanged).
   Raises ValueError for n_logits outside 1..L-1.
   """
-  n_logits = check_n_logits(cfg, n_logits)
+  n_logits = check_n_logits(cfg, n_logits, cfg.block_size - 1)
   h = block_hidden(params, cfg, embed, bonus, start, cache, rt)
   return layers.linear(h[1:1 + n_logits], lm_head, rt), cache
 
 
-def check_n_logits(cfg: DraftConfig, n_logits: int | None) -> int:
-  """n_logits (static) or its default L-1, checked: ValueError outside 1..L-1."""
-  L = cfg.block_size
-  n_logits = L - 1 if n_logits is None else n_logits
-  if not 1 <= n_logits <= L - 1:
-    raise ValueError(f"n_logits={n_logits} must be in [1, block_size-1={L - 1}]")
+def check_n_logits(cfg: DraftConfig, n_logits: int | None, most: int) -> int:
+  """n_logits (static) or its default `most` (the rows one block gives: L-1 for z-lab's layout,
+  L for DSpark's anchor-first one), checked: ValueError outside 1..most."""
+  n_logits = most if n_logits is None else n_logits
+  if not 1 <= n_logits <= most:
+    what = "block_size-1" if most == cfg.block_size - 1 else "block_size"
+    raise ValueError(f"n_logits={n_logits} must be in [1, {what}={most}]")
   return n_logits
 
 

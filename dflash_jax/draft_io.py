@@ -126,17 +126,11 @@ def params_from_arrays(arrays: dict[str, np.ndarray], cfg: DraftConfig, *,
         sel_proj=mat(SELECTOR_KEYS["sel_proj"]), pred=vec(SELECTOR_KEYS["pred"]),
         succ=vec(SELECTOR_KEYS["succ"]))
   dspark = None
-  if cfg.dspark is not None:
-    k = DSPARK_KEYS
-    have = lambda n: k[n] in arrays
-    dspark = draft_lib.DSparkParams(
-        w1=vec(k["w1"]) if have("w1") else None, w2=mat(k["w2"]) if have("w2") else None,
-        gate=mat(k["gate"]) if have("gate") else None,
-        gate_b=vec(k["gate_b"]) if have("gate_b") else None,
-        joint=mat(k["joint"]) if have("joint") else None,
-        joint_b=vec(k["joint_b"]) if have("joint_b") else None,
-        conf=vec(k["conf"])[0] if have("conf") else None,
-        conf_b=vec(k["conf_b"])[0] if have("conf_b") else None)
+  if cfg.dspark is not None:        # the head's parts this config has (expected_shapes)
+    read = dict(w2=mat, gate=mat, joint=mat)
+    heads = {n: read.get(n, vec)(key) for n, key in DSPARK_KEYS.items() if key in arrays}
+    dspark = draft_lib.DSparkParams(**{n: x[0] if n in ("conf", "conf_b") else x
+                                       for n, x in heads.items()})
   return draft_lib.DraftParams(fc=mat("fc.weight"), hidden_norm=vec("hidden_norm.weight"),
                                norm=vec("norm.weight"), layers=tuple(lay), dflash2=extra,
                                dspark=dspark)

@@ -16,9 +16,10 @@ and a confidence head gives each slot a logit of the chance the chain is accepte
 conf_j = C [h_j; e_j] + c (or C h_j + c without the Markov input).
 
 The decode loop uses the rows of the greedy chain (`propose`, the DFlash-2 contract: row j is
-the chain's corrected logits at slot j) or, for a sampled chain, draws each slot from its
+the chain's corrected logits at slot j); for a sampled chain it draws each slot from its
 processed row and feeds the draw to the next slot (`chain` with a draw function; DeepSpec's
-`sample_block_tokens`). The embedding and lm_head are the target's (DeepSpec trains the draft
+`sample_block_tokens`); for DDTree it grows each node's children from the head conditioned on
+that node's token (`tree`). The embedding and lm_head are the target's (DeepSpec trains the draft
 with frozen copies of them; a checkpoint that ships the copies is accepted, draft_io).
 """
 
@@ -38,13 +39,14 @@ from dflash_jax.quants import QuantWeight
 from dflash_jax.runtime import Runtime
 
 
-def check_n(cfg: DraftConfig, n: Optional[int]) -> int:
-  """Rows a DSpark block gives: n (static) or its default L, checked. ValueError outside 1..L."""
-  L = cfg.block_size
-  n = L if n is None else n
-  if not 1 <= n <= L:
-    raise ValueError(f"n={n}: a DSpark block of block_size={L} proposes 1..{L} tokens")
-  return n
+def _block(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: QuantWeight,
+           bonus: jax.Array, start: jax.Array, cache: DraftCache, rt: Runtime,
+           n: Optional[int]) -> tuple[jax.Array, jax.Array]:
+  """The block's first n slots (static, 1..L, default L; ValueError outside): hidden [n, D]
+  float32 and their lm_head logits [n, V] float32, before the Markov bias."""
+  n = draft_lib.check_n_logits(cfg, n, cfg.block_size)
+  hidden = draft_lib.block_hidden(params, cfg, embed, bonus, start, cache, rt)[:n]
+  return hidden, layers.linear(hidden, lm_head, rt)
 
 
 def _step(p: DSparkParams, f: DSparkFields, h: jax.Array, prev: jax.Array, state: jax.Array,
@@ -95,10 +97,9 @@ def chain(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: Qu
   logits, q [n, V] float32 or None (greedy), hidden [n, D] float32, prev [n] int32 each slot's
   predecessor). Raises ValueError for n outside 1..L.
   """
-  n = check_n(cfg, n)
   f = cfg.dspark
-  hidden = draft_lib.block_hidden(params, cfg, embed, bonus, start, cache, rt)[:n]
-  base = layers.linear(hidden, lm_head, rt)                                   # [n, V]
+  hidden, base = _block(params, cfg, embed, lm_head, bonus, start, cache, rt, n)
+  n = hidden.shape[0]
   bonus = jnp.asarray(bonus, jnp.int32)
   if not f.markov_rank and draw is None:
     toks = jnp.argmax(base, axis=-1).astype(jnp.int32)
@@ -129,8 +130,9 @@ def propose(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: 
             n_logits: Optional[int] = None) -> tuple[jax.Array, DraftCache]:
   """One DSpark block as the decode loop's proposal rows (the `draft.propose` interface): the
   greedy Markov chain's corrected logits, row j for position start+1+j (each row's argmax is the
-  chain's token there, so a chain verifies the chain; DDTree grows its tree over these rows,
-  whose off-chain branches keep the chain's predecessors). n_logits: static, 1..L (default L).
+  chain's token there, so a chain verifies the chain; the loop's DDTree uses these rows only
+  without a Markov head or under a grammar / table mix, else `tree`). n_logits: static, 1..L
+  (default L).
   Returns (rows [n_logits, V] float32, the cache unchanged)."""
   _, rows, _, _, _ = chain(params, cfg, embed, lm_head, bonus, start, cache, rt, n=n_logits)
   return rows, cache
@@ -147,9 +149,7 @@ def tree(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: Qua
   f = cfg.dspark
   if not f.markov_rank:
     raise ValueError("dspark.tree needs a Markov head (markov_rank > 0)")
-  depth = check_n(cfg, depth)
-  hidden = draft_lib.block_hidden(params, cfg, embed, bonus, start, cache, rt)[:depth]
-  base = layers.linear(hidden, lm_head, rt)                                   # [depth, V]
+  hidden, base = _block(params, cfg, embed, lm_head, bonus, start, cache, rt, depth)
 
   def child_fn(d, token, state):
     bias, state = _step(params.dspark, f, hidden[d], token, state, rt)

@@ -18,6 +18,7 @@ import pytest
 
 import dflash_jax as dj
 from conftest import DATA
+from test_tree import _paths
 from dflash_jax import draft as draft_lib
 from dflash_jax import draft_io, dspark
 from dflash_jax.config import DRAFT_ARCHITECTURES, DSPARK, DraftConfig
@@ -100,7 +101,7 @@ def test_config_fields_and_refusals():
   assert (f.markov_rank, f.markov_head, f.confidence, f.confidence_with_markov) == (
       16, "vanilla", True, True)
   assert cfg.variant == DSPARK and cfg.block_size == 8 and cfg.target_layer_ids == (2, 6)
-  assert cfg.mask_token_id == 1021 and cfg.first_row_slot == 0
+  assert cfg.mask_token_id == 1021
   assert DraftConfig.from_json(cfg.to_json(), variants=both) == cfg
   with pytest.raises(ValueError, match="Qwen3DSparkModel drafts are read by api.load_draft"):
     DraftConfig.from_json(raw, path="x")
@@ -317,19 +318,6 @@ def _ref_cond_tree(rows_fn, root, depth, budget, k, chain_seed=True):
   return set(chain) | set(rest[:budget - len(chain)])
 
 
-def _tree_paths(tree):
-  tok, par, val = (np.asarray(x) for x in (tree.tokens, tree.parents, tree.valid))
-  out = set()
-  for i in range(1, len(tok)):
-    if val[i]:
-      p, j = [], i
-      while j > 0:
-        p.append(int(tok[j]))
-        j = int(par[j])
-      out.add(tuple(reversed(p)))
-  return out
-
-
 @pytest.mark.parametrize("chain_seed", [True, False])
 def test_conditional_tree_against_enumeration_and_build_tree(chain_seed):
   """tree.build_tree_cond (children's rows depend on the parent's token) equals an enumeration
@@ -347,7 +335,7 @@ def test_conditional_tree_against_enumeration_and_build_tree(chain_seed):
   got = jax.jit(lambda: tree_lib.build_tree_cond(child_fn, jnp.int32(5), jnp.zeros((2,)), depth=D,
                                                  budget=B, top_k=K, chain_seed=chain_seed))()
   want = _ref_cond_tree(lambda d, t: np.asarray(logp[d, t]), 5, D, B, K, chain_seed)
-  assert _tree_paths(got) == want and len(want) == B
+  assert _paths(got) == want and len(want) == B
   rows = logp[:, 0, :]                                    # parent-independent rows
   a = tree_lib.build_tree_cond(lambda d, t, s: (rows[d], s), jnp.int32(5), jnp.zeros((1,)),
                                depth=D, budget=B, top_k=K, chain_seed=chain_seed)
@@ -386,7 +374,7 @@ def test_dspark_tree_branches_continue_with_their_own_token(qwen_f32, loaded, re
   from dflash_jax import tree as tree_lib
 
   def depth_of_truth(tree):
-    paths = _tree_paths(tree)
+    paths = _paths(tree)
     return max([n for n in range(len(truth) + 1) if tuple(truth[:n]) in paths or n == 0])
 
   cond = dspark.tree(*args, depth=8, budget=16, top_k=4)
