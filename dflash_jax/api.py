@@ -20,6 +20,7 @@ from dflash_jax import draft_io
 from dflash_jax import grammar as grammar_lib
 from dflash_jax import target as target_lib
 from dflash_jax import layers, target_params
+from dflash_jax import eagle3 as eagle3_lib
 from dflash_jax import mtp as mtp_lib
 from dflash_jax.config import (AUTO, DFLASH2, DRAFT_ARCHITECTURES, DSPARK, SUPPORTED_ARCHS, DecodeConfig,
                                DraftConfig, TargetConfig)
@@ -62,18 +63,26 @@ class Target:
 
 @dataclasses.dataclass
 class Draft:
-  """A loaded draft: a z-lab DFlash draft (config DraftConfig, params DraftParams, path its
-  directory), or the target's own MTP block (`load_draft(MTP, target)`: config mtp.MTPConfig,
-  params mtp.MTPParams, path "<target gguf>#mtp")."""
+  """A loaded draft: a z-lab DFlash draft or DeepSpec DSpark draft (config DraftConfig, params
+  DraftParams, path its directory), an EAGLE-3 draft (config eagle3.Eagle3Config, params
+  eagle3.Eagle3Params, path its directory), or the target's own MTP block
+  (`load_draft(MTP, target)`: config mtp.MTPConfig, params mtp.MTPParams, path
+  "<target gguf>#mtp")."""
 
-  config: DraftConfig | mtp_lib.MTPConfig
-  params: draft_lib.DraftParams | mtp_lib.MTPParams
+  config: DraftConfig | mtp_lib.MTPConfig | eagle3_lib.Eagle3Config
+  params: draft_lib.DraftParams | mtp_lib.MTPParams | eagle3_lib.Eagle3Params
   path: str
 
   @property
   def is_mtp(self) -> bool:
     """True for the target's own multi-token-prediction block (mtp.py)."""
     return isinstance(self.config, mtp_lib.MTPConfig)
+
+  @property
+  def ar_draft(self) -> bool:
+    """True for a draft that runs one step per draft token with a pending hidden state (the MTP
+    block, or EAGLE-3: eagle3.py); any block size works with it."""
+    return isinstance(self.config, (mtp_lib.MTPConfig, eagle3_lib.Eagle3Config))
 
 
 WEIGHTS = ("auto", "quantized", "f32", "bf16")
@@ -199,7 +208,9 @@ def load_draft(draft_dir: str, target: Target, *, mtp_steps: int = mtp_lib.DEFAU
   """Load a z-lab draft directory, DFlash-1 (`DFlashDraftModel`) or DFlash-2
   (`DFlash2DraftModel`: draft2.py, proposing through its candidate selector), or a DeepSpec
   DSpark draft (`Qwen3DSparkModel`: dspark.py, anchor-first blocks with a Markov head; a block
-  of L slots proposes L tokens, so the decode block size defaults to L + 1), and check it
+  of L slots proposes L tokens, so the decode block size defaults to L + 1), or an EAGLE-3
+  draft (eagle3.py: the speculators format or EAGLE / SpecForge's; the block size defaults to
+  1 + its speculative_tokens, and any other works), and check it
   against `target` (hidden size, vocab, target_layer_ids, mask id); or, for draft_dir "mtp"
   (`MTP`), the target GGUF's own multi-token-prediction block (mtp.py: Qwen3.5 files converted
   with it), drafting `mtp_steps` tokens per step by default (the block size is 1 + that unless
@@ -214,7 +225,11 @@ def load_draft(draft_dir: str, target: Target, *, mtp_steps: int = mtp_lib.DEFAU
     mp = mtp_lib.load_params(read_gguf(target.path), target.config, weights=target.weights)
     return Draft(mtp_lib.MTPConfig(target.config, block_size=mtp_steps + 1), jax.device_put(mp),
                  f"{target.path}#{MTP}")
-  cfg, params = draft_io.load(draft_dir, target.config, variants=DRAFT_VARIANTS)
+  raw = eagle3_lib.read_config(draft_dir)
+  if raw is not None:
+    cfg, params = eagle3_lib.load(draft_dir, target.config, raw)
+  else:
+    cfg, params = draft_io.load(draft_dir, target.config, variants=DRAFT_VARIANTS)
   kv_cache.check_format(target.runtime.k_format, cfg.head_dim, f"kv_dtype (draft {draft_dir})")
   kv_cache.check_format(target.runtime.v_format, cfg.head_dim, f"kv_dtype_v (draft {draft_dir})")
   return Draft(cfg, jax.device_put(params), draft_dir)
@@ -366,7 +381,7 @@ def resolve_config(draft: Optional[Draft], config: Optional[DecodeConfig] = None
                             has_draft=draft is not None)
   if dec.uses_draft and draft is None and not has_proposer:
     raise ValueError(f"mode={dec.mode!r} needs a draft (or a proposer)")
-  mtp = draft is not None and draft.is_mtp
+  mtp = draft is not None and draft.ar_draft
   dspark = not mtp and draft is not None and draft.config.dspark is not None
   if dspark and dec.block_size is not None and dec.block_size > draft.config.block_size + 1:
     raise ValueError(f"block_size={dec.block_size}: a DSpark draft of block_size="
@@ -380,8 +395,9 @@ def resolve_config(draft: Optional[Draft], config: Optional[DecodeConfig] = None
     dec = dataclasses.replace(dec, block_size=(
         16 if draft is None else draft.config.block_size + (1 if dspark else 0)))
   if mtp and dec.draft_window:
-    raise ValueError(f"draft_window={dec.draft_window}: the MTP block attends to every position "
-                     "(a full-attention layer); use draft_window=0 (the default with it)")
+    raise ValueError(f"draft_window={dec.draft_window}: the {'MTP block' if draft.is_mtp else 'EAGLE-3 draft'} "
+                     "attends to every position (a full-attention layer); use draft_window=0 "
+                     "(the default with it)")
   if mtp and dec.draft_window is None:
     dec = dataclasses.replace(dec, draft_window=0)
   if dec.draft_window is None:

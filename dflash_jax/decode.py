@@ -35,6 +35,7 @@ from dflash_jax import draft2 as draft2_lib
 from dflash_jax import dspark as dspark_lib
 from dflash_jax import grammar as grammar_lib
 from dflash_jax import layers
+from dflash_jax import eagle3 as eagle3_lib
 from dflash_jax import mtp as mtp_lib
 from dflash_jax import ngram as ngram_lib
 from dflash_jax import sampling as sampling_lib
@@ -66,9 +67,10 @@ class Plan:
     return self.dcfg is not None and self.dec.uses_draft
 
   @property
-  def is_mtp(self) -> bool:
-    """True when the draft is the target's own MTP block (mtp.py) rather than a DFlash draft."""
-    return self.prefill.is_mtp
+  def ar_draft(self) -> bool:
+    """True when the draft is autoregressive with a pending hidden state (the target's own MTP
+    block, mtp.py, or an EAGLE-3 draft, eagle3.py) rather than a DFlash block draft."""
+    return self.prefill.ar_draft
 
   @property
   def draft_relative(self) -> bool:
@@ -113,9 +115,10 @@ class PrefillPlan:
     return self.dcfg is not None
 
   @property
-  def is_mtp(self) -> bool:
-    """True when the chunk feeds the target's MTP block (mtp.py) rather than a DFlash draft."""
-    return isinstance(self.dcfg, mtp_lib.MTPConfig)
+  def ar_draft(self) -> bool:
+    """True when the chunk feeds an autoregressive draft's rows (the MTP block, mtp.py, or
+    EAGLE-3, eagle3.py) rather than a DFlash draft's context."""
+    return isinstance(self.dcfg, (mtp_lib.MTPConfig, eagle3_lib.Eagle3Config))
 
   @property
   def feature_layers(self) -> tuple[int, ...]:
@@ -149,9 +152,9 @@ class DecodeState:
       penalties' window; entries at negative positions are ignored).
     gstate: [] int32 the row's grammar state after the bonus token (a state of the batch's
       grammar.GrammarTables), or grammar.NO_GRAMMAR (-1) for an unconstrained row.
-    mtp_h: [D] float32 with an MTP draft (mtp.py): the target's normed hidden state of position
-      pos - 1, which the MTP block pairs with the bonus token (zeros before any prefill); else
-      None.
+    mtp_h: [D] float32 with an autoregressive draft: the target's normed hidden state of
+      position pos - 1, which the MTP block (mtp.py) pairs with the bonus token, or for EAGLE-3
+      (eagle3.py) the fc of that position's aux features (zeros before any prefill); else None.
   """
 
   out: jax.Array
@@ -188,7 +191,7 @@ def init_row(plan: Plan) -> DecodeState:
       key=jax.random.key(0), samp=sampling_lib.SamplingConfig().params(),
       finite=jnp.bool_(True), recent=jnp.zeros((sampling_lib.PENALTY_WINDOW,), jnp.int32),
       gstate=jnp.int32(grammar_lib.NO_GRAMMAR),
-      mtp_h=jnp.zeros((tcfg.d_model,), jnp.float32) if plan.is_mtp else None)
+      mtp_h=jnp.zeros((dcfg.d_model,), jnp.float32) if plan.ar_draft else None)
 
 
 def init_state(plan: Plan, batch: int = 1) -> DecodeState:
@@ -234,9 +237,8 @@ def _prefill_row(tparams, dparams, row: DecodeState, k_all, v_all, slot, tokens,
                            feature_layers=plan.feature_layers, kv_row=slot)
   dk = dv = None
   mtp_h = row.mtp_h
-  if plan.is_mtp:
-    dk, dv, mtp_h = mtp_lib.commit_rows(dparams, tparams, plan.tcfg, tokens, pre.feats, mtp_h,
-                                        start, n_valid, plan.rt)
+  if plan.ar_draft:
+    dk, dv, mtp_h = _ar_commit(dparams, tparams, plan, tokens, pre.feats, mtp_h, start, n_valid)
   elif plan.uses_draft:
     dk, dv = draft_lib.ingest_rows(dparams, plan.dcfg, pre.feats, start, plan.rt,
                                     rope_keys=not plan.draft_relative)
@@ -348,6 +350,25 @@ class Proposal:
   cache: Optional[draft_lib.DraftCache]
 
 
+def _ar_propose(dparams, tparams, dcfg, bonus, start, h_pending, cache, rt: Runtime, n: int,
+                draw=None):
+  """An autoregressive draft's n steps after the bonus token (`mtp.propose` for the MTP block,
+  `eagle3.propose` for EAGLE-3; dcfg: its MTPConfig / Eagle3Config; same arguments and returns)."""
+  if isinstance(dcfg, eagle3_lib.Eagle3Config):
+    return eagle3_lib.propose(dparams, tparams, dcfg, bonus, start, h_pending, cache, rt, n=n,
+                              draw=draw)
+  return mtp_lib.propose(dparams, tparams, dcfg.tcfg, bonus, start, h_pending, cache, rt, n=n,
+                         draw=draw)
+
+
+def _ar_commit(dparams, tparams, plan: "PrefillPlan", tokens, feats, h_pending, start, n_keep):
+  """An autoregressive draft's K/V rows of committed tokens and its next pending state
+  (`mtp.commit_rows` / `eagle3.commit_rows`: same arguments and returns)."""
+  lib = eagle3_lib if isinstance(plan.dcfg, eagle3_lib.Eagle3Config) else mtp_lib
+  cfg = plan.dcfg if lib is eagle3_lib else plan.tcfg
+  return lib.commit_rows(dparams, tparams, cfg, tokens, feats, h_pending, start, n_keep, plan.rt)
+
+
 def draft_rows(tparams, dparams, s: DecodeState, *, dcfg: DraftConfig, dec: DecodeConfig,
                rt: Runtime):
   """The DFlash draft's rows (one row's state): one block over the context cache (the target
@@ -356,9 +377,9 @@ def draft_rows(tparams, dparams, s: DecodeState, *, dcfg: DraftConfig, dec: Deco
   its candidates). Returns (logits [D, V] float32 for positions pos+1..pos+D, DraftCache),
   D = dec.draft_depth (L-1 for chain; min(budget, L-1) for DDTree). An MTP draft (mtp.py)
   runs the target's MTP block D times instead (`mtp.propose`; dparams: its MTPParams)."""
-  if isinstance(dcfg, mtp_lib.MTPConfig):
-    return mtp_lib.propose(dparams, tparams, dcfg.tcfg, s.bonus, s.pos, s.mtp_h, s.draft, rt,
-                           n=dec.draft_depth), s.draft
+  if isinstance(dcfg, (mtp_lib.MTPConfig, eagle3_lib.Eagle3Config)):
+    return _ar_propose(dparams, tparams, dcfg, s.bonus, s.pos, s.mtp_h, s.draft, rt,
+                       n=dec.draft_depth), s.draft
   return _propose_fn(dcfg)(dparams, dcfg, tparams.embed, tparams.lm_head, s.bonus, s.pos,
                            s.draft, rt, n_logits=dec.draft_depth)
 
@@ -415,7 +436,7 @@ def dflash_proposer(tparams, dparams, s: DecodeState, *, plan: "Plan", key: jax.
   """
   dcfg, dec = plan.dcfg, plan.dec
   mixing = table is not None and dec.table_mix > 0
-  if ((plan.is_mtp or dcfg.dspark is not None) and dec.mode == "chain" and grammar is None
+  if ((plan.ar_draft or dcfg.dspark is not None) and dec.mode == "chain" and grammar is None
       and not mixing and _uses_rejection(dec, sampled)):
     return _ancestral_chain(tparams, dparams, s, plan, key)
   if (dcfg.dspark is not None and dcfg.dspark.markov_rank and dec.mode == "ddtree"
@@ -452,9 +473,9 @@ def _ancestral_chain(tparams, dparams, s: DecodeState, plan: "Plan", key: jax.Ar
                     jnp.argmax(logits).astype(jnp.int32))
     return tok.astype(jnp.int32), q[0]
 
-  if plan.is_mtp:
-    tokens, q = mtp_lib.propose(dparams, tparams, plan.tcfg, s.bonus, s.pos, s.mtp_h, s.draft,
-                                plan.rt, n=plan.dec.draft_depth, draw=draw)
+  if plan.ar_draft:
+    tokens, q = _ar_propose(dparams, tparams, plan.dcfg, s.bonus, s.pos, s.mtp_h, s.draft,
+                            plan.rt, n=plan.dec.draft_depth, draw=draw)
   else:
     tokens, _, q, _, _ = dspark_lib.chain(dparams, plan.dcfg, tparams.embed, tparams.lm_head,
                                           s.bonus, s.pos, s.draft, plan.rt,
@@ -700,9 +721,9 @@ def _step(tparams, dparams, s: DecodeState, eog_ids, live_bound, rules, grammar,
                         live_bound=live_bound, invariant_rows=dec.invariant_rows)
   dk = dv = None
   mtp_h = s.mtp_h
-  if plan.is_mtp:           # the committed path's MTP rows, and the new pending state
-    dk, dv, mtp_h = mtp_lib.commit_rows(dparams, tparams, plan.tcfg, jnp.take(tree.tokens, c.path),
-                                        c.feats, mtp_h, s.pos, c.n_acc + 1, plan.rt)
+  if plan.ar_draft:         # the committed path's MTP / EAGLE-3 rows, and the new pending state
+    dk, dv, mtp_h = _ar_commit(dparams, tparams, plan.prefill, jnp.take(tree.tokens, c.path),
+                               c.feats, mtp_h, s.pos, c.n_acc + 1)
   elif plan.uses_draft:
     dk, dv = draft_lib.ingest_rows(dparams, plan.dcfg, c.feats, s.pos, plan.rt,
                                     rope_keys=not plan.draft_relative)
@@ -822,9 +843,9 @@ def decode_loop(tparams, dparams, state: DecodeState, max_steps: jax.Array, eog_
 def draft_once(tparams, dparams, state: DecodeState, slot: jax.Array, *, plan: Plan):
   """Draft logits [L-1, V] for row `slot` right after its prefill (no verify)."""
   row = jax.tree.map(lambda x: x[slot], state)
-  if plan.is_mtp:
-    return mtp_lib.propose(dparams, tparams, plan.tcfg, row.bonus, row.pos, row.mtp_h, row.draft,
-                           plan.rt, n=plan.dec.L - 1)
+  if plan.ar_draft:
+    return _ar_propose(dparams, tparams, plan.dcfg, row.bonus, row.pos, row.mtp_h, row.draft,
+                       plan.rt, n=plan.dec.L - 1)
   logits, _ = _propose_fn(plan.dcfg)(dparams, plan.dcfg, tparams.embed, tparams.lm_head,
                                      row.bonus, row.pos, row.draft, plan.rt)
   return logits

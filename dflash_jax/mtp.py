@@ -97,6 +97,11 @@ class MTPConfig:
     return (self.tcfg.n_layer - 1,)
 
   @property
+  def d_model(self) -> int:
+    """Width of the pending hidden state (DecodeState.mtp_h): the target's."""
+    return self.tcfg.d_model
+
+  @property
   def n_kv_head(self) -> int:
     return self.tcfg.n_kv_head
 

@@ -183,9 +183,14 @@ def attn_qkv(x, p: AttnParams, cfg: TargetConfig, pos, rope_freqs, rt: Runtime):
   """The attention sublayer's inputs (llama.cpp src/models/{llama,qwen3,qwen35}.cpp): x [T, D]
   the residual stream -> attn_norm -> q [T, H, Dh], k [T, Hkv, Dh] (q/k norms for qk_norm, RoPE at
   pos [T] int32), v [T, Hkv, Dv], gate [T, H*Dv] or None (qwen35's output gate) float32."""
-  t = x.shape[0]
+  return attn_heads(layers.rms_norm(x, p.norm, cfg.rms_eps), p, cfg, pos, rope_freqs, rt)
+
+
+def attn_heads(y, p: AttnParams, cfg: TargetConfig, pos, rope_freqs, rt: Runtime):
+  """`attn_qkv` after the attention norm: y [T, K] the normed input (K = D; an EAGLE-3 draft
+  layer's [T, 2D], eagle3.py) -> (q, k, v, gate) as attn_qkv (p.norm is not read)."""
+  t = y.shape[0]
   h, hkv, dh, dv = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.v_head_dim
-  y = layers.rms_norm(x, p.norm, cfg.rms_eps)
   q, k, v = layers.project(y, p.qkv, rt)
   if p.qkv_bias is not None:
     q, k, v = (a + b for a, b in zip((q, k, v), p.qkv_bias))

@@ -41,6 +41,39 @@ def draft_dir(name: str, tmp_path_factory) -> str:
   return str(d)
 
 
+def eagle3_dir(variant: str, tmp_path_factory, *, legacy: bool = False) -> str:
+  """tests/data/eagle3_tiny/<variant> as a draft directory: its config.json (the speculators
+  package's) with model.safetensors written from `make_eagle3_tiny.weights(variant)` (bfloat16
+  matrices, as checkpoints store them). legacy: the EAGLE / SpecForge format instead (a flat
+  LlamaForCausalLMEagle3 config, `midlayer.*` keys)."""
+  import importlib.util
+  import json
+  import ml_dtypes
+  from safetensors.numpy import save_file
+  spec = importlib.util.spec_from_file_location("make_eagle3_tiny",
+                                                os.path.join(DATA, "make_eagle3_tiny.py"))
+  maker = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(maker)
+  d = tmp_path_factory.mktemp(f"eagle3_{variant}{'_legacy' if legacy else ''}")
+  with open(os.path.join(DATA, "eagle3_tiny", variant, "config.json")) as fh:
+    cfg = json.load(fh)
+  arrays = {k: (a.astype(ml_dtypes.bfloat16) if a.dtype == np.float32 else a)
+            for k, a in maker.weights(variant).items()}
+  if legacy:
+    lc = cfg["transformer_layer_config"]
+    cfg = {**{k: v for k, v in lc.items() if k != "rope_parameters"},
+           "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": cfg["draft_vocab_size"],
+           "rope_theta": lc["rope_parameters"]["rope_theta"],
+           "rope_scaling": {k: v for k, v in lc["rope_parameters"].items() if k != "rope_theta"},
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids":
+                            cfg["eagle_aux_hidden_state_layer_ids"]}}
+    arrays = {k.replace("layers.0.", "midlayer."): a for k, a in arrays.items()}
+  with open(d / "config.json", "w") as fh:
+    json.dump(cfg, fh)
+  save_file(arrays, str(d / "model.safetensors"))
+  return str(d)
+
+
 def tiny_ref(name: str) -> dict:
   """tests/data/<name>/reference.npz as a dict of arrays."""
   return dict(np.load(os.path.join(DATA, name, "reference.npz")))
