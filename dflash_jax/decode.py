@@ -376,7 +376,8 @@ def draft_rows(tparams, dparams, s: DecodeState, *, dcfg: DraftConfig, dec: Deco
   (`draft.propose`) or DFlash-2 (`draft2.propose`: the selector's greedy path as log-probs over
   its candidates). Returns (logits [D, V] float32 for positions pos+1..pos+D, DraftCache),
   D = dec.draft_depth (L-1 for chain; min(budget, L-1) for DDTree). An MTP draft (mtp.py)
-  runs the target's MTP block D times instead (`mtp.propose`; dparams: its MTPParams)."""
+  runs the target's MTP block D times instead (`mtp.propose`; dparams: its MTPParams), an
+  EAGLE-3 draft its layer (`eagle3.propose`; dparams: its Eagle3Params)."""
   if isinstance(dcfg, (mtp_lib.MTPConfig, eagle3_lib.Eagle3Config)):
     return _ar_propose(dparams, tparams, dcfg, s.bonus, s.pos, s.mtp_h, s.draft, rt,
                        n=dec.draft_depth), s.draft

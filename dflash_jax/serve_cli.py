@@ -19,7 +19,7 @@ from dflash_jax import decode_flags, serve, target_flags
 _TF = target_flags.define()
 _DF = decode_flags.define()
 _DRAFT = flags.DEFINE_string("draft", None, "Draft directory (z-lab DFlash-1 / DFlash-2, "
-                             "DeepSpec DSpark), or 'mtp' (the "
+                             "DeepSpec DSpark, EAGLE-3), or 'mtp' (the "
                              "target GGUF's own multi-token-prediction block); default: the "
                              "checkpoints/ draft matching the target; 'none': autoregressive.")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")

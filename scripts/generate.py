@@ -25,8 +25,9 @@ _DF = decode_flags.define()
 flags.adopt_module_key_flags(target_flags)  # list them in --help
 flags.adopt_module_key_flags(decode_flags)
 _DRAFT = flags.DEFINE_string("draft", None, "Draft directory (config.json + "
-                             "model.safetensors: z-lab DFlash-1 / DFlash-2, or a DeepSpec DSpark "
-                             "draft), or 'mtp': the target GGUF's own multi-token-"
+                             "model.safetensors: z-lab DFlash-1 / DFlash-2, a DeepSpec DSpark "
+                             "draft, or an EAGLE-3 draft in the speculators or EAGLE / SpecForge "
+                             "format), or 'mtp': the target GGUF's own multi-token-"
                              "prediction block (Qwen3.5 files converted with it; --block_size = "
                              "1 + tokens drafted per step, default 4). Default: the checkpoints/ "
                              "draft matching the target, else autoregressive decoding. 'none' "
