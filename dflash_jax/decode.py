@@ -24,6 +24,7 @@ recompiling (continuous batching).
 from __future__ import annotations
 
 import dataclasses
+import math
 import functools
 from typing import Optional
 
@@ -361,6 +362,33 @@ def _ar_propose(dparams, tparams, dcfg, bonus, start, h_pending, cache, rt: Runt
                          draw=draw)
 
 
+def ar_tree(tparams, dparams, s: DecodeState, plan: "Plan") -> tree_lib.Tree:
+  """The DDTree of an autoregressive draft (the MTP block or EAGLE-3; one row): every node's
+  children come from a draft step on that node (`mtp.step` / `eagle3.step`: its own token, the
+  output its parent's step produced, attending to the committed rows and its own path's step
+  rows), grown best-first by `tree.build_tree_cond` (EAGLE-2's dynamic draft tree, scored as
+  DDTree: a node's score is the sum of its path's log-probs at dec.draft_temp). The top-1 chain
+  is the greedy chain `propose` drafts; a branch off it continues from its own state, not the
+  chain's. Each inserted node costs one draft step (budget + 1 in all, in sequence)."""
+  dcfg, dec = plan.dcfg, plan.dec
+  lib, cfg = ((eagle3_lib, dcfg) if isinstance(dcfg, eagle3_lib.Eagle3Config)
+              else (mtp_lib, plan.tcfg))
+  n, dm = dec.draft_depth, dcfg.d_model
+  kv_shape = (n, dcfg.n_kv_head, dcfg.head_dim)
+  kv = math.prod(kv_shape)
+
+  def child_fn(d, token, state):      # state: [g | path K | path V] of the node's parent
+    g, bk, bv = state[:dm], state[dm:dm + kv].reshape(kv_shape), state[dm + kv:].reshape(kv_shape)
+    logits, g, bk, bv = lib.step(dparams, tparams, cfg, token, g, d, s.pos, s.draft, bk, bv,
+                                 plan.rt)
+    return (jax.nn.log_softmax(logits / dec.draft_temp),
+            jnp.concatenate([g, bk.reshape(-1), bv.reshape(-1)]))
+
+  root = jnp.concatenate([s.mtp_h.astype(jnp.float32), jnp.zeros((2 * kv,), jnp.float32)])
+  return tree_lib.build_tree_cond(child_fn, s.bonus, root, depth=n, budget=dec.budget,
+                                  top_k=dec.tree_top_k, chain_seed=dec.chain_seed)
+
+
 def _ar_commit(dparams, tparams, plan: "PrefillPlan", tokens, feats, h_pending, start, n_keep):
   """An autoregressive draft's K/V rows of committed tokens and its next pending state
   (`mtp.commit_rows` / `eagle3.commit_rows`: same arguments and returns)."""
@@ -426,6 +454,8 @@ def dflash_proposer(tparams, dparams, s: DecodeState, *, plan: "Plan", key: jax.
   DSpark: a sampled chain drafts ancestrally (`_ancestral_chain`); DDTree with a Markov head grows
   each node's children from the head conditioned on that node's token (`dspark.tree`); otherwise
   the greedy Markov chain's rows, as DFlash-1's.
+  MTP block / EAGLE-3: a sampled chain drafts ancestrally; DDTree runs a draft step per node
+  (`ar_tree`); otherwise the greedy chain's rows.
   DFlash-2, chain without a grammar: the candidate selector's own path (`draft2.propose_path`),
   greedy, or for a row sampled under the rejection rule drawn ancestrally at the row's
   temperature with q = the selector's softmax over its candidates (the z-lab package's
@@ -440,6 +470,8 @@ def dflash_proposer(tparams, dparams, s: DecodeState, *, plan: "Plan", key: jax.
   if ((plan.ar_draft or dcfg.dspark is not None) and dec.mode == "chain" and grammar is None
       and not mixing and _uses_rejection(dec, sampled)):
     return _ancestral_chain(tparams, dparams, s, plan, key)
+  if plan.ar_draft and dec.mode == "ddtree" and grammar is None and not mixing:
+    return Proposal(ar_tree(tparams, dparams, s, plan), None, s.draft)
   if (dcfg.dspark is not None and dcfg.dspark.markov_rank and dec.mode == "ddtree"
       and grammar is None and not mixing):
     tree = dspark_lib.tree(dparams, dcfg, tparams.embed, tparams.lm_head, s.bonus, s.pos, s.draft,

@@ -473,42 +473,51 @@ def to_target_vocab(ep: Eagle3Params, logits: jax.Array, n_vocab: int) -> jax.Ar
   return full.at[..., ep.vocab].set(logits)
 
 
+def step(ep: Eagle3Params, tparams: TargetParams, cfg: Eagle3Config, token: jax.Array,
+         g: jax.Array, j: jax.Array, start: jax.Array, cache: DraftCache, bk: jax.Array,
+         bv: jax.Array, rt: Runtime):
+  """One draft step: feed (token [] int32, g [D]) at position start + j, attending to the cache
+  rows 1..start-1 and the step rows bk / bv [n, Hkv, Dh] of slots < j (this step's own K/V is
+  written at slot j). Returns (logits [V] float32 over the target vocabulary, -inf off the
+  draft's; the g the next step feeds [D]; bk, bv with slot j written)."""
+  lc = cfg.layer
+  visible = (jnp.arange(cache.k.shape[-2]) >= 1)[None]      # row 0 pairs x_0 with nothing
+  x, res = _inputs(ep, cfg, tparams.embed, token[None], g[None])
+  q, k, v, _ = _qkv(ep, cfg, x, (start + j)[None], rt)
+  bk = jax.lax.dynamic_update_index_in_dim(bk, kv_cache.roundtrip(cache.k.fmt, k)[0], j, 0)
+  bv = jax.lax.dynamic_update_index_in_dim(bv, kv_cache.roundtrip(cache.v.fmt, v)[0], j, 0)
+  slots = jnp.arange(bk.shape[0], dtype=jnp.int32)
+  o = layers.attention_live(q, cache.k, cache.v, 0, visible, start,
+                            local=(bk, bv, (slots <= j)[None]), dense=rt.dense)
+  h = res + target_lib.attn_out(o, None, ep.layer, rt)
+  h = h + target_lib.ffn(layers.rms_norm(h, ep.layer.ffn.norm, lc.rms_eps), ep.layer.ffn, lc, rt)
+  normed = layers.rms_norm(h, ep.norm, lc.rms_eps)
+  logits = to_target_vocab(ep, layers.linear(normed, ep.lm_head, rt)[0], cfg.n_vocab)
+  return logits, (normed[0] if cfg.norm_output else h[0]), bk, bv
+
+
 def propose(ep: Eagle3Params, tparams: TargetParams, cfg: Eagle3Config, bonus: jax.Array,
             start: jax.Array, g_pending: jax.Array, cache: DraftCache, rt: Runtime,
             n: int, draw=None):
   """n draft rows after the bonus token at position `start` (the committed length), as
-  `mtp.propose`: step j feeds (t_j, g_j) at position start + j (t_0 = bonus, g_0 = g_pending
-  [D]; then t_j = the token step j-1 chose, g_j = its layer output, normed with norm_output),
-  attending to the cache rows 1..start-1 and steps 0..j. The cache is only read.
+  `mtp.propose`: step j (`step`) feeds (t_j, g_j) at position start + j (t_0 = bonus, g_0 =
+  g_pending [D]; then t_j = the token step j-1 chose, g_j = its layer output, normed with
+  norm_output), attending to the cache rows 1..start-1 and steps 0..j. The cache is only read.
 
   draw: None: each step chooses its argmax; returns logits [n, V] float32 over the target
   vocabulary (-inf outside the draft's). Or a function (logits [V] float32, step j [] int32) ->
   (token [] int32, q [V] float32); returns (tokens [n] int32, q [n, V] float32)."""
-  lc = cfg.layer
-  hkv, dh = lc.n_kv_head, lc.head_dim
-  steps = jnp.arange(n, dtype=jnp.int32)
-  visible = (jnp.arange(cache.k.shape[-2]) >= 1)[None]      # row 0 pairs x_0 with nothing
+  hkv, dh = cfg.layer.n_kv_head, cfg.layer.head_dim
 
   def body(carry, j):
     tok, g, bk, bv = carry
-    x, res = _inputs(ep, cfg, tparams.embed, tok[None], g[None])
-    q, k, v, _ = _qkv(ep, cfg, x, (start + j)[None], rt)
-    bk = jax.lax.dynamic_update_index_in_dim(bk, kv_cache.roundtrip(cache.k.fmt, k)[0], j, 0)
-    bv = jax.lax.dynamic_update_index_in_dim(bv, kv_cache.roundtrip(cache.v.fmt, v)[0], j, 0)
-    o = layers.attention_live(q, cache.k, cache.v, 0, visible, start,
-                              local=(bk, bv, (steps <= j)[None]), dense=rt.dense)
-    h = res + target_lib.attn_out(o, None, ep.layer, rt)
-    h = h + target_lib.ffn(layers.rms_norm(h, ep.layer.ffn.norm, lc.rms_eps), ep.layer.ffn, lc,
-                           rt)
-    normed = layers.rms_norm(h, ep.norm, lc.rms_eps)
-    logits = to_target_vocab(ep, layers.linear(normed, ep.lm_head, rt)[0], cfg.n_vocab)
-    nxt_g = normed[0] if cfg.norm_output else h[0]
+    logits, g, bk, bv = step(ep, tparams, cfg, tok, g, j, start, cache, bk, bv, rt)
     if draw is None:
-      return (jnp.argmax(logits).astype(jnp.int32), nxt_g, bk, bv), logits
+      return (jnp.argmax(logits).astype(jnp.int32), g, bk, bv), logits
     nxt, qd = draw(logits, j)
-    return (nxt, nxt_g, bk, bv), (nxt, qd)
+    return (nxt, g, bk, bv), (nxt, qd)
 
   init = (jnp.asarray(bonus, jnp.int32), g_pending.astype(jnp.float32),
           jnp.zeros((n, hkv, dh), jnp.float32), jnp.zeros((n, hkv, dh), jnp.float32))
-  _, rows = jax.lax.scan(body, init, steps)
+  _, rows = jax.lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
   return rows

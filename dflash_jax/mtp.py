@@ -191,13 +191,36 @@ def commit_rows(mp: MTPParams, tparams: TargetParams, cfg: TargetConfig, tokens:
   return k, v, h[n_keep - 1]
 
 
+def step(mp: MTPParams, tparams: TargetParams, cfg: TargetConfig, token: jax.Array,
+         h: jax.Array, j: jax.Array, start: jax.Array, cache: DraftCache, bk: jax.Array,
+         bv: jax.Array, rt: Runtime):
+  """One block step: feed (token [] int32, h [D]) at position start + j, attending to the cache
+  rows < start and the step rows bk / bv [n, Hkv, Dh] of slots < j (this step's own K/V is
+  written at slot j). Returns (logits [V] float32; the block's output after head_norm [D], the h
+  the next step feeds; bk, bv with slot j written)."""
+  p = mp.layer
+  head = mp.head if mp.head is not None else tparams.lm_head
+  x = _fuse(mp, cfg, tparams.embed, token[None], h[None], rt)                  # [1, D]
+  q, k, v, gate = target_lib.attn_qkv(x, p, cfg, (start + j)[None], tparams.rope_freqs, rt)
+  bk = jax.lax.dynamic_update_index_in_dim(bk, kv_cache.roundtrip(cache.k.fmt, k)[0], j, 0)
+  bv = jax.lax.dynamic_update_index_in_dim(bv, kv_cache.roundtrip(cache.v.fmt, v)[0], j, 0)
+  slots = jnp.arange(bk.shape[0], dtype=jnp.int32)
+  o = layers.attention_live(q, cache.k, cache.v, 0, None, start,
+                            local=(bk, bv, (slots <= j)[None]), dense=rt.dense)
+  x = x + target_lib.attn_out(o, gate, p, rt)
+  x = x + target_lib.ffn(layers.rms_norm(x, p.ffn.norm, cfg.rms_eps), p.ffn, cfg, rt)
+  out = layers.rms_norm(x, mp.head_norm, cfg.rms_eps)
+  return layers.linear(out, head, rt)[0].astype(jnp.float32), out[0], bk, bv
+
+
 def propose(mp: MTPParams, tparams: TargetParams, cfg: TargetConfig, bonus: jax.Array,
             start: jax.Array, h_pending: jax.Array, cache: DraftCache, rt: Runtime,
             n: int, draw=None):
   """n draft rows after the bonus token at position `start` (the committed length): step j
-  feeds (t_j, g_j) at position start + j (t_0 = bonus, g_0 = h_pending [D], the normed target
-  hidden state of position start - 1; then t_j = the token step j-1 chose, g_j = its output
-  after head_norm), attending to the cache rows < start and steps 0..j. The cache is only read.
+  (`step`) feeds (t_j, g_j) at position start + j, with t_0 = bonus, g_0 = h_pending [D], the
+  normed target hidden state of position start - 1; then t_j = the token step j-1 chose, g_j =
+  its output after head_norm), attending to the cache rows < start and steps 0..j. The cache is
+  only read.
 
   draw: None: each step chooses its argmax; returns logits [n, V] float32 (row j: the
   distribution of position start + j + 1), the rows a chain or DDTree is built from. Or a
@@ -206,28 +229,16 @@ def propose(mp: MTPParams, tparams: TargetParams, cfg: TargetConfig, bonus: jax.
   condition on the drawn tokens); returns (tokens [n] int32, q [n, V] float32).
   """
   hkv, dh = cfg.n_kv_head, cfg.head_dim
-  p = mp.layer
-  head = mp.head if mp.head is not None else tparams.lm_head
-  steps = jnp.arange(n, dtype=jnp.int32)
 
   def body(carry, j):
     tok, g, bk, bv = carry
-    x = _fuse(mp, cfg, tparams.embed, tok[None], g[None], rt)                  # [1, D]
-    q, k, v, gate = target_lib.attn_qkv(x, p, cfg, (start + j)[None], tparams.rope_freqs, rt)
-    bk = jax.lax.dynamic_update_index_in_dim(bk, kv_cache.roundtrip(cache.k.fmt, k)[0], j, 0)
-    bv = jax.lax.dynamic_update_index_in_dim(bv, kv_cache.roundtrip(cache.v.fmt, v)[0], j, 0)
-    o = layers.attention_live(q, cache.k, cache.v, 0, None, start,
-                              local=(bk, bv, (steps <= j)[None]), dense=rt.dense)
-    x = x + target_lib.attn_out(o, gate, p, rt)
-    x = x + target_lib.ffn(layers.rms_norm(x, p.ffn.norm, cfg.rms_eps), p.ffn, cfg, rt)
-    out = layers.rms_norm(x, mp.head_norm, cfg.rms_eps)
-    logits = layers.linear(out, head, rt)[0].astype(jnp.float32)
+    logits, g, bk, bv = step(mp, tparams, cfg, tok, g, j, start, cache, bk, bv, rt)
     if draw is None:
-      return (jnp.argmax(logits).astype(jnp.int32), out[0], bk, bv), logits
+      return (jnp.argmax(logits).astype(jnp.int32), g, bk, bv), logits
     nxt, q = draw(logits, j)
-    return (nxt, out[0], bk, bv), (nxt, q)
+    return (nxt, g, bk, bv), (nxt, q)
 
   init = (jnp.asarray(bonus, jnp.int32), h_pending.astype(jnp.float32),
           jnp.zeros((n, hkv, dh), jnp.float32), jnp.zeros((n, hkv, dh), jnp.float32))
-  _, rows = jax.lax.scan(body, init, steps)
+  _, rows = jax.lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
   return rows

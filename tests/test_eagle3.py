@@ -180,6 +180,73 @@ def test_sampled_chain_matches_autoregressive(qwen_f32, tmp_path_factory, ref):
   assert ts._chi_square_p(samples, joint) > 1e-4
 
 
+def _ref_ar_tree(rows_fn, depth, budget, k, chain_seed=True):
+  """Independent reference of an autoregressive draft's best-first tree: enumerate every path
+  whose each step is among the top-k of the row the draft gives after that path (rows_fn(path)
+  -> logp [V], the draft run along the path), score = the sum of its log-probs; the tree = the
+  top-1 chain plus the best-scoring other paths. Returns {path tuple: score}."""
+  paths = {}
+
+  def walk(path, score):
+    if len(path) == depth:
+      return
+    lp = np.asarray(rows_fn(path), np.float64)
+    for c in np.argsort(-lp, kind="stable")[:k]:
+      p = path + (int(c),)
+      paths[p] = score + lp[c]
+      walk(p, paths[p])
+
+  walk((), 0.0)
+  chain = []
+  if chain_seed:
+    for _ in range(min(depth, budget)):
+      chain.append(max((p for p in paths if len(p) == len(chain) + 1
+                        and p[:-1] == (chain[-1] if chain else ())), key=lambda p: paths[p]))
+  rest = sorted((p for p in paths if p not in chain), key=lambda p: -paths[p])
+  return {p: paths[p] for p in chain + rest[:budget - len(chain)]}
+
+
+def check_ar_tree(target, draft, prompt, lib, cfg, *, depth=4, budget=9, top_k=3):
+  """decode.ar_tree (a draft step per node) = the enumeration of `_ref_ar_tree` over the draft's
+  rows along each path (lib.propose with the path's tokens forced): same paths, same scores
+  (relative 1e-4). lib / cfg: mtp and the target's config, or eagle3 and the draft's."""
+  from test_tree import _paths
+  dec = dj.api.resolve_config(draft, mode="ddtree", budget=budget, tree_top_k=top_k,
+                              block_size=depth + 1, max_ctx=96)
+  b = batching.SlotBatch(target, draft, dec, 1, jnp.asarray([-1], jnp.int32))
+  b.prefill(0, np.asarray(prompt, np.int32), 8, dj.SamplingConfig())
+  row = jax.tree.map(lambda x: x[0], b.state)
+  tree = jax.jit(decode.ar_tree, static_argnames="plan")(target.params, draft.params, row,
+                                                         plan=b.plan)
+
+  @jax.jit
+  def forced_rows(forced):
+    draw = lambda lg, j: (forced[j], jax.nn.log_softmax(lg))
+    return lib.propose(draft.params, target.params, cfg, row.bonus, row.pos, row.mtp_h,
+                       row.draft, target.runtime, n=forced.shape[0], draw=draw)[1]
+
+  want = _ref_ar_tree(lambda path: forced_rows(jnp.asarray(path + (0,), jnp.int32))[-1],
+                      depth, budget, top_k)
+  got = _paths(tree)
+  assert got == set(want) and len(got) == budget
+  toks, par, sc = (np.asarray(x) for x in (tree.tokens, tree.parents, tree.scores))
+  for i in range(1, budget + 1):
+    path, j = [], i
+    while j > 0:
+      path.append(int(toks[j]))
+      j = int(par[j])
+    assert abs(sc[i] - want[tuple(reversed(path))]) <= 1e-4 * max(1.0, abs(sc[i]))
+  return tree
+
+
+def test_tree_is_a_draft_step_per_node(e3, qwen_f32, ref):
+  """DDTree with an EAGLE-3 draft runs the draft on every node's own path (EAGLE-2's dynamic
+  tree): its paths and scores are the enumeration's over rows drafted along each path; some
+  branch leaves the greedy chain (so a rows tree would have scored it differently)."""
+  tree = check_ar_tree(qwen_f32, e3, ref["prompt_ids"][:12], eagle3, e3.config)
+  assert int(np.asarray(tree.depths).max()) >= 2
+
+
 def _edited(src, tmp_path, *, config=None, drop=(), add=None):
   """A copy of draft directory src with config.json fields replaced (a dict merged into the top
   level or, under key "layer", into transformer_layer_config) and tensors dropped / added."""

@@ -148,6 +148,14 @@ def test_greedy_output_equals_autoregressive(mtp_target, ref, mode, steps):
   assert np.mean(lens) > 1.3 and max(lens) >= 3
 
 
+def test_tree_is_a_block_step_per_node(mtp_target, mtp_draft, ref):
+  """DDTree with the MTP block runs the block on every node's own path (a real draft tree, not
+  the greedy chain's rows): its paths and scores are the enumeration's over the block's rows
+  drafted along each path (test_eagle3.check_ar_tree)."""
+  from test_eagle3 import check_ar_tree
+  check_ar_tree(mtp_target, mtp_draft, ref["tokens"][0, :12], mtp, mtp_target.config)
+
+
 def test_batched_rows_equal_alone(mtp_target, mtp_draft, ref):
   prompts = [ref["tokens"][0, :9], ref["tokens"][1, :15], ref["tokens"][0, 20:31]]
   kw = dict(max_ctx=96, eog_ids=(), mode="chain")
