@@ -68,6 +68,14 @@ class _Fields:
       self.fail(key, v, f"must be a finite number in ({lo}, {hi}]")
     return float(v)
 
+  def heads(self, key: str, kv_key: str) -> tuple[int, int]:
+    """(query heads, KV heads): the KV heads default to the query heads and must divide them."""
+    n = self.int(key, 1, MAX_DIM)
+    kv = self.int(kv_key, 1, n, default=n)
+    if n % kv:
+      self.fail(kv_key, kv, f"must divide {key}={n}")
+    return n, kv
+
   def int_list(self, key: str, lo: int, hi: int, default: Any = None) -> tuple[int, ...]:
     v = self.raw(key, default)
     if isinstance(v, (str, bytes, Mapping)) or not hasattr(v, "__iter__"):
@@ -183,10 +191,7 @@ class TargetConfig:
     n_nextn = m.int("nextn_predict_layers", 0, n_block - 1, default=0)
     n_layer = n_block - n_nextn
     d_model = m.int("embedding_length", 1, MAX_DIM)
-    n_head = m.int("attention.head_count", 1, MAX_DIM)
-    n_kv_head = m.int("attention.head_count_kv", 1, n_head, default=n_head)
-    if n_head % n_kv_head:
-      m.fail("attention.head_count_kv", n_kv_head, f"must divide attention.head_count={n_head}")
+    n_head, n_kv_head = m.heads("attention.head_count", "attention.head_count_kv")
     head_dim = m.int("attention.key_length", 1, MAX_DIM, default=max(d_model // n_head, 1))
     rope_dim = m.int("rope.dimension_count", 2, head_dim, default=head_dim)
     if rope_dim % 2:
@@ -468,10 +473,7 @@ class DraftConfig:
                    **{k: v for k, v in dfc.items() if v is not None}}, path, "draft config field")
     n_layer = top.int("num_hidden_layers", 1, MAX_LAYERS)
     d_model = top.int("hidden_size", 1, MAX_DIM)
-    n_head = top.int("num_attention_heads", 1, MAX_DIM)
-    n_kv_head = top.int("num_key_value_heads", 1, n_head, default=n_head)
-    if n_head % n_kv_head:
-      top.fail("num_key_value_heads", n_kv_head, f"must divide num_attention_heads={n_head}")
+    n_head, n_kv_head = top.heads("num_attention_heads", "num_key_value_heads")
     rope = cfg.get("rope_parameters")
     if cfg.get("rope_theta") is not None:
       rope_theta = top.number("rope_theta", 0.0, 1e30)

@@ -98,9 +98,9 @@ def expected_shapes(cfg: DraftConfig, d_target: int) -> dict[str, tuple[int, ...
   return shapes
 
 
-def params_from_arrays(arrays: dict[str, np.ndarray], cfg: DraftConfig, *,
-                       weight_fmt="bf16") -> draft_lib.DraftParams:
-  """Build DraftParams from z-lab-named arrays (host). Matrices keep `weight_fmt` ("bf16"/"f32")."""
+def readers(arrays: dict[str, np.ndarray], weight_fmt: str = "bf16"):
+  """(mat, vec): key -> a host QuantWeight of `weight_fmt` ("bf16" / "f32") for a matrix, key -> a
+  float32 host array for a vector (a checkpoint's arrays as the params pytrees hold them)."""
   import ml_dtypes
   dt = {"bf16": ml_dtypes.bfloat16, "f32": np.float32}[weight_fmt]
 
@@ -110,6 +110,14 @@ def params_from_arrays(arrays: dict[str, np.ndarray], cfg: DraftConfig, *,
 
   def vec(key):
     return np.asarray(arrays[key]).astype(np.float32)
+
+  return mat, vec
+
+
+def params_from_arrays(arrays: dict[str, np.ndarray], cfg: DraftConfig, *,
+                       weight_fmt="bf16") -> draft_lib.DraftParams:
+  """Build DraftParams from z-lab-named arrays (host). Matrices keep `weight_fmt` ("bf16"/"f32")."""
+  mat, vec = readers(arrays, weight_fmt)
 
   lay = []
   for i in range(cfg.n_layer):

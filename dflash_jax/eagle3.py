@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import draft_io, kv_cache, layers
+from dflash_jax import draft_io, kv_cache, layers, mtp
 from dflash_jax import target as target_lib
 from dflash_jax.config import MAX_DIM, MAX_LAYERS, TargetConfig, _Fields
 from dflash_jax.draft import DraftCache
@@ -213,10 +213,7 @@ def config_from_json(raw: dict, tcfg: TargetConfig, *, path: str = "?") -> Eagle
   if lc.get("mlp_bias"):
     f.fail("mlp_bias", lc.get("mlp_bias"), "MLP biases are not supported")
   d = f.int("hidden_size", 1, MAX_DIM)
-  n_head = f.int("num_attention_heads", 1, MAX_DIM)
-  n_kv = f.int("num_key_value_heads", 1, n_head, default=n_head)
-  if n_head % n_kv:
-    f.fail("num_key_value_heads", n_kv, f"must divide num_attention_heads={n_head}")
+  n_head, n_kv = f.heads("num_attention_heads", "num_key_value_heads")
   head_dim = f.int("head_dim", 2, MAX_DIM, default=max(d // n_head, 2))
   if head_dim % 2:
     f.fail("head_dim", head_dim, "must be even (RoPE rotates pairs)")
@@ -307,7 +304,6 @@ def load(draft_dir: str, tcfg: TargetConfig, raw: Optional[dict] = None, *,
   Matrices keep `weight_fmt` ("bf16" / "f32"). Raises FileNotFoundError, or ValueError naming
   the file and the field or tensor (a missing, misshapen or unused tensor, a d2t that maps
   outside the target vocabulary or twice onto one id, a pytorch_model.bin-only checkpoint)."""
-  import ml_dtypes
   cfg_path = os.path.join(draft_dir, "config.json")
   raw = raw if raw is not None else read_config(draft_dir)
   if raw is None:
@@ -376,14 +372,7 @@ def load(draft_dir: str, tcfg: TargetConfig, raw: Optional[dict] = None, *,
         raise ValueError(f"{st_path}: tensors 't2d' and 'd2t' disagree (t2d marks "
                          f"{int(t2d.sum())} ids, d2t maps {vd})")
     vocab = ids.astype(np.int32)
-  dt = {"bf16": ml_dtypes.bfloat16, "f32": np.float32}[weight_fmt]
-
-  def mat(key):
-    a = np.asarray(arrays[key])
-    return QuantWeight(a.astype(dt), weight_fmt, tuple(int(x) for x in a.shape))
-
-  def vec(key):
-    return np.asarray(arrays[key]).astype(np.float32)
+  mat, vec = draft_io.readers(arrays, weight_fmt)
 
   p = prefix + "self_attn."
   layer = AttnParams(
@@ -507,17 +496,6 @@ def propose(ep: Eagle3Params, tparams: TargetParams, cfg: Eagle3Config, bonus: j
   draw: None: each step chooses its argmax; returns logits [n, V] float32 over the target
   vocabulary (-inf outside the draft's). Or a function (logits [V] float32, step j [] int32) ->
   (token [] int32, q [V] float32); returns (tokens [n] int32, q [n, V] float32)."""
-  hkv, dh = cfg.layer.n_kv_head, cfg.layer.head_dim
-
-  def body(carry, j):
-    tok, g, bk, bv = carry
-    logits, g, bk, bv = step(ep, tparams, cfg, tok, g, j, start, cache, bk, bv, rt)
-    if draw is None:
-      return (jnp.argmax(logits).astype(jnp.int32), g, bk, bv), logits
-    nxt, qd = draw(logits, j)
-    return (nxt, g, bk, bv), (nxt, qd)
-
-  init = (jnp.asarray(bonus, jnp.int32), g_pending.astype(jnp.float32),
-          jnp.zeros((n, hkv, dh), jnp.float32), jnp.zeros((n, hkv, dh), jnp.float32))
-  _, rows = jax.lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
-  return rows
+  return mtp.chain_steps(lambda tok, g, j, bk, bv: step(ep, tparams, cfg, tok, g, j, start, cache,
+                                                        bk, bv, rt),
+                         bonus, g_pending, (n, cfg.n_kv_head, cfg.head_dim), draw)

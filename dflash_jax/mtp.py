@@ -228,17 +228,26 @@ def propose(mp: MTPParams, tparams: TargetParams, cfg: TargetConfig, bonus: jax.
   step's token, e.g. a draw from the processed distribution q (ancestral sampling: later steps
   condition on the drawn tokens); returns (tokens [n] int32, q [n, V] float32).
   """
-  hkv, dh = cfg.n_kv_head, cfg.head_dim
+  return chain_steps(lambda tok, h, j, bk, bv: step(mp, tparams, cfg, tok, h, j, start, cache,
+                                                    bk, bv, rt),
+                     bonus, h_pending, (n, cfg.n_kv_head, cfg.head_dim), draw)
 
+
+def chain_steps(step_fn, bonus: jax.Array, h: jax.Array, kv_shape: tuple[int, int, int],
+                draw=None):
+  """n = kv_shape[0] chained steps of an autoregressive draft (`step` here, `eagle3.step`):
+  step_fn(token [] int32, h [D], j [] int32, bk, bv [n, Hkv, Dh]) -> (logits [V] float32, the
+  h the next step feeds, bk, bv with slot j written); step 0 feeds (bonus, h), step j the token
+  step j-1 chose (its argmax, or `draw`'s) and its h. Returns what `propose` returns."""
   def body(carry, j):
     tok, g, bk, bv = carry
-    logits, g, bk, bv = step(mp, tparams, cfg, tok, g, j, start, cache, bk, bv, rt)
+    logits, g, bk, bv = step_fn(tok, g, j, bk, bv)
     if draw is None:
       return (jnp.argmax(logits).astype(jnp.int32), g, bk, bv), logits
     nxt, q = draw(logits, j)
     return (nxt, g, bk, bv), (nxt, q)
 
-  init = (jnp.asarray(bonus, jnp.int32), h_pending.astype(jnp.float32),
-          jnp.zeros((n, hkv, dh), jnp.float32), jnp.zeros((n, hkv, dh), jnp.float32))
-  _, rows = jax.lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
+  init = (jnp.asarray(bonus, jnp.int32), h.astype(jnp.float32),
+          jnp.zeros(kv_shape, jnp.float32), jnp.zeros(kv_shape, jnp.float32))
+  _, rows = jax.lax.scan(body, init, jnp.arange(kv_shape[0], dtype=jnp.int32))
   return rows

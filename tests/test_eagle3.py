@@ -122,7 +122,8 @@ def test_greedy_output_equals_autoregressive(e3, qwen_f32, ref, mode, block):
     assert sum(sp.accept_lens) == 19 and max(sp.accept_lens) <= (block or 4)
 
 
-def test_batched_rows_equal_alone(e3, qwen_f32, ref):
+def test_batched_rows_equal_alone(qwen_f32, ref, tmp_path_factory):
+  e3 = dj.load_draft(eagle3_dir("llama3", tmp_path_factory), qwen_f32)
   p = ref["prompt_ids"]
   prompts = [p[:9], p[:15], p[5:17]]
   rows = dj.generate_batch(qwen_f32, e3, prompts, max_new_tokens=[10, 14, 5], batch_size=2,

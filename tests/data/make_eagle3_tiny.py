@@ -32,7 +32,6 @@ speculators==0.9.0 (pip install --no-deps speculators plus its import-time depen
 """
 
 import argparse
-import json
 import os
 import shutil
 import tempfile
