@@ -459,8 +459,9 @@ def dflash_proposer(tparams, dparams, s: DecodeState, *, plan: "Plan", key: jax.
   DFlash-2, chain without a grammar: the candidate selector's own path (`draft2.propose_path`),
   greedy, or for a row sampled under the rejection rule drawn ancestrally at the row's
   temperature with q = the selector's softmax over its candidates (the z-lab package's
-  sampling); DDTree and grammar-constrained chains use the selector's rows (its greedy path's
-  scores as log-probs over the candidates) like DFlash-1's.
+  sampling); DDTree scores each node's children with that node as their predecessor
+  (`draft2.tree`); grammar-constrained chains (and rows mixed with an n-gram table) use the
+  selector's rows (its greedy path's scores as log-probs over the candidates) like DFlash-1's.
   key: [] PRNG key for the draws. grammar: the batch's GrammarTables or None. table: the static
   n-gram table the rows are mixed with when dec.table_mix > 0 (`ngram.mix_rows`; DFlash-2 then
   builds from its rows too), else unused.
@@ -472,6 +473,11 @@ def dflash_proposer(tparams, dparams, s: DecodeState, *, plan: "Plan", key: jax.
     return _ancestral_chain(tparams, dparams, s, plan, key)
   if plan.ar_draft and dec.mode == "ddtree" and grammar is None and not mixing:
     return Proposal(ar_tree(tparams, dparams, s, plan), None, s.draft)
+  if dcfg.dflash2 is not None and dec.mode == "ddtree" and grammar is None and not mixing:
+    tree = draft2_lib.tree(dparams, dcfg, tparams.embed, tparams.lm_head, s.bonus, s.pos, s.draft,
+                           plan.rt, depth=dec.draft_depth, budget=dec.budget,
+                           top_k=dec.tree_top_k, chain_seed=dec.chain_seed, temp=dec.draft_temp)
+    return Proposal(tree, None, s.draft)
   if (dcfg.dspark is not None and dcfg.dspark.markov_rank and dec.mode == "ddtree"
       and grammar is None and not mixing):
     tree = dspark_lib.tree(dparams, dcfg, tparams.embed, tparams.lm_head, s.bonus, s.pos, s.draft,

@@ -15,8 +15,9 @@ the same `draft.DraftCache`, ring buffer included), and adds:
     bigram term between the previously chosen token and each candidate, gated by the row's
     hidden state; greedy (argmax) or sampled at T > 0 (returning q over the candidates).
 
-`propose` gives the decode loop the selector's path and scores in DFlash-1's proposal form
-(`decode.dflash_proposer` picks it by the draft config). Checked against the z-lab package's
+`propose` gives the decode loop the selector's path and scores in DFlash-1's proposal form, and
+`tree` a DDTree whose every node's children are scored with that node's own token as their
+predecessor (`decode.dflash_proposer` picks them by the draft config and mode). Checked against the z-lab package's
 reference arrays (tests/test_dflash2.py).
 """
 
@@ -29,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax import layers
+from dflash_jax import tree as tree_lib
 from dflash_jax.config import DraftConfig
 from dflash_jax.draft import (ConvParams, DraftCache, DraftParams, _block_attention, _context, _kv,
                              _queries, context_rope, packed_positions)
@@ -342,3 +344,27 @@ def propose(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: 
   rows = jnp.arange(sel.scores.shape[0])[:, None]
   out = jnp.full((rows.shape[0], cfg.n_vocab), NOT_PROPOSED, jnp.float32)
   return out.at[rows, sel.candidates].set(logp)[:n], cache
+
+
+def tree(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, lm_head: QuantWeight,
+         bonus: jax.Array, start: jax.Array, cache: DraftCache, rt: Runtime, *, depth: int,
+         budget: int, top_k: int, chain_seed: bool = True, temp: float = 1.0) -> tree_lib.Tree:
+  """A DDTree over one DFlash-2 block whose every node's children are the next row's candidates
+  scored by the selector with that node's own token as their predecessor (`select`'s score
+  unary + sum_r pred[token, r] g[r] succ[cand, r]; log_softmax(score / temp) over the row's k
+  candidates, NOT_PROPOSED elsewhere), grown best-first by `tree.build_tree_cond`. The top-1
+  chain is the selector's greedy path (`propose_path`); a branch off it is scored with its own
+  predecessor, where the rows tree (`propose`) scores every node with the greedy path's.
+  depth: static, 1..L-1 rows. Returns the tree (bonus at the root)."""
+  ex = params.dflash2
+  hidden = propose_hidden(params, cfg, embed, bonus, start, cache, rt)[1:depth + 1]
+  unary, cand = jax.lax.top_k(draft_logits(hidden, lm_head, cfg, rt), cfg.dflash2.selector_top_k)
+  g = layers.linear(hidden, ex.sel_proj, rt)                               # [depth, R]
+
+  def child_fn(d, token, state):
+    score = unary[d] + (ex.pred[token] * g[d]) @ ex.succ[cand[d]].T        # [k]
+    row = jnp.full((cfg.n_vocab,), NOT_PROPOSED, jnp.float32)
+    return row.at[cand[d]].set(jax.nn.log_softmax(score / temp)), state
+
+  return tree_lib.build_tree_cond(child_fn, jnp.asarray(bonus, jnp.int32), jnp.zeros((1,)),
+                                  depth=depth, budget=budget, top_k=top_k, chain_seed=chain_seed)

@@ -255,8 +255,10 @@ def config_from_json(raw: dict, tcfg: TargetConfig, *, path: str = "?") -> Eagle
                      f"increasing ids in [1, {n}] for a target of {n} layers (id i: the "
                      f"hidden state entering layer i; 0, the embedding output, is not read)")
   steps = DEFAULT_STEPS
-  methods = (raw.get("speculators_config") or {}).get("proposal_methods") or []
-  if methods and isinstance(methods[0], Mapping) and methods[0].get("speculative_tokens"):
+  sc = raw.get("speculators_config")
+  methods = (sc.get("proposal_methods") if isinstance(sc, Mapping) else None) or []
+  if (isinstance(methods, list) and methods and isinstance(methods[0], Mapping)
+      and methods[0].get("speculative_tokens")):
     steps = _Fields(methods[0], path, "EAGLE-3 proposal field").int("speculative_tokens", 1,
                                                                     MAX_STEPS)
   flags = {k: bool(raw.get(k, False)) for k in ("norm_before_residual", "norm_before_fc",

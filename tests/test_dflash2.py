@@ -208,6 +208,51 @@ def test_decode_with_dflash2_equals_greedy_and_package(qwen_f32, d2_draft, ref2)
   np.testing.assert_array_equal(np.asarray(first).argmax(-1), ref2["draft_tokens"])
 
 
+@pytest.mark.parametrize("chain_seed", [True, False])
+def test_tree_scores_children_with_their_own_predecessor(qwen_f32, d2, ref2, chain_seed):
+  """draft2.tree (DDTree mode) = an enumeration of the best top-3 paths whose every row is the
+  selector's (`select` on that row with the node's own token as predecessor); its top-1 chain is
+  the selector's greedy path, and it differs from the tree over the greedy path's rows (where
+  every branch is scored with the path's predecessors)."""
+  from dflash_jax import tree as tree_lib
+  from test_dspark import _ref_cond_tree
+  from test_tree import _paths
+  cfg, params = d2
+  t, rt = qwen_f32, qwen_f32.runtime
+  feats = ref2["target_hidden"]
+  start, bonus = feats.shape[0], int(ref2["block_ids"][0])
+  cache = _ingest(qwen_f32, cfg, params, feats)
+  depth, budget, k = 4, 9, 3
+  args = (params, cfg, t.params.embed, t.params.lm_head, jnp.int32(bonus), jnp.int32(start),
+          cache, rt)
+  got = draft2.tree(*args, depth=depth, budget=budget, top_k=k, chain_seed=chain_seed)
+  hidden = draft2.propose_hidden(params, cfg, t.params.embed, jnp.int32(bonus),
+                                 jnp.int32(start), cache, rt)[1:]
+  logits = draft2.draft_logits(hidden, t.params.lm_head, cfg, rt)
+  row_sel = jax.jit(lambda d, tok: draft2.select(
+      params, cfg, jax.lax.dynamic_slice_in_dim(hidden, d, 1),
+      jax.lax.dynamic_slice_in_dim(logits, d, 1), tok, rt))
+  memo = {}
+
+  def rows_fn(d, tok):
+    if (d, tok) not in memo:
+      sel = row_sel(jnp.int32(d), jnp.int32(tok))
+      row = np.full(cfg.n_vocab, draft2.NOT_PROPOSED, np.float64)
+      row[np.asarray(sel.candidates[0])] = np.asarray(jax.nn.log_softmax(sel.scores[0]))
+      memo[d, tok] = row
+    return memo[d, tok]
+
+  want = _ref_cond_tree(rows_fn, bonus, depth, budget, k, chain_seed)
+  assert _paths(got) == want and len(want) == budget
+  path_tokens = np.asarray(draft2.propose_path(*args, n=depth)[0])
+  if chain_seed:                                    # the seeded top-1 chain: the greedy path
+    assert tuple(int(x) for x in path_tokens) in want
+  rows, _ = draft2.propose(*args, n_logits=depth)
+  rows_tree = tree_lib.build_tree(jax.nn.log_softmax(rows), jnp.int32(bonus), budget=budget,
+                                  top_k=k, chain_seed=chain_seed)
+  assert _paths(rows_tree) != want
+
+
 def test_oracle_acceptance_lengths_of_the_package(qwen_f32, ref2):
   """The fixture's oracle run (the true continuation with row oracle_pattern[i % 7] wrong):
   acceptance lengths [4, 1, 8, 16, 2, 6, 2] reproduced exactly, output == greedy."""
