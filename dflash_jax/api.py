@@ -82,7 +82,7 @@ class Draft:
   def ar_draft(self) -> bool:
     """True for a draft that runs one step per draft token with a pending hidden state (the MTP
     block, or EAGLE-3: eagle3.py); any block size works with it."""
-    return isinstance(self.config, (mtp_lib.MTPConfig, eagle3_lib.Eagle3Config))
+    return isinstance(self.config, decode_lib.AR_CONFIGS)
 
 
 WEIGHTS = ("auto", "quantized", "f32", "bf16")
@@ -381,24 +381,24 @@ def resolve_config(draft: Optional[Draft], config: Optional[DecodeConfig] = None
                             has_draft=draft is not None)
   if dec.uses_draft and draft is None and not has_proposer:
     raise ValueError(f"mode={dec.mode!r} needs a draft (or a proposer)")
-  mtp = draft is not None and draft.ar_draft
-  dspark = not mtp and draft is not None and draft.config.dspark is not None
+  ar = draft is not None and draft.ar_draft
+  dspark = not ar and draft is not None and draft.config.dspark is not None
   if dspark and dec.block_size is not None and dec.block_size > draft.config.block_size + 1:
     raise ValueError(f"block_size={dec.block_size}: a DSpark draft of block_size="
                      f"{draft.config.block_size} proposes at most {draft.config.block_size} "
                      f"tokens a step (block_size <= {draft.config.block_size + 1})")
-  if (not mtp and not dspark and draft is not None
+  if (not ar and not dspark and draft is not None
       and dec.block_size not in (None, draft.config.block_size)):
     raise ValueError(f"block_size={dec.block_size} differs from the draft's block_size="
                      f"{draft.config.block_size}")
   if dec.block_size is None:
     dec = dataclasses.replace(dec, block_size=(
         16 if draft is None else draft.config.block_size + (1 if dspark else 0)))
-  if mtp and dec.draft_window:
+  if ar and dec.draft_window:
     raise ValueError(f"draft_window={dec.draft_window}: the {'MTP block' if draft.is_mtp else 'EAGLE-3 draft'} "
                      "attends to every position (a full-attention layer); use draft_window=0 "
                      "(the default with it)")
-  if mtp and dec.draft_window is None:
+  if ar and dec.draft_window is None:
     dec = dataclasses.replace(dec, draft_window=0)
   if dec.draft_window is None:
     # Every layer windowed: nothing past its window is read anyway; else the full layers' 4096.

@@ -24,8 +24,8 @@ recompiling (continuous batching).
 from __future__ import annotations
 
 import dataclasses
-import math
 import functools
+import math
 from typing import Optional
 
 import jax
@@ -44,6 +44,18 @@ from dflash_jax import target as target_lib
 from dflash_jax import tree as tree_lib
 from dflash_jax.config import DecodeConfig, DraftConfig, TargetConfig
 from dflash_jax.runtime import Runtime
+
+
+# Autoregressive drafts with a pending hidden state: one draft step per drafted token.
+AR_CONFIGS = (mtp_lib.MTPConfig, eagle3_lib.Eagle3Config)
+
+
+def _ar(dcfg):
+  """(module, config its functions take) of an autoregressive draft: (eagle3, its Eagle3Config)
+  or (mtp, the target's TargetConfig its MTPConfig carries)."""
+  if isinstance(dcfg, eagle3_lib.Eagle3Config):
+    return eagle3_lib, dcfg
+  return mtp_lib, dcfg.tcfg
 
 
 @jax.tree_util.register_static
@@ -119,7 +131,7 @@ class PrefillPlan:
   def ar_draft(self) -> bool:
     """True when the chunk feeds an autoregressive draft's rows (the MTP block, mtp.py, or
     EAGLE-3, eagle3.py) rather than a DFlash draft's context."""
-    return isinstance(self.dcfg, (mtp_lib.MTPConfig, eagle3_lib.Eagle3Config))
+    return isinstance(self.dcfg, AR_CONFIGS)
 
   @property
   def feature_layers(self) -> tuple[int, ...]:
@@ -355,11 +367,8 @@ def _ar_propose(dparams, tparams, dcfg, bonus, start, h_pending, cache, rt: Runt
                 draw=None):
   """An autoregressive draft's n steps after the bonus token (`mtp.propose` for the MTP block,
   `eagle3.propose` for EAGLE-3; dcfg: its MTPConfig / Eagle3Config; same arguments and returns)."""
-  if isinstance(dcfg, eagle3_lib.Eagle3Config):
-    return eagle3_lib.propose(dparams, tparams, dcfg, bonus, start, h_pending, cache, rt, n=n,
-                              draw=draw)
-  return mtp_lib.propose(dparams, tparams, dcfg.tcfg, bonus, start, h_pending, cache, rt, n=n,
-                         draw=draw)
+  lib, cfg = _ar(dcfg)
+  return lib.propose(dparams, tparams, cfg, bonus, start, h_pending, cache, rt, n=n, draw=draw)
 
 
 def ar_tree(tparams, dparams, s: DecodeState, plan: "Plan") -> tree_lib.Tree:
@@ -371,8 +380,7 @@ def ar_tree(tparams, dparams, s: DecodeState, plan: "Plan") -> tree_lib.Tree:
   is the greedy chain `propose` drafts; a branch off it continues from its own state, not the
   chain's. Each inserted node costs one draft step (budget + 1 in all, in sequence)."""
   dcfg, dec = plan.dcfg, plan.dec
-  lib, cfg = ((eagle3_lib, dcfg) if isinstance(dcfg, eagle3_lib.Eagle3Config)
-              else (mtp_lib, plan.tcfg))
+  lib, cfg = _ar(dcfg)
   n, dm = dec.draft_depth, dcfg.d_model
   kv_shape = (n, dcfg.n_kv_head, dcfg.head_dim)
   kv = math.prod(kv_shape)
@@ -392,8 +400,7 @@ def ar_tree(tparams, dparams, s: DecodeState, plan: "Plan") -> tree_lib.Tree:
 def _ar_commit(dparams, tparams, plan: "PrefillPlan", tokens, feats, h_pending, start, n_keep):
   """An autoregressive draft's K/V rows of committed tokens and its next pending state
   (`mtp.commit_rows` / `eagle3.commit_rows`: same arguments and returns)."""
-  lib = eagle3_lib if isinstance(plan.dcfg, eagle3_lib.Eagle3Config) else mtp_lib
-  cfg = plan.dcfg if lib is eagle3_lib else plan.tcfg
+  lib, cfg = _ar(plan.dcfg)
   return lib.commit_rows(dparams, tparams, cfg, tokens, feats, h_pending, start, n_keep, plan.rt)
 
 
@@ -406,7 +413,7 @@ def draft_rows(tparams, dparams, s: DecodeState, *, dcfg: DraftConfig, dec: Deco
   D = dec.draft_depth (L-1 for chain; min(budget, L-1) for DDTree). An MTP draft (mtp.py)
   runs the target's MTP block D times instead (`mtp.propose`; dparams: its MTPParams), an
   EAGLE-3 draft its layer (`eagle3.propose`; dparams: its Eagle3Params)."""
-  if isinstance(dcfg, (mtp_lib.MTPConfig, eagle3_lib.Eagle3Config)):
+  if isinstance(dcfg, AR_CONFIGS):
     return _ar_propose(dparams, tparams, dcfg, s.bonus, s.pos, s.mtp_h, s.draft, rt,
                        n=dec.draft_depth), s.draft
   return _propose_fn(dcfg)(dparams, dcfg, tparams.embed, tparams.lm_head, s.bonus, s.pos,
@@ -473,16 +480,12 @@ def dflash_proposer(tparams, dparams, s: DecodeState, *, plan: "Plan", key: jax.
     return _ancestral_chain(tparams, dparams, s, plan, key)
   if plan.ar_draft and dec.mode == "ddtree" and grammar is None and not mixing:
     return Proposal(ar_tree(tparams, dparams, s, plan), None, s.draft)
-  if dcfg.dflash2 is not None and dec.mode == "ddtree" and grammar is None and not mixing:
-    tree = draft2_lib.tree(dparams, dcfg, tparams.embed, tparams.lm_head, s.bonus, s.pos, s.draft,
-                           plan.rt, depth=dec.draft_depth, budget=dec.budget,
-                           top_k=dec.tree_top_k, chain_seed=dec.chain_seed, temp=dec.draft_temp)
-    return Proposal(tree, None, s.draft)
-  if (dcfg.dspark is not None and dcfg.dspark.markov_rank and dec.mode == "ddtree"
-      and grammar is None and not mixing):
-    tree = dspark_lib.tree(dparams, dcfg, tparams.embed, tparams.lm_head, s.bonus, s.pos, s.draft,
-                           plan.rt, depth=dec.draft_depth, budget=dec.budget,
-                           top_k=dec.tree_top_k, chain_seed=dec.chain_seed, temp=dec.draft_temp)
+  cond_tree = (draft2_lib.tree if dcfg.dflash2 is not None else
+               dspark_lib.tree if dcfg.dspark is not None and dcfg.dspark.markov_rank else None)
+  if cond_tree is not None and dec.mode == "ddtree" and grammar is None and not mixing:
+    tree = cond_tree(dparams, dcfg, tparams.embed, tparams.lm_head, s.bonus, s.pos, s.draft,
+                     plan.rt, depth=dec.draft_depth, budget=dec.budget, top_k=dec.tree_top_k,
+                     chain_seed=dec.chain_seed, temp=dec.draft_temp)
     return Proposal(tree, None, s.draft)
   if dcfg.dflash2 is None or grammar is not None or dec.mode != "chain" or mixing:
     return _ROWS_PROPOSER(tparams, dparams, s, plan=plan, key=key, sampled=sampled,

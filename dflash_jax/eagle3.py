@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import draft_io, kv_cache, layers, mtp
+from dflash_jax import draft_io, layers, mtp
 from dflash_jax import target as target_lib
 from dflash_jax.config import MAX_DIM, MAX_LAYERS, TargetConfig, _Fields
 from dflash_jax.draft import DraftCache
@@ -475,11 +475,7 @@ def step(ep: Eagle3Params, tparams: TargetParams, cfg: Eagle3Config, token: jax.
   visible = (jnp.arange(cache.k.shape[-2]) >= 1)[None]      # row 0 pairs x_0 with nothing
   x, res = _inputs(ep, cfg, tparams.embed, token[None], g[None])
   q, k, v, _ = _qkv(ep, cfg, x, (start + j)[None], rt)
-  bk = jax.lax.dynamic_update_index_in_dim(bk, kv_cache.roundtrip(cache.k.fmt, k)[0], j, 0)
-  bv = jax.lax.dynamic_update_index_in_dim(bv, kv_cache.roundtrip(cache.v.fmt, v)[0], j, 0)
-  slots = jnp.arange(bk.shape[0], dtype=jnp.int32)
-  o = layers.attention_live(q, cache.k, cache.v, 0, visible, start,
-                            local=(bk, bv, (slots <= j)[None]), dense=rt.dense)
+  o, bk, bv = mtp.attend_step(q, k, v, j, start, cache, bk, bv, rt, mask=visible)
   h = res + target_lib.attn_out(o, None, ep.layer, rt)
   h = h + target_lib.ffn(layers.rms_norm(h, ep.layer.ffn.norm, lc.rms_eps), ep.layer.ffn, lc, rt)
   normed = layers.rms_norm(h, ep.norm, lc.rms_eps)

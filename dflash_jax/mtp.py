@@ -191,6 +191,20 @@ def commit_rows(mp: MTPParams, tparams: TargetParams, cfg: TargetConfig, tokens:
   return k, v, h[n_keep - 1]
 
 
+def attend_step(q: jax.Array, k: jax.Array, v: jax.Array, j: jax.Array, start: jax.Array,
+                cache: DraftCache, bk: jax.Array, bv: jax.Array, rt: Runtime, mask=None):
+  """The attention of draft step j of an autoregressive draft (`step` here, `eagle3.step`): q [1,
+  H, Dh] over the cache rows < start (and `mask` [1, S] bool, None: all of them) and the step
+  rows of slots <= j, after writing this step's k, v [1, Hkv, Dh] at slot j of bk / bv [n, Hkv,
+  Dh] as the cache would return them. Returns (o [1, H, Dh] float32, bk, bv)."""
+  bk = jax.lax.dynamic_update_index_in_dim(bk, kv_cache.roundtrip(cache.k.fmt, k)[0], j, 0)
+  bv = jax.lax.dynamic_update_index_in_dim(bv, kv_cache.roundtrip(cache.v.fmt, v)[0], j, 0)
+  slots = jnp.arange(bk.shape[0], dtype=jnp.int32)
+  o = layers.attention_live(q, cache.k, cache.v, 0, mask, start,
+                            local=(bk, bv, (slots <= j)[None]), dense=rt.dense)
+  return o, bk, bv
+
+
 def step(mp: MTPParams, tparams: TargetParams, cfg: TargetConfig, token: jax.Array,
          h: jax.Array, j: jax.Array, start: jax.Array, cache: DraftCache, bk: jax.Array,
          bv: jax.Array, rt: Runtime):
@@ -202,11 +216,7 @@ def step(mp: MTPParams, tparams: TargetParams, cfg: TargetConfig, token: jax.Arr
   head = mp.head if mp.head is not None else tparams.lm_head
   x = _fuse(mp, cfg, tparams.embed, token[None], h[None], rt)                  # [1, D]
   q, k, v, gate = target_lib.attn_qkv(x, p, cfg, (start + j)[None], tparams.rope_freqs, rt)
-  bk = jax.lax.dynamic_update_index_in_dim(bk, kv_cache.roundtrip(cache.k.fmt, k)[0], j, 0)
-  bv = jax.lax.dynamic_update_index_in_dim(bv, kv_cache.roundtrip(cache.v.fmt, v)[0], j, 0)
-  slots = jnp.arange(bk.shape[0], dtype=jnp.int32)
-  o = layers.attention_live(q, cache.k, cache.v, 0, None, start,
-                            local=(bk, bv, (slots <= j)[None]), dense=rt.dense)
+  o, bk, bv = attend_step(q, k, v, j, start, cache, bk, bv, rt)
   x = x + target_lib.attn_out(o, gate, p, rt)
   x = x + target_lib.ffn(layers.rms_norm(x, p.ffn.norm, cfg.rms_eps), p.ffn, cfg, rt)
   out = layers.rms_norm(x, mp.head_norm, cfg.rms_eps)
