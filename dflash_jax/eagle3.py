@@ -497,3 +497,178 @@ def propose(ep: Eagle3Params, tparams: TargetParams, cfg: Eagle3Config, bonus: j
   return mtp.chain_steps(lambda tok, g, j, bk, bv: step(ep, tparams, cfg, tok, g, j, start, cache,
                                                         bk, bv, rt),
                          bonus, g_pending, (n, cfg.n_kv_head, cfg.head_dim), draw)
+
+
+# ----------------------------------------------------------------------------- training
+
+def config_json(tcfg: TargetConfig, *, d_ff: Optional[int] = None, draft_tokens: int = DEFAULT_STEPS,
+                aux_ids: Optional[tuple[int, ...]] = None, draft_vocab_size: Optional[int] = None,
+                norm_before_residual: bool = True, norm_before_fc: bool = True,
+                verifier: str = "") -> dict:
+  """The speculators-format config.json (a dict) of a fresh one-layer EAGLE-3 draft for this
+  target, as `save` writes it and `config_from_json` reads it: hidden size, heads and RoPE theta
+  the target's (so the draft reads the target's token embedding, never stored), a llama layer
+  (qwen3 for a target with q/k norms), d_ff (default the target's), aux ids (HF convention, default
+  vLLM's (2, n/2, n-3)), draft_vocab_size (default the whole vocabulary), speculative_tokens =
+  draft_tokens. norm_before_residual / norm_before_fc: the speculators flags (both on by default:
+  the residual and the fc input are normed, which keeps a short training run stable whatever the
+  scale of the target's residual streams). Raises ValueError for an invalid size (via
+  `config_from_json`)."""
+  n = tcfg.n_layer
+  lc = {"model_type": "qwen3" if tcfg.qk_norm else "llama", "num_hidden_layers": 1,
+        "hidden_size": tcfg.d_model, "intermediate_size": int(d_ff or tcfg.d_ff),
+        "num_attention_heads": tcfg.n_head, "num_key_value_heads": tcfg.n_kv_head,
+        "head_dim": tcfg.head_dim, "hidden_act": "silu", "rms_norm_eps": float(tcfg.rms_eps),
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(tcfg.rope_theta)},
+        "vocab_size": tcfg.n_vocab, "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": False}
+  raw = {"architectures": [SPECULATORS[1]], "speculators_model_type": "eagle3",
+         "speculators_config": {
+             "algorithm": "eagle3", "default_proposal_method": "greedy",
+             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": draft_tokens,
+                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+             "verifier": {"architectures": [], "name_or_path": verifier or None}},
+         "draft_vocab_size": int(draft_vocab_size or tcfg.n_vocab),
+         "eagle_aux_hidden_state_layer_ids": list(aux_ids or (2, n // 2, n - 3)),
+         "target_hidden_size": tcfg.d_model, "embed_requires_grad": False,
+         "tie_word_embeddings": False, "norm_before_residual": bool(norm_before_residual),
+         "norm_before_fc": bool(norm_before_fc), "fc_norm": False, "norm_output": False,
+         "transformer_layer_config": lc}
+  config_from_json(raw, tcfg, path="<new EAGLE-3 draft>")
+  return raw
+
+
+def init_params(key: jax.Array, cfg: Eagle3Config, tparams: TargetParams, vocab: np.ndarray,
+                *, std: float = 0.02, norm_scale: float = 0.1) -> Eagle3Params:
+  """Fresh float32 weights of a draft for `config_json`'s config: matrices N(0, std) (HF's
+  initializer_range), norms one, the lm_head the target's output rows of the draft vocabulary
+  `vocab` ([Vd] int32 target ids, sorted) and the final norm norm_scale x the target's output
+  norm (the draft reads out through the target's own head, starting with soft logits; 0: ones,
+  as the DFlash trainer's --init_norm_scale). Returns Eagle3Params with vocab None (the
+  trainer passes the vocabulary beside the trainable weights; `save` writes it as d2t)."""
+  from dflash_jax.quants import dequantize
+  lc = cfg.layer
+  d, h, hkv, dh = lc.d_model, lc.n_head, lc.n_kv_head, lc.head_dim
+  n_aux = len(cfg.target_layer_ids)
+  d_t = tparams.out_norm.shape[0]
+  shapes = {"fc": (d, n_aux * d_t), "q": (h * dh, 2 * d), "k": (hkv * dh, 2 * d),
+            "v": (hkv * dh, 2 * d), "o": (d, h * dh), "gate": (lc.d_ff, d), "up": (lc.d_ff, d),
+            "down": (d, lc.d_ff)}
+  keys = dict(zip(shapes, jax.random.split(key, len(shapes))))
+  m = {n: QuantWeight(np.asarray(std * jax.random.normal(keys[n], s, jnp.float32)), "f32", s)
+       for n, s in shapes.items()}
+  ones = lambda n: np.ones((n,), np.float32)
+  head = np.asarray(dequantize(tparams.lm_head, jnp.float32))[np.asarray(vocab)]
+  layer = AttnParams(
+      norm=None, qkv=layers.Projections.separate([m["q"], m["k"], m["v"]]), wo=m["o"],
+      q_norm=ones(dh) if lc.qk_norm else None, k_norm=ones(dh) if lc.qk_norm else None,
+      ffn=FFNParams(norm=ones(d), gate_up=layers.Projections.separate([m["gate"], m["up"]]),
+                    down=m["down"]),
+      qkv_bias=None)
+  return Eagle3Params(
+      fc=m["fc"], fc_in_norm=ones(n_aux * d_t) if cfg.norm_before_fc else None,
+      fc_norms=np.ones((n_aux, d_t), np.float32) if cfg.fc_norm else None,
+      embed_norm=ones(d), hidden_norm=ones(d), layer=layer,
+      norm=(norm_scale * np.asarray(tparams.out_norm, np.float32) if norm_scale > 0
+            else np.ones((d,), np.float32)),
+      lm_head=QuantWeight(head.astype(np.float32), "f32", head.shape))
+
+
+def params_to_arrays(ep: Eagle3Params, vocab: np.ndarray, n_vocab: int) -> dict[str, np.ndarray]:
+  """The speculators-format tensors of a one-layer draft (`layers.0.*`, fc / norm / lm_head,
+  d2t and t2d when the draft vocabulary `vocab` [Vd] is smaller than n_vocab) as host float32
+  arrays (int64 d2t, bool t2d), the inverse of `load`."""
+  dense = lambda w: np.asarray(w.data, np.float32)
+  q, k, v = ep.layer.qkv.member_weights()
+  gate, up = ep.layer.ffn.gate_up.member_weights()
+  p = "layers.0."
+  out = {"fc.weight": dense(ep.fc), "norm.weight": np.asarray(ep.norm, np.float32),
+         "lm_head.weight": dense(ep.lm_head),
+         p + "input_layernorm.weight": np.asarray(ep.embed_norm, np.float32),
+         p + "hidden_norm.weight": np.asarray(ep.hidden_norm, np.float32),
+         p + "post_attention_layernorm.weight": np.asarray(ep.layer.ffn.norm, np.float32),
+         p + "self_attn.q_proj.weight": dense(q), p + "self_attn.k_proj.weight": dense(k),
+         p + "self_attn.v_proj.weight": dense(v), p + "self_attn.o_proj.weight": dense(ep.layer.wo),
+         p + "mlp.gate_proj.weight": dense(gate), p + "mlp.up_proj.weight": dense(up),
+         p + "mlp.down_proj.weight": dense(ep.layer.ffn.down)}
+  if ep.layer.q_norm is not None:
+    out[p + "self_attn.q_norm.weight"] = np.asarray(ep.layer.q_norm, np.float32)
+    out[p + "self_attn.k_norm.weight"] = np.asarray(ep.layer.k_norm, np.float32)
+  if ep.fc_in_norm is not None:
+    out["input_norm.weight"] = np.asarray(ep.fc_in_norm, np.float32)
+  if ep.fc_norms is not None:
+    for i, w in enumerate(np.asarray(ep.fc_norms, np.float32)):
+      out[f"fc_norm.{i}.weight"] = w
+  vocab = np.asarray(vocab, np.int64)
+  if vocab.size != n_vocab:
+    out["d2t"] = vocab - np.arange(vocab.size, dtype=np.int64)
+    t2d = np.zeros(n_vocab, bool)
+    t2d[vocab] = True
+    out["t2d"] = t2d
+  return out
+
+
+def save(out_dir: str, ep: Eagle3Params, raw: dict, vocab: np.ndarray, n_vocab: int, *,
+         extra: Optional[dict] = None):
+  """Write a speculators-format EAGLE-3 draft: config.json (`raw`, from `config_json`; extra
+  stored under "dflash_jax") + model.safetensors (bf16 weights, int64 d2t, bool t2d), each
+  written to a temporary file and renamed. `load` (and vLLM's speculators reader) reads it."""
+  from safetensors.numpy import save_file
+  import ml_dtypes
+  os.makedirs(out_dir, exist_ok=True)
+  arrays = {k: (a if k in ("d2t", "t2d") else a.astype(ml_dtypes.bfloat16))
+            for k, a in params_to_arrays(ep, vocab, n_vocab).items()}
+  tmp = os.path.join(out_dir, "model.safetensors.tmp")
+  save_file(arrays, tmp, metadata={"format": "pt"})
+  os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
+  conf = dict(raw, dflash_jax=extra) if extra else dict(raw)
+  tmp = os.path.join(out_dir, "config.json.tmp")
+  with open(tmp, "w") as fh:
+    json.dump(conf, fh, indent=2)
+  os.replace(tmp, os.path.join(out_dir, "config.json"))
+
+
+def ttt_hidden(ep: Eagle3Params, tparams: TargetParams, cfg: Eagle3Config, tokens: jax.Array,
+               feats: jax.Array, n_steps: int, rt: Runtime) -> jax.Array:
+  """Training-time test (EAGLE-3's TTT, as the speculators and SpecForge trainers unroll it):
+  every position q of a sequence starts a chain at once, and step j of each chain runs what
+  `propose` runs at start = q with the true tokens forced (t_j = tokens[q + j]): its input is
+  (tokens[q + j], the previous step's output; g_{q-1} for step 0) at position q + j, and it
+  attends to the step-0 rows of positions 1..q (the committed rows; row 0 has no predecessor)
+  and to its own chain's rows of steps 1..j. Step 0 is the committed rows' own pass.
+
+  tokens: [T + n_steps] int32 (the sequence, padded: step j reads tokens[j:j + T]); feats:
+  [T, F*Dt] float32 the target's aux features (`target_layer_ids`). Returns [n_steps, T, D]
+  float32, the normed outputs whose lm_head rows are step j's logits of tokens[q + j + 1]."""
+  lc = cfg.layer
+  t = feats.shape[0]
+  g = fuse_features(ep, cfg, feats, lc.rms_eps, rt)
+  h = jnp.concatenate([jnp.zeros_like(g[:1]), g[:-1]])            # g_{q-1}
+  pos = jnp.arange(t, dtype=jnp.int32)
+  ok = (pos[None, :] <= pos[:, None]) & (pos[None, :] >= 1)        # [T(query), T(key)]
+  hkv, grp, dh = lc.n_kv_head, lc.n_head // lc.n_kv_head, lc.head_dim
+  hi = jax.lax.Precision.HIGHEST
+  outs, diag_k, diag_v = [], [], []
+  for j in range(n_steps):
+    x, res = _inputs(ep, cfg, tparams.embed, tokens[j:j + t], h)
+    q, k, v, _ = _qkv(ep, cfg, x, pos + j, rt)
+    q = q.reshape(t, hkv, grp, dh) * (dh ** -0.5)
+    if j == 0:
+      k0, v0 = k, v
+    else:
+      diag_k.append(k)
+      diag_v.append(v)
+    s = jnp.einsum("tgrd,sgd->tgrs", q, k0, precision=hi)
+    s = jnp.where(ok[:, None, None], s, -1e30)                     # finite: row 0 sees nothing
+    sd = [jnp.einsum("tgrd,tgd->tgr", q, kd, precision=hi)[..., None] for kd in diag_k]
+    p = jax.nn.softmax(jnp.concatenate([s] + sd, axis=-1), axis=-1)
+    o = jnp.einsum("tgrs,sgd->tgrd", p[..., :t], v0, precision=hi)
+    for i, vd in enumerate(diag_v):
+      o = o + p[..., t + i, None] * vd[:, :, None]
+    hh = res + target_lib.attn_out(o.reshape(t, lc.n_head, dh), None, ep.layer, rt)
+    hh = hh + target_lib.ffn(layers.rms_norm(hh, ep.layer.ffn.norm, lc.rms_eps), ep.layer.ffn,
+                             lc, rt)
+    normed = layers.rms_norm(hh, ep.norm, lc.rms_eps)
+    outs.append(normed)
+    h = normed if cfg.norm_output else hh
+  return jnp.stack(outs)

@@ -1,7 +1,14 @@
-"""Train a DFlash draft for a GGUF target on token shards, with target features computed online.
+"""Train a DFlash (or EAGLE-3) draft for a GGUF target on token shards, with target features
+computed online.
 
   python scripts/gen_data.py --data_dir checkpoints/train_data/smollm2-135m-instruct --minutes 60
   python scripts/train_draft.py --out_dir /tmp/draft_run --steps 2000
+  python scripts/train_draft.py --variant eagle3 --out_dir /tmp/eagle3_run --steps 2000
+
+--variant eagle3 trains a one-layer EAGLE-3 draft in the speculators format instead
+(train/eagle3_objective.py: training-time test over --draft_tokens steps, cross-entropy over a
+--draft_vocab_size vocabulary plus the same KL term, --gamma decaying the steps' weights); its
+held-out figure is bench.py's chain acceptance length, decoded.
 
 Data: token-id shards made by `scripts/gen_data.py` (the target's own responses, batched;
 --data_dirs, several allowed). Each step draws --batch sequences (a function of --seed and the
@@ -34,11 +41,25 @@ _INIT = flags.DEFINE_string("init_checkpoint", None, "Start from this z-lab draf
                             "layer ids and mask token replace the draft flags below; the "
                             "optimizer starts fresh). A run with train_state.npz in --out_dir "
                             "resumes from that instead.")
-_VARIANT = flags.DEFINE_enum("variant", "dflash1", ["dflash1", "dflash2"], "Draft architecture: "
-                             "DFlash-1 (z-lab DFlashDraftModel) or DFlash-2 (DFlash2DraftModel: "
-                             "dynamic convolutions and a candidate selector). With "
+_VARIANT = flags.DEFINE_enum("variant", "dflash1", ["dflash1", "dflash2", "eagle3"],
+                             "Draft architecture: DFlash-1 (z-lab DFlashDraftModel), DFlash-2 "
+                             "(DFlash2DraftModel: dynamic convolutions and a candidate selector) or "
+                             "EAGLE-3 (a one-layer autoregressive draft in the speculators format, "
+                             "trained with training-time test over --draft_tokens steps). With "
                              "--init_checkpoint of a DFlash-1 draft, dflash2 keeps its weights and "
-                             "adds identity convolutions and a fresh selector.")
+                             "adds identity convolutions and a fresh selector; an EAGLE-3 "
+                             "--init_checkpoint selects eagle3.")
+_DRAFT_TOKENS = flags.DEFINE_integer("draft_tokens", 3, "EAGLE-3: draft tokens per decode step, the "
+                                     "training-time-test steps trained (a fresh draft).",
+                                     lower_bound=1)
+_DRAFT_VOCAB = flags.DEFINE_integer("draft_vocab_size", 8192, "EAGLE-3: draft vocabulary, the ids "
+                                    "most frequent in the training responses (a fresh draft).",
+                                    lower_bound=1)
+_DRAFT_FFN = flags.DEFINE_integer("draft_ffn", None, "EAGLE-3: the draft layer's MLP width (a fresh "
+                                  "draft; default the target's).", lower_bound=1)
+_AUX_IDS = flags.DEFINE_list("eagle_aux_ids", None, "EAGLE-3: eagle_aux_hidden_state_layer_ids (HF "
+                             "convention, id i = the hidden state entering target layer i; a "
+                             "fresh draft; default vLLM's 2, n/2, n-3).")
 _CONV_K = flags.DEFINE_integer("conv_kernel", 3, "DFlash-2: convolution taps K.")
 _CONV_G = flags.DEFINE_integer("conv_group", 64, "DFlash-2: channels per dynamic-tap group.")
 _SEL_RANK = flags.DEFINE_integer("selector_rank", 32, "DFlash-2: selector codebook rank.")
@@ -157,6 +178,13 @@ def _eval(target, cfg, params, held) -> dict:
   decoding) and, under kind + "_p_offset", the acceptance rate at block offsets 1..8."""
   from dflash_jax.train import heldout, objective
   out: dict = {}
+  if isinstance(params, tuple):          # EAGLE-3: (trainable weights, draft vocabulary)
+    import dataclasses
+    import jax.numpy as jnp
+    import dflash_jax as dj
+    from dflash_jax.train import eagle3_objective
+    d = dj.Draft(cfg, dataclasses.replace(params[0], vocab=jnp.asarray(params[1])), "training")
+    return {kind: eagle3_objective.held_out_accept(target, d, seqs) for kind, seqs in held.items()}
   if cfg.dflash2 is not None:            # the selector is not in the teacher-forced pass
     import numpy as np
     import dflash_jax as dj
@@ -175,6 +203,41 @@ def _eval(target, cfg, params, held) -> dict:
   return out
 
 
+def _eagle3_draft(target, seqs, path: str):
+  """(raw config.json, Eagle3Config, trainable float32 Eagle3Params with vocab None, draft
+  vocabulary [Vd] int32) of the EAGLE-3 draft to train: --init_checkpoint's, or a fresh one from
+  the flags (`eagle3.config_json`, `eagle3.init_params`, the vocabulary from the data)."""
+  import dataclasses
+  import jax
+  import numpy as np
+  from dflash_jax import eagle3
+  from dflash_jax.train import eagle3_objective
+  tcfg = target.config
+  if _INIT.value:
+    raw = eagle3.read_config(_INIT.value)
+    raw.pop("dflash_jax", None)
+    cfg, ep = eagle3.load(_INIT.value, tcfg, raw, weight_fmt="f32")
+    vocab = (np.asarray(ep.vocab) if ep.vocab is not None
+             else np.arange(tcfg.n_vocab, dtype=np.int32))
+    if ep.rope_freqs is not None:
+      raise app.UsageError(f"--init_checkpoint {_INIT.value}: an EAGLE-3 draft with llama3 rope "
+                           f"scaling is not trained here (its frequency table would be a "
+                           f"trainable tensor)")
+    return raw, cfg, dataclasses.replace(ep, vocab=None), vocab
+  try:
+    raw = eagle3.config_json(
+        tcfg, d_ff=_DRAFT_FFN.value, draft_tokens=_DRAFT_TOKENS.value,
+        aux_ids=tuple(int(x) for x in _AUX_IDS.value) if _AUX_IDS.value else None,
+        draft_vocab_size=_DRAFT_VOCAB.value, verifier=os.path.basename(path))
+  except ValueError as e:
+    raise app.UsageError(f"--variant=eagle3 flags: {e}") from None
+  cfg = eagle3.config_from_json(raw, tcfg)
+  vocab = eagle3_objective.draft_vocab(seqs, tcfg.n_vocab, _DRAFT_VOCAB.value)
+  ep = eagle3.init_params(jax.random.key(_SEED.value), cfg, target.params, vocab,
+                          norm_scale=_INIT_NORM.value)
+  return raw, cfg, ep, vocab
+
+
 def main(argv):
   del argv
   import dataclasses
@@ -189,8 +252,25 @@ def main(argv):
   deadline = t_start + 60 * _MINUTES.value if _MINUTES.value else None
   path = _TARGET.value or cli.default_target_path()
   target = dj.load_target(path, weights="f32")
+  for d in _DATA.value:
+    if not os.path.exists(os.path.join(d, "manifest.json")):
+      raise app.UsageError(f"--data_dirs: {d} holds no token shards (manifest.json); make them "
+                           "with scripts/gen_data.py")
+  seqs = train.read_shards(_DATA.value, target.config.n_vocab)
+  from dflash_jax import eagle3
   init = None
-  if _INIT.value:
+  ttt = _VARIANT.value == "eagle3" or bool(_INIT.value and eagle3.read_config(_INIT.value))
+  e3 = None
+  if ttt:
+    if _VARIANT.value == "dflash2":
+      raise app.UsageError(f"--variant=dflash2 with the EAGLE-3 --init_checkpoint {_INIT.value}")
+    if _RESTRICT.value or _OFFSETS.value or _PACK.value:
+      raise app.UsageError("--restrict_vocab, --loss_offsets and --pack are DFlash options; an "
+                           "EAGLE-3 draft trains every step over its own draft vocabulary, one "
+                           "sequence per row")
+    e3 = _eagle3_draft(target, seqs, path)
+    cfg, init = e3[1], e3[2]
+  elif _INIT.value:
     cfg, p0 = draft_io.load(_INIT.value, target.config, variants=dj.api.DRAFT_VARIANTS)
     if cfg.dspark is not None:
       raise app.UsageError(f"--init_checkpoint {_INIT.value} is a DSpark draft "
@@ -204,14 +284,10 @@ def main(argv):
         raise app.UsageError(f"--draft_layers with --init_checkpoint {_INIT.value}: {e}") from None
   else:
     cfg = _draft_config(target)
-  cfg, init = _as_variant(cfg, init, _SEED.value)
+  if not ttt:
+    cfg, init = _as_variant(cfg, init, _SEED.value)
   if _RESTRICT.value and cfg.dflash2 is not None:
     raise app.UsageError("--restrict_vocab is for DFlash-1 drafts (--variant=dflash1)")
-  for d in _DATA.value:
-    if not os.path.exists(os.path.join(d, "manifest.json")):
-      raise app.UsageError(f"--data_dirs: {d} holds no token shards (manifest.json); make them "
-                           "with scripts/gen_data.py")
-  seqs = train.read_shards(_DATA.value, target.config.n_vocab)
   n_resp = sum(s.response.size for s in seqs)
   print(f"[train] {len(seqs)} sequences, {n_resp} response tokens from {_DATA.value}",
         file=sys.stderr)
@@ -233,7 +309,7 @@ def main(argv):
                          length_buckets=buckets, pack=_PACK.value)
   out_norm = (_INIT_NORM.value * np.asarray(target.params.out_norm, np.float32)
               if _INIT_NORM.value > 0 else None)
-  if init is None:
+  if init is None and not ttt:
     init = draft_io.init_params(jax.random.key(_SEED.value), cfg, target.config.d_model,
                                 weight_fmt="f32", out_norm=out_norm)
   st = train.init_state(init, train.make_optimizer(tc))
@@ -255,14 +331,18 @@ def main(argv):
            "n_sequences": len(seqs), "n_response_tokens": int(n_resp)}
 
   def save():
-    draft_io.save(_OUT.value, st.params, cfg, extra=dict(extra, steps=st.step))
+    if ttt:
+      eagle3.save(_OUT.value, st.params, e3[0], e3[3], target.config.n_vocab,
+                  extra=dict(extra, steps=st.step))
+    else:
+      draft_io.save(_OUT.value, st.params, cfg, extra=dict(extra, steps=st.step))
     st.save(state_path)
     with open(log_path + ".tmp", "w") as fh:
       json.dump(log, fh)
     os.replace(log_path + ".tmp", log_path)
 
   def evaluate():
-    e = dict(_eval(target, cfg, st.params, held_out), step=st.step,
+    e = dict(_eval(target, cfg, (st.params, e3[3]) if ttt else st.params, held_out), step=st.step,
              train_tokens=log["tokens_seen"])
     log["evals"].append(e)
     tqdm.write(f"[train] step {st.step}: held-out acceptance {e}", file=sys.stderr)
@@ -292,7 +372,7 @@ def main(argv):
   fit_from = None                       # (step, time) after the first, compiling, chunk
   while st.step < st.last_step(tc):
     st = train.train(target, cfg, seqs, tc, st, until=st.step + 10, mesh=mesh, step_fn=step_fn,
-                     on_metrics=on_metrics, on_step=on_step)
+                     on_metrics=on_metrics, on_step=on_step, vocab_ids=e3[3] if ttt else None)
     now = time.perf_counter()
     if deadline is not None and now > deadline:
       break

@@ -15,9 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dflash_jax import eagle3
 from dflash_jax.config import DraftConfig
 from dflash_jax.runtime import Runtime
-from dflash_jax.train import objective
+from dflash_jax.train import eagle3_objective, objective
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +203,10 @@ def step_batch(tc: TrainConfig, cfg: DraftConfig, seqs: Sequence, step: int,
     raise ValueError(f"step_batch: plan made for pack={not tc.pack}, TrainConfig has "
                      f"pack={tc.pack}")
   rng = np.random.default_rng([tc.seed, step])
+  ttt = isinstance(cfg, eagle3.Eagle3Config)
   if tc.pack:
+    if ttt:
+      raise ValueError("TrainConfig.pack: EAGLE-3 drafts train on one sequence per row")
     rows = objective.pack_rows(rng, plan.lengths, tc.batch, tc.seq_len)
     return objective.make_packed_batch(rng, [[seqs[i] for i in r] for r in rows], cfg,
                                        seq_len=tc.seq_len, n_anchors=tc.anchors,
@@ -212,13 +216,27 @@ def step_batch(tc: TrainConfig, cfg: DraftConfig, seqs: Sequence, step: int,
   g = int(rng.choice(len(groups), p=counts / counts.sum())) if len(groups) > 1 else 0
   size, members = groups[g]
   pick = members[rng.choice(members.size, size=tc.batch, replace=members.size < tc.batch)]
+  if ttt:
+    return eagle3_objective.make_seq_batch(rng, [seqs[i] for i in pick], seq_len=size,
+                                           n_steps=cfg.block_size - 1)
   return objective.make_batch(rng, [seqs[i] for i in pick], cfg, seq_len=size,
                               n_anchors=tc.anchors, mask_token_id=cfg.mask_token_id)
 
 
 def make_step(target, cfg: DraftConfig, tc: TrainConfig, mesh=None):
   """The jitted train step for this target, draft config and TrainConfig (objective.make_train_step
-  with the TrainConfig's optimizer, loss weights, kl_weight and compute dtype)."""
+  with the TrainConfig's optimizer, loss weights, kl_weight and compute dtype; for an
+  eagle3.Eagle3Config, eagle3_objective.make_train_step over its block_size - 1 draft steps).
+  Raises ValueError for loss_offsets or restrict_vocab with an EAGLE-3 draft (its loss covers
+  every step, over its own draft vocabulary)."""
+  if isinstance(cfg, eagle3.Eagle3Config):
+    if tc.loss_offsets or tc.restrict_vocab:
+      raise ValueError("TrainConfig.loss_offsets / restrict_vocab are DFlash options; an EAGLE-3 "
+                       "draft trains every step over its own draft vocabulary")
+    return eagle3_objective.make_train_step(
+        cfg, target.config, make_optimizer(tc),
+        jnp.asarray(objective.loss_weights(cfg.block_size, tc.gamma)), kl_weight=tc.kl_weight,
+        mesh=mesh, rt=Runtime(compute_dtype=tc.compute_dtype))
   return objective.make_train_step(
       cfg, target.config, make_optimizer(tc),
       jnp.asarray(objective.loss_weights(cfg.block_size, tc.gamma, tc.loss_offsets)),
@@ -229,7 +247,8 @@ def make_step(target, cfg: DraftConfig, tc: TrainConfig, mesh=None):
 def train(target, cfg: DraftConfig, seqs: Sequence, tc: TrainConfig, state: TrainState, *,
           until: Optional[int] = None, mesh=None, step_fn=None,
           on_metrics: Optional[Callable[[int, dict], None]] = None,
-          on_step: Optional[Callable[[TrainState], None]] = None) -> TrainState:
+          on_step: Optional[Callable[[TrainState], None]] = None,
+          vocab_ids=None) -> TrainState:
   """Run optimizer steps state.step .. min(until, state.total or tc.steps) - 1 on `seqs`
   (shards.TokenSeq or
   anything with .tokens / .prompt_len) with target features computed online from `target`.
@@ -237,12 +256,20 @@ def train(target, cfg: DraftConfig, seqs: Sequence, tc: TrainConfig, state: Trai
   tokens) after every step; on_step(state)
   after every step (checkpointing, evaluation). step_fn: `make_step(target, cfg, tc, mesh)`,
   made once by a caller that calls train repeatedly (else one is made, and compiled, here).
-  Returns the state (also updated in place). Raises ValueError for an empty sequence list."""
+  vocab_ids: an EAGLE-3 draft's vocabulary ([Vd] int32 sorted target ids, required for one;
+  `eagle3_objective.draft_vocab`); for DFlash drafts it comes from tc.restrict_vocab.
+  Returns the state (also updated in place). Raises ValueError for an empty sequence list or an
+  EAGLE-3 draft without vocab_ids."""
   if not seqs:
     raise ValueError("train: no training sequences")
   tparams, lm_head_w = objective.frozen_target_tensors(target)
-  vocab_ids = (jnp.asarray(objective.data_vocab(seqs, target.config.n_vocab))
-               if tc.restrict_vocab else None)
+  if isinstance(cfg, eagle3.Eagle3Config):
+    if vocab_ids is None:
+      raise ValueError("train: an EAGLE-3 draft needs its draft vocabulary (vocab_ids)")
+    vocab_ids = jnp.asarray(vocab_ids, jnp.int32)
+  else:
+    vocab_ids = (jnp.asarray(objective.data_vocab(seqs, target.config.n_vocab))
+                 if tc.restrict_vocab else None)
   step_fn = step_fn or make_step(target, cfg, tc, mesh)
   last = state.last_step(tc)
   end = last if until is None else min(until, last)
