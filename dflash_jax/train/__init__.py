@@ -2,8 +2,9 @@
 as token-id shards, made with the batched decoding loop), `objective` (anchors, typed batches,
 the weighted block loss with online target features and distillation, the train step),
 `trainer` (the loop, AdamW schedule, resumable state), `heldout` (chain acceptance on held-out
-greedy sequences in one teacher-forced pass). Checkpoints are written by
-`dflash_jax.draft_io.save` (z-lab format).
+greedy sequences in one teacher-forced pass), `eagle3_objective` (EAGLE-3 drafts: training-time
+test over the draft's own outputs, a draft vocabulary from the data). Checkpoints are written by
+`dflash_jax.draft_io.save` (z-lab format) or `dflash_jax.eagle3.save` (speculators format).
 """
 
 from dflash_jax.train.corpus import (GENERAL_TEMPLATES, PACKAGE_CORPUS, Prompt, build_corpus,
