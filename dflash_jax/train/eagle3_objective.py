@@ -16,7 +16,6 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from dflash_jax import eagle3, layers
 from dflash_jax.config import TargetConfig
@@ -138,28 +137,15 @@ def make_train_step(cfg: eagle3.Eagle3Config, tcfg: TargetConfig, optimizer, wei
   opt_state, batch: SeqBatch, tparams, lm_head_w, vocab_ids: the draft vocabulary (required),
   targets=None) -> (params, opt_state, metrics {loss, ce, kl, acc, acc1, grad_norm}); data
   parallel over a mesh's 'data' axis as that one."""
-  from jax.sharding import NamedSharding, PartitionSpec as P
-
-  def step(params, opt_state, batch, tparams, lm_head_w, vocab_ids, targets):
-    (loss, metrics), grads = jax.value_and_grad(ttt_loss, has_aux=True)(
-        params, cfg, batch, tparams, tcfg, lm_head_w, weights, vocab_ids, kl_weight, rt, targets)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    return params, opt_state, dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
-
-  if mesh is None:
-    jitted = jax.jit(step, donate_argnums=(0, 1))
-  else:
-    rep = NamedSharding(mesh, P())
-    data = NamedSharding(mesh, P("data"))
-    jitted = jax.jit(step, donate_argnums=(0, 1),
-                     in_shardings=(rep, rep, data, rep, rep, rep, data),
-                     out_shardings=(rep, rep, rep))
+  step = objective.jit_step(
+      lambda params, batch, tparams, lm_head_w, vocab_ids, targets: ttt_loss(
+          params, cfg, batch, tparams, tcfg, lm_head_w, weights, vocab_ids, kl_weight, rt,
+          targets), optimizer, mesh)
 
   def call(params, opt_state, batch, tparams, lm_head_w, vocab_ids=None, targets=None):
     if vocab_ids is None:
       raise ValueError("an EAGLE-3 train step needs the draft vocabulary (vocab_ids)")
-    return jitted(params, opt_state, batch, tparams, lm_head_w, vocab_ids, targets)
+    return step(params, opt_state, batch, tparams, lm_head_w, vocab_ids, targets)
 
   return call
 

@@ -381,11 +381,22 @@ def make_train_step(cfg: DraftConfig, tcfg: TargetConfig, optimizer, weights, *,
   vocabulary; targets: `batch_targets` of the batch, computed once for several drafts). With a
   mesh, the batch is sharded over its 'data' axis (data parallel) and params / optimizer state /
   target are replicated; XLA inserts the gradient all-reduce."""
+  return jit_step(lambda params, batch, tparams, lm_head_w, vocab_ids, targets: batch_loss(
+      params, cfg, batch, tparams, tcfg, lm_head_w, weights, kl_weight, rt, vocab_ids, targets),
+      optimizer, mesh)
+
+
+def jit_step(loss_fn, optimizer, mesh=None):
+  """The jitted optimizer step of a loss: loss_fn(params, batch, tparams, lm_head_w, vocab_ids,
+  targets) -> (loss, metrics); returns call(params, opt_state, batch, tparams, lm_head_w,
+  vocab_ids=None, targets=None) -> (params, opt_state, metrics + loss, grad_norm), params and
+  optimizer state donated. With a mesh, the batch (and targets) are sharded over its 'data' axis
+  (data parallel), everything else replicated; XLA inserts the gradient all-reduce."""
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   def step(params, opt_state, batch, tparams, lm_head_w, vocab_ids, targets):
-    (loss, metrics), grads = jax.value_and_grad(batch_loss, has_aux=True)(
-        params, cfg, batch, tparams, tcfg, lm_head_w, weights, kl_weight, rt, vocab_ids, targets)
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        params, batch, tparams, lm_head_w, vocab_ids, targets)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
