@@ -338,17 +338,23 @@ def save(out_dir: str, params: draft_lib.DraftParams, cfg: DraftConfig, *,
          extra: Optional[dict] = None):
   """Write a z-lab format draft: config.json + model.safetensors (bf16, z-lab key names), each
   written to a temporary file first and renamed. extra: stored under config.json "dflash_jax"."""
-  from safetensors.numpy import save_file
   import ml_dtypes
-  os.makedirs(out_dir, exist_ok=True)
   arrays = {k: np.asarray(v, np.float32).astype(ml_dtypes.bfloat16)
             for k, v in params_to_arrays(params).items()}
+  write_checkpoint(out_dir, arrays, cfg.to_json(), extra)
+
+
+def write_checkpoint(out_dir: str, arrays: dict[str, np.ndarray], conf: dict,
+                     extra: Optional[dict] = None):
+  """Write a draft directory: model.safetensors (`arrays` as given) and config.json (`conf`, with
+  `extra` under "dflash_jax" when given), each to a temporary file first and renamed, so a reader
+  never sees a half-written checkpoint. Used by `save` and `eagle3.save`."""
+  from safetensors.numpy import save_file
+  os.makedirs(out_dir, exist_ok=True)
   tmp = os.path.join(out_dir, "model.safetensors.tmp")
   save_file(arrays, tmp, metadata={"format": "pt"})
   os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
-  conf = cfg.to_json()
-  if extra:
-    conf["dflash_jax"] = extra
+  conf = dict(conf, dflash_jax=extra) if extra else dict(conf)
   tmp = os.path.join(out_dir, "config.json.tmp")
   with open(tmp, "w") as fh:
     json.dump(conf, fh, indent=2)

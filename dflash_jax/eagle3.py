@@ -613,19 +613,10 @@ def save(out_dir: str, ep: Eagle3Params, raw: dict, vocab: np.ndarray, n_vocab: 
   """Write a speculators-format EAGLE-3 draft: config.json (`raw`, from `config_json`; extra
   stored under "dflash_jax") + model.safetensors (bf16 weights, int64 d2t, bool t2d), each
   written to a temporary file and renamed. `load` (and vLLM's speculators reader) reads it."""
-  from safetensors.numpy import save_file
   import ml_dtypes
-  os.makedirs(out_dir, exist_ok=True)
   arrays = {k: (a if k in ("d2t", "t2d") else a.astype(ml_dtypes.bfloat16))
             for k, a in params_to_arrays(ep, vocab, n_vocab).items()}
-  tmp = os.path.join(out_dir, "model.safetensors.tmp")
-  save_file(arrays, tmp, metadata={"format": "pt"})
-  os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
-  conf = dict(raw, dflash_jax=extra) if extra else dict(raw)
-  tmp = os.path.join(out_dir, "config.json.tmp")
-  with open(tmp, "w") as fh:
-    json.dump(conf, fh, indent=2)
-  os.replace(tmp, os.path.join(out_dir, "config.json"))
+  draft_io.write_checkpoint(out_dir, arrays, raw, extra)
 
 
 def ttt_hidden(ep: Eagle3Params, tparams: TargetParams, cfg: Eagle3Config, tokens: jax.Array,

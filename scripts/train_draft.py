@@ -173,28 +173,21 @@ def _held_out(target) -> dict:
           for kind, prompts in heldout.eval_prompts(target, n, n).items()}
 
 
-def _eval(target, cfg, params, held) -> dict:
+def _eval(target, cfg, params, held, vocab=None) -> dict:
   """Per prompt kind: the chain acceptance length (`train.heldout`, exact for greedy chain
-  decoding) and, under kind + "_p_offset", the acceptance rate at block offsets 1..8."""
+  decoding) and, under kind + "_p_offset", the acceptance rate at block offsets 1..8. vocab: an
+  EAGLE-3 draft's vocabulary (params its trainable weights): then, as for DFlash-2, the chain is
+  decoded (`heldout.decoded_accept`)."""
+  import dataclasses
+  import dflash_jax as dj
   from dflash_jax.train import heldout, objective
   out: dict = {}
-  if isinstance(params, tuple):          # EAGLE-3: (trainable weights, draft vocabulary)
-    import dataclasses
-    import jax.numpy as jnp
-    import dflash_jax as dj
-    from dflash_jax.train import eagle3_objective
-    d = dj.Draft(cfg, dataclasses.replace(params[0], vocab=jnp.asarray(params[1])), "training")
-    return {kind: eagle3_objective.held_out_accept(target, d, seqs) for kind, seqs in held.items()}
-  if cfg.dflash2 is not None:            # the selector is not in the teacher-forced pass
-    import numpy as np
-    import dflash_jax as dj
+  if vocab is not None or cfg.dflash2 is not None:   # chains the teacher-forced pass does not model
+    if vocab is not None:
+      import jax.numpy as jnp
+      params = dataclasses.replace(params, vocab=jnp.asarray(vocab))
     d = dj.Draft(cfg, params, "training")
-    for kind, seqs in held.items():
-      out[kind] = float(np.mean([dj.generate(target, d, s.prompt.tolist(),
-                                             max_new_tokens=s.response.size, mode="chain",
-                                             max_ctx=1024, eog_ids=()).mean_accept_len
-                                 for s in seqs]))
-    return out
+    return {kind: heldout.decoded_accept(target, d, seqs) for kind, seqs in held.items()}
   lm = objective.frozen_target_tensors(target)[1]        # once for every set
   for kind, seqs in held.items():
     h = heldout.heldout_accept(params, cfg, target, seqs, lm_head_w=lm)
@@ -260,7 +253,7 @@ def main(argv):
   from dflash_jax import eagle3
   init = None
   ttt = _VARIANT.value == "eagle3" or bool(_INIT.value and eagle3.read_config(_INIT.value))
-  e3 = None
+  e3_raw = e3_vocab = None
   if ttt:
     if _VARIANT.value == "dflash2":
       raise app.UsageError(f"--variant=dflash2 with the EAGLE-3 --init_checkpoint {_INIT.value}")
@@ -268,8 +261,7 @@ def main(argv):
       raise app.UsageError("--restrict_vocab, --loss_offsets and --pack are DFlash options; an "
                            "EAGLE-3 draft trains every step over its own draft vocabulary, one "
                            "sequence per row")
-    e3 = _eagle3_draft(target, seqs, path)
-    cfg, init = e3[1], e3[2]
+    e3_raw, cfg, init, e3_vocab = _eagle3_draft(target, seqs, path)
   elif _INIT.value:
     cfg, p0 = draft_io.load(_INIT.value, target.config, variants=dj.api.DRAFT_VARIANTS)
     if cfg.dspark is not None:
@@ -332,7 +324,7 @@ def main(argv):
 
   def save():
     if ttt:
-      eagle3.save(_OUT.value, st.params, e3[0], e3[3], target.config.n_vocab,
+      eagle3.save(_OUT.value, st.params, e3_raw, e3_vocab, target.config.n_vocab,
                   extra=dict(extra, steps=st.step))
     else:
       draft_io.save(_OUT.value, st.params, cfg, extra=dict(extra, steps=st.step))
@@ -342,7 +334,7 @@ def main(argv):
     os.replace(log_path + ".tmp", log_path)
 
   def evaluate():
-    e = dict(_eval(target, cfg, (st.params, e3[3]) if ttt else st.params, held_out), step=st.step,
+    e = dict(_eval(target, cfg, st.params, held_out, e3_vocab), step=st.step,
              train_tokens=log["tokens_seen"])
     log["evals"].append(e)
     tqdm.write(f"[train] step {st.step}: held-out acceptance {e}", file=sys.stderr)
@@ -372,7 +364,7 @@ def main(argv):
   fit_from = None                       # (step, time) after the first, compiling, chunk
   while st.step < st.last_step(tc):
     st = train.train(target, cfg, seqs, tc, st, until=st.step + 10, mesh=mesh, step_fn=step_fn,
-                     on_metrics=on_metrics, on_step=on_step, vocab_ids=e3[3] if ttt else None)
+                     on_metrics=on_metrics, on_step=on_step, vocab_ids=e3_vocab)
     now = time.perf_counter()
     if deadline is not None and now > deadline:
       break

@@ -11,8 +11,6 @@ SpecForge distils it). Target features are computed online in the same jit
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -149,13 +147,3 @@ def make_train_step(cfg: eagle3.Eagle3Config, tcfg: TargetConfig, optimizer, wei
 
   return call
 
-
-def held_out_accept(target, draft, seqs: Sequence, *, max_ctx: int = 1024) -> float:
-  """Mean chain acceptance length of an EAGLE-3 `api.Draft` over held-out prompts (objects with
-  `.prompt` [P] and `.response` [N] ids, `heldout.greedy_continuations`): greedy chain decoding of
-  len(response) tokens per prompt with no stop at end of generation, as scripts/bench.py decodes
-  them (every output is the target's own greedy text, so the figure is bench.py's)."""
-  import dflash_jax as dj
-  return float(np.mean([dj.generate(target, draft, s.prompt.tolist(),
-                                    max_new_tokens=int(s.response.size), mode="chain",
-                                    max_ctx=max_ctx, eog_ids=()).mean_accept_len for s in seqs]))

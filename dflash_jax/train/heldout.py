@@ -196,3 +196,14 @@ def greedy_continuations(target, prompts: Sequence[Sequence[int]], n_new: int, *
   if cache_path and dirty:
     np.savez(cache_path, **cache)
   return out
+
+
+def decoded_accept(target, draft, seqs: Sequence, *, max_ctx: int = 1024) -> float:
+  """Mean greedy chain acceptance length of an `api.Draft` over held-out prompts (objects with
+  `.prompt` [P] and `.response` [N] ids, `greedy_continuations`), decoded by `generate`: len(response)
+  tokens per prompt, no stop at end of generation, as scripts/bench.py decodes them. For the drafts
+  whose chain the teacher-forced pass does not model (DFlash-2's selector, EAGLE-3's own steps)."""
+  import dflash_jax as dj
+  return float(np.mean([dj.generate(target, draft, s.prompt.tolist(),
+                                    max_new_tokens=int(s.response.size), mode="chain",
+                                    max_ctx=max_ctx, eog_ids=()).mean_accept_len for s in seqs]))
