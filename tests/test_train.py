@@ -202,6 +202,29 @@ def test_restricted_vocab_loss_against_float64(qwen_f32, tiny_data, n_anchors):
                      jnp.asarray(vocab))
 
 
+def test_vocab_index_and_head_logits(qwen_f32):
+  """The two restricted-vocabulary pieces both objectives (DFlash's batch_loss, EAGLE-3's
+  ttt_loss) use: vocab_index maps ids to their rank in the sorted vocabulary and flags ids
+  outside it (hand-computed); head_logits over rows of the lm_head equals those columns of the
+  target's own logits (`target.logits`, float32, 1e-5 relative max abs), and over all V rows the
+  whole row."""
+  from dflash_jax import target as target_lib
+  from dflash_jax.train import objective
+  vocab = jnp.asarray([3, 7, 8, 20], jnp.int32)
+  idx, ok = objective.vocab_index(vocab, jnp.asarray([[7, 3, 5], [20, 21, 0]], jnp.int32))
+  np.testing.assert_array_equal(np.asarray(ok), [[True, True, False], [True, False, False]])
+  np.testing.assert_array_equal(np.asarray(idx)[np.asarray(ok)], [1, 0, 3])
+  tparams, lm = objective.frozen_target_tensors(qwen_f32)
+  h = jax.random.normal(jax.random.key(0), (5, qwen_f32.config.d_model), jnp.float32)
+  full = np.asarray(target_lib.logits(tparams, qwen_f32.config, h, Runtime()))
+  ids = np.asarray([0, 5, 17, qwen_f32.config.n_vocab - 1], np.int32)
+  got = np.asarray(objective.head_logits(tparams, qwen_f32.config, h, lm[ids]))
+  scale = np.abs(full).max()
+  assert np.abs(got - full[:, ids]).max() <= 1e-5 * scale
+  allv = np.asarray(objective.head_logits(tparams, qwen_f32.config, h, lm))
+  assert np.abs(allv - full).max() <= 1e-5 * scale
+
+
 @pytest.mark.parametrize("restrict", [False, True])
 def test_loss_offsets_equal_zero_weights(qwen_f32, tiny_data, restrict):
   """The loss on the first K offsets only (weights of length K < L-1: the draft's lm_head and the

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import eagle3, layers
+from dflash_jax import eagle3
 from dflash_jax.config import TargetConfig
 from dflash_jax.runtime import Runtime
 from dflash_jax.train import objective
@@ -102,9 +102,7 @@ def ttt_loss(params: eagle3.Eagle3Params, cfg: eagle3.Eagle3Config, batch: SeqBa
                    preferred_element_type=jnp.float32)
     if not kl_weight:
       return d, jnp.zeros(d.shape[:2], jnp.float32)
-    tl = jnp.einsum("td,vd->tv", layers.rms_norm(hidden, tparams.out_norm, tcfg.rms_eps)
-                    .astype(rt.cdt), lm_head_w[vocab_ids].astype(rt.cdt),
-                    preferred_element_type=jnp.float32)                      # [T, Vd]
+    tl = objective.head_logits(tparams, tcfg, hidden, lm_head_w[vocab_ids], rt)   # [T, Vd]
     tl = jnp.concatenate([tl, jnp.zeros((n, vd), tl.dtype)])
     t = jnp.stack([tl[j:j + t_len] for j in range(n)])      # step j at q: position q + j
     return d, objective.distill_kl(t, d)
@@ -113,8 +111,8 @@ def ttt_loss(params: eagle3.Eagle3Params, cfg: eagle3.Eagle3Config, batch: SeqBa
   q = jnp.arange(t_len)
   lab_pos = q[None, :] + jnp.arange(1, n + 1)[:, None]                       # [n, T]
   labels = jnp.stack([batch.tokens[:, j + 1:j + 1 + t_len] for j in range(n)], 1)   # [B, n, T]
-  idx = jnp.clip(jnp.searchsorted(vocab_ids, labels), 0, vd - 1)
-  valid = ((vocab_ids[idx] == labels) & (q >= 1)[None, None]
+  idx, in_vocab = objective.vocab_index(vocab_ids, labels)
+  valid = (in_vocab & (q >= 1)[None, None]
            & (lab_pos[None] < batch.lengths[:, None, None])
            & (lab_pos[None] >= batch.prompt_lens[:, None, None]))
   w = weights[None, :, None] * valid

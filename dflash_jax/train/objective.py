@@ -275,6 +275,23 @@ def distill_kl(t_logits: jax.Array, d_logits: jax.Array) -> jax.Array:
   return jnp.sum(jnp.exp(lp) * (lp - lq), axis=-1)
 
 
+def vocab_index(vocab_ids, labels):
+  """Labels as indices into a restricted vocabulary. vocab_ids: [N] int32 sorted distinct token
+  ids; labels: [...] int32 token ids. Returns (idx [...] int32 in [0, N), in_vocab [...] bool:
+  the label is vocab_ids[idx]); a label outside vocab_ids gets in_vocab False (its idx is any)."""
+  idx = jnp.clip(jnp.searchsorted(vocab_ids, labels), 0, vocab_ids.shape[0] - 1)
+  return idx.astype(jnp.int32), vocab_ids[idx] == labels
+
+
+def head_logits(tparams, tcfg: TargetConfig, hidden, head, rt: Runtime = Runtime()):
+  """The target's logits over the rows of `head`: its output norm (RMSNorm, tparams.out_norm)
+  of hidden [T, D] (the last layer's residual stream), times head [N, D] (the target's lm_head
+  rows of a restricted vocabulary, float32), in rt.cdt with float32 accumulation -> [T, N]
+  float32; with all V rows it is `target.logits` up to the matmul's precision."""
+  return jnp.einsum("td,vd->tv", layers.rms_norm(hidden, tparams.out_norm, tcfg.rms_eps)
+                    .astype(rt.cdt), head.astype(rt.cdt), preferred_element_type=jnp.float32)
+
+
 def batch_loss(params, cfg: DraftConfig, batch: Batch, tparams, tcfg: TargetConfig, lm_head_w,
                weights, kl_weight: float = 0.0, rt: Runtime = Runtime(), vocab_ids=None,
                targets=None):
@@ -315,9 +332,8 @@ def batch_loss(params, cfg: DraftConfig, batch: Batch, tparams, tcfg: TargetConf
     if two:
       raise ValueError("a restricted loss vocabulary (vocab_ids) is for DFlash-1 drafts only")
     head = lm_head_w[vocab_ids]                                              # [N, D]
-    idx = jnp.clip(jnp.searchsorted(vocab_ids, labels), 0, vocab_ids.shape[0] - 1)
-    label_valid = label_valid & (vocab_ids[idx] == labels)
-    labels = idx.astype(jnp.int32)
+    labels, in_vocab = vocab_index(vocab_ids, labels)
+    label_valid = label_valid & in_vocab
 
   def one(tokens, length, block_ids, anchors, tgt, positions, segments):
     feats, hidden = tgt if tgt is not None else target_pass(
@@ -336,9 +352,7 @@ def batch_loss(params, cfg: DraftConfig, batch: Batch, tparams, tcfg: TargetConf
     if vocab_ids is None:
       t_logits = lambda x: target_lib.logits(tparams, tcfg, x, rt)
     else:                                # the target's output norm, then its lm_head rows in N
-      t_logits = lambda x: jnp.einsum(
-          "td,vd->tv", layers.rms_norm(x, tparams.out_norm, tcfg.rms_eps).astype(rt.cdt),
-          head.astype(rt.cdt), preferred_element_type=jnp.float32)
+      t_logits = lambda x: head_logits(tparams, tcfg, x, head, rt)
     if rows.size >= tokens.shape[0]:     # blocks overlap: every position's logits once, gathered
       t = t_logits(hidden)[rows.reshape(-1)].reshape(d.shape)
     else:
