@@ -225,6 +225,37 @@ def test_vocab_index_and_head_logits(qwen_f32):
   assert np.abs(allv - full).max() <= 1e-5 * scale
 
 
+def test_weighted_ce_and_top1_against_float64():
+  """The two label metrics both objectives (batch_loss over [B, A, K] block offsets, ttt_loss
+  over [B, n, T] TTT steps) share: weighted_ce against a float64 numpy log-softmax (1e-6
+  relative), top1_accuracy against hand-counted hits, with `first` selecting offset 0 on either
+  axis (so a helper that ignored it, or took the wrong axis, would differ)."""
+  from dflash_jax.train import objective
+  rng = np.random.default_rng(0)
+  z = rng.normal(size=(2, 3, 4, 6)).astype(np.float32) * 3
+  lab = rng.integers(0, 6, size=(2, 3, 4)).astype(np.int32)
+  valid = rng.random((2, 3, 4)) < 0.7
+  w = rng.random((2, 3, 4)).astype(np.float32) * valid
+  norm = np.float32(w.sum())
+  z64 = z.astype(np.float64)
+  logp = z64 - np.log(np.exp(z64 - z64.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+      - z64.max(-1, keepdims=True)
+  want = -(np.take_along_axis(logp, lab[..., None], -1)[..., 0] * w).sum() / norm
+  got = float(objective.weighted_ce(jnp.asarray(z), jnp.asarray(lab), jnp.asarray(w),
+                                    jnp.asarray(norm)))
+  assert abs(got - want) <= 1e-6 * abs(want)
+  hit = (z.argmax(-1) == lab) & valid
+  for first in (np.arange(4) == 0, (np.arange(3) == 0)[None, :, None]):
+    acc, acc1 = objective.top1_accuracy(jnp.asarray(z), jnp.asarray(lab), jnp.asarray(valid),
+                                        jnp.asarray(first))
+    f = np.broadcast_to(first, lab.shape)
+    assert float(acc) == pytest.approx(hit.sum() / valid.sum(), abs=1e-7)
+    assert float(acc1) == pytest.approx((hit & f).sum() / (valid & f).sum(), abs=1e-7)
+  none = objective.top1_accuracy(jnp.asarray(z), jnp.asarray(lab), jnp.zeros_like(valid),
+                                 jnp.asarray(True))
+  assert float(none[0]) == 0 and float(none[1]) == 0
+
+
 @pytest.mark.parametrize("restrict", [False, True])
 def test_loss_offsets_equal_zero_weights(qwen_f32, tiny_data, restrict):
   """The loss on the first K offsets only (weights of length K < L-1: the draft's lm_head and the

@@ -117,13 +117,9 @@ def ttt_loss(params: eagle3.Eagle3Params, cfg: eagle3.Eagle3Config, batch: SeqBa
            & (lab_pos[None] >= batch.prompt_lens[:, None, None]))
   w = weights[None, :, None] * valid
   norm = jnp.maximum(jnp.sum(w), 1e-6)
-  logp = jax.nn.log_softmax(logits, axis=-1)
-  nll = -jnp.take_along_axis(logp, idx[..., None], axis=-1)[..., 0]
-  ce = jnp.sum(nll * w) / norm
+  ce = objective.weighted_ce(logits, idx, w, norm)
   kl = jnp.sum(kl * w) / norm
-  hit = (jnp.argmax(logits, -1) == idx) & valid
-  acc = jnp.sum(hit) / jnp.maximum(jnp.sum(valid), 1)
-  acc1 = jnp.sum(hit[:, 0]) / jnp.maximum(jnp.sum(valid[:, 0]), 1)
+  acc, acc1 = objective.top1_accuracy(logits, idx, valid, (jnp.arange(n) == 0)[None, :, None])
   return ce + kl_weight * kl, {"ce": ce, "kl": kl, "acc": acc, "acc1": acc1}
 
 

@@ -292,6 +292,25 @@ def head_logits(tparams, tcfg: TargetConfig, hidden, head, rt: Runtime = Runtime
                     .astype(rt.cdt), head.astype(rt.cdt), preferred_element_type=jnp.float32)
 
 
+def weighted_ce(logits, labels, w, norm):
+  """The weighted mean negative log-likelihood of labels: sum(w x -log softmax(logits)[label]) /
+  norm. logits: [..., V] float32; labels: [...] int32 indices into V; w: [...] float32 (zero
+  where a label does not count); norm: scalar float32 (normally max(sum(w), eps))."""
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+  return jnp.sum(nll * w) / norm
+
+
+def top1_accuracy(logits, labels, valid, first):
+  """(acc, acc1): the share of valid labels that are the argmax of logits, over all of them and
+  over those where `first` holds (the first block offset / TTT step). logits: [..., V]; labels:
+  [...] int32; valid: [...] bool; first: bool broadcastable to labels. Empty sets give 0."""
+  hit = (jnp.argmax(logits, -1) == labels) & valid
+  acc = jnp.sum(hit) / jnp.maximum(jnp.sum(valid), 1)
+  acc1 = jnp.sum(hit & first) / jnp.maximum(jnp.sum(valid & first), 1)
+  return acc, acc1
+
+
 def batch_loss(params, cfg: DraftConfig, batch: Batch, tparams, tcfg: TargetConfig, lm_head_w,
                weights, kl_weight: float = 0.0, rt: Runtime = Runtime(), vocab_ids=None,
                targets=None):
@@ -364,20 +383,13 @@ def batch_loss(params, cfg: DraftConfig, batch: Batch, tparams, tcfg: TargetConf
   w = weights[None, None, :] * label_valid
   norm = jnp.maximum(jnp.sum(w), 1e-6)
 
-  def ce_of(z):
-    logp = jax.nn.log_softmax(z, axis=-1)
-    nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
-    return jnp.sum(nll * w) / norm
-
-  ce = ce_of(logits)
+  ce = weighted_ce(logits, labels, w, norm)
   kl = jnp.sum(kl * w) / norm
-  hit = (jnp.argmax(logits, -1) == labels) & label_valid
-  acc = jnp.sum(hit) / jnp.maximum(jnp.sum(label_valid), 1)
-  acc1 = jnp.sum(hit[..., 0]) / jnp.maximum(jnp.sum(label_valid[..., 0]), 1)
+  acc, acc1 = top1_accuracy(logits, labels, label_valid, jnp.arange(K) == 0)
   metrics = {"ce": ce, "kl": kl, "acc": acc, "acc1": acc1}
   loss = ce + kl_weight * kl
   if two:
-    metrics["ce_unary"] = ce_of(unary)
+    metrics["ce_unary"] = weighted_ce(unary, labels, w, norm)
     loss = loss + metrics["ce_unary"]
   return loss, metrics
 
