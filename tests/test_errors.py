@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from conftest import DRAFT, QWEN, draft_copy
+from conftest import DATA, DRAFT, QWEN, draft_copy
 
 
 def _write_gguf(path, arch, tensors, extra_kv=()):
@@ -76,7 +76,7 @@ def test_dflash2_and_unknown_draft_variants_are_refused(tmp_path, qwen_f32):
   weights is refused naming a missing DFlash-2 tensor, and each DFlash-2 field on a DFlash-1
   config is refused naming the file and the field (not silently ignored)."""
   import json
-  v2 = json.loads(open(os.path.join(os.path.dirname(DRAFT), "dflash2_tiny", "config.json")).read())
+  v2 = json.loads(open(os.path.join(DATA, "dflash2_tiny", "config.json")).read())
   d = draft_copy(tmp_path / "v2", lambda cfg: v2)
   with pytest.raises(ValueError, match=r"model\.safetensors: (missing )?tensor '[\w.]+'"):
     dj.load_draft(d, qwen_f32)
