@@ -60,18 +60,6 @@ def tiny_gguf(name: str, tmp_path_factory) -> str:
               tmp_path_factory.mktemp(name) / "model-f32.gguf")
 
 
-def draft_dir(name: str, tmp_path_factory) -> str:
-  """tests/data/<name> as a draft directory: its config.json with model.safetensors, unpacked
-  into a fresh temp directory when the fixture stores it xz-compressed; returns the directory."""
-  src = os.path.join(DATA, name)
-  if os.path.exists(os.path.join(src, "model.safetensors")):
-    return src
-  d = tmp_path_factory.mktemp(name)
-  shutil.copy(os.path.join(src, "config.json"), d)
-  unxz(os.path.join(src, "model.safetensors.xz"), d / "model.safetensors")
-  return str(d)
-
-
 def eagle3_dir(variant: str, tmp_path_factory, *, legacy: bool = False) -> str:
   """tests/data/eagle3_tiny/<variant> as a draft directory: its config.json (the speculators
   package's) with model.safetensors written from `make_eagle3_tiny.weights(variant)` (bfloat16

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from conftest import DATA, draft_dir
+from conftest import DATA, unpacked
 from dflash_jax import draft as draft_lib
 from dflash_jax import draft2, draft_io, sampling
 from dflash_jax.config import DFLASH2, DRAFT_ARCHITECTURES, DraftConfig
@@ -24,9 +24,9 @@ D2 = os.path.join(DATA, "dflash2_tiny")
 
 
 @pytest.fixture(scope="module")
-def d2_dir(tmp_path_factory):
+def d2_dir():
   """The DFlash-2 fixture as a draft directory (its safetensors is stored xz-compressed)."""
-  return draft_dir("dflash2_tiny", tmp_path_factory)
+  return unpacked("dflash2_tiny")
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,12 @@ SRC = sys.argv[1]
 DST = os.path.dirname(os.path.abspath(__file__))
 
 
+def _xz(src: str, dst: str, preset: int) -> None:
+  """Copy src to dst xz-compressed at `preset`."""
+  with open(src, "rb") as fin, lzma.open(dst, "wb", preset=preset) as fout:
+    shutil.copyfileobj(fin, fout)
+
+
 def main():
   q = os.path.join(DST, "qwen35_tiny")
   os.makedirs(q, exist_ok=True)
@@ -41,16 +47,14 @@ def main():
   os.makedirs(d, exist_ok=True)
   for name in ("config.json", "reference.npz"):
     shutil.copy(os.path.join(SRC, "dflash_tiny", name), d)
-  with open(os.path.join(SRC, "dflash_tiny", "model.safetensors"), "rb") as fin, \
-      lzma.open(os.path.join(d, "model.safetensors.xz"), "wb", preset=9 | lzma.PRESET_EXTREME) as fout:
-    shutil.copyfileobj(fin, fout)      # 2.76 -> 1.97 MB (tests/conftest.py unpacked() unpacks it)
+  _xz(os.path.join(SRC, "dflash_tiny", "model.safetensors"), os.path.join(d, "model.safetensors.xz"),
+      9 | lzma.PRESET_EXTREME)          # 2.76 -> 1.97 MB (tests/conftest.py unpacked() unpacks it)
 
   d2 = os.path.join(DST, "dflash2_tiny")      # the DFlash-2 draft and the reference arrays used
   os.makedirs(d2, exist_ok=True)
   shutil.copy(os.path.join(SRC, "dflash2_tiny", "config.json"), d2)
-  with open(os.path.join(SRC, "dflash2_tiny", "model.safetensors"), "rb") as fin, \
-      lzma.open(os.path.join(d2, "model.safetensors.xz"), "wb", preset=9) as fout:
-    shutil.copyfileobj(fin, fout)      # 4.4 -> 3.2 MB (tests/conftest.py draft_dir unpacks it)
+  _xz(os.path.join(SRC, "dflash2_tiny", "model.safetensors"), os.path.join(d2, "model.safetensors.xz"),
+      9)                                # 4.4 -> 3.2 MB (tests/conftest.py unpacked() unpacks it)
   ref2 = np.load(os.path.join(SRC, "dflash2_tiny", "reference.npz"))
   drop = ("trace_target_hidden", "oracle_trace_target_hidden", "trace_draft_logits_first",
           "draft_logits_raw", "pkg_unpatched_")
