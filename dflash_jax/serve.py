@@ -91,6 +91,7 @@ class _Live:
   t_first: Optional[float] = None
   t_admit: Optional[float] = None
   reused: int = 0
+  prefilled: int = 0                      # prompt tokens in the slot's caches so far
   checkpoints: dict = dataclasses.field(default_factory=dict)   # recurrent state per chunk end
   grammar: Any = None                                          # grammar.Grammar or None
 
@@ -110,8 +111,9 @@ class Engine:
   One scheduler thread owns a `batching.SlotBatch` of B slots (a bucket; B grows with the number
   of requests up to `max_batch` and shrinks when they leave, rows moving with their caches, one
   compiled program per bucket). Each loop iteration: admit waiting requests into free slots,
-  run one prefill chunk of a joining request (so a long prompt never stalls the decoding rows
-  for more than one chunk), one decode call of `steps_per_call` rounds for every decoding row,
+  run prefill chunks of joining requests, oldest first, up to `dec.prefill_chunk` prompt tokens
+  (so a long prompt never stalls the decoding rows for more than about one chunk; a batch that
+  should grow admits no one until the joining rows' prefills end, when the rows move), one decode call of `steps_per_call` rounds for every decoding row,
   then stream each row's new text; a row that finishes, hits a stop string or whose client is
   gone (`cancelled()`) frees its slot at once. `waiting` counts requests submitted and not
   finished (the queue bound).
@@ -409,8 +411,11 @@ class Engine:
       want = min(len(self._live) + len(self._pending), self.max_batch)
     if want == 0:
       return
-    self._fit(batching.bucket(want))
-    free = sorted(set(range(self._batch.size)) - {r.slot for r in self._live})
+    hold = self._fit(batching.bucket(want))
+    # While a grow waits for a joining row's prefill, admit no one into the small batch: under
+    # a steady stream of arrivals some row would always be mid-prefill and the batch would
+    # never grow (measured: 20 clients served two at a time).
+    free = [] if hold else sorted(set(range(self._batch.size)) - {r.slot for r in self._live})
     with self._cv:
       while free and self._pending:
         if not self._batch.grammar_fits(free[0], self._pending[0].grammar):
@@ -420,6 +425,7 @@ class Engine:
         r.t_admit = time.perf_counter()
         if self.prompt_cache is not None:
           r.reused = self._batch.reuse(r.slot, r.ids, self.prompt_cache)
+        r.prefilled = r.reused
         r.prefill = self._batch.prefill_chunks(r.slot, r.ids, r.max_new, r.samp, start=r.reused,
                                                checkpoints=r.checkpoints, grammar=r.grammar)
         self.metrics["prompt_tokens_total"] += int(r.ids.size)
@@ -430,11 +436,18 @@ class Engine:
       self._keep(r)                             # the chunks prefilled so far
       self._batch.release(r.slot)
       self._finish(r, cancelled=True)
-    joining = [r for r in self._live if r.prefill is not None]
-    if joining:                                 # one chunk per iteration, oldest request first
-      r = min(joining, key=lambda x: x.t_submit)
+    # Prefill chunks of joining rows, oldest request first, until this iteration prefilled
+    # dec.prefill_chunk prompt tokens: a long prompt advances one chunk per iteration (the
+    # decoding rows stall for at most about one chunk), while short joins (a reused prefix
+    # leaves a few tokens) go in together instead of one per decode call.
+    budget = self._batch.dec.prefill_chunk
+    for r in sorted((r for r in self._live if r.prefill is not None), key=lambda x: x.t_submit):
+      if budget <= 0:
+        break
       try:
         n_done = next(r.prefill)
+        budget -= n_done - r.prefilled
+        r.prefilled = n_done
         if n_done >= r.ids.size:
           raise StopIteration
       except StopIteration:
@@ -464,8 +477,10 @@ class Engine:
     except Exception:                   # noqa: BLE001 - the answer is already computed
       logging.exception("prompt cache: could not keep a finished sequence")
 
-  def _fit(self, want: int):
-    """Make the batch `want` slots (a bucket) when that changes its size, moving live rows."""
+  def _fit(self, want: int) -> bool:
+    """Make the batch `want` slots (a bucket) when that changes its size, moving live rows.
+    Returns True when it should grow but waits for a joining row's prefill to end (rows move
+    between prefills, not during one): the caller admits no one meanwhile."""
     from dflash_jax import batching
     b = self._batch
     if b is None or b.size <= want:
@@ -475,17 +490,17 @@ class Engine:
       if self._small_since is None:
         self._small_since = now
       if now - self._small_since < self.shrink_after_s:
-        return
+        return False
     if b is not None and b.size == want:
-      return
+      return False
     dec = self.dec_for(want)
     if b is not None and self._live and dec != b.dec:
-      return                                    # rows cannot change mode mid-sequence
+      return False                              # rows cannot change mode mid-sequence
     if b is None or not self._live:
       self._batch = batching.SlotBatch(self.target, self.draft, dec, want, self.eog)
-      return
+      return False
     if any(r.prefill is not None for r in self._live):
-      return                                    # move rows between prefills, not during one
+      return b.size < want                      # move rows between prefills, not during one
     keep = sorted(self._live, key=lambda r: r.slot)
     self._batch = b.resized(want, [r.slot for r in keep])
     self.metrics["batch_resizes_total"] += 1
