@@ -210,9 +210,13 @@ def test_disconnect_mid_stream_frees_the_server(server):
 
 
 def test_concurrent_clients_all_complete(server, smol):
-  base, _, draft, dec = server
+  """20 clients with 2 requests each, all at once: every answer equals `generate()`, and the
+  batch grows past two rows under that steady stream (before a grow waited for a moment when no
+  row was mid-prefill, which a stream of arrivals never left: two rows at a time)."""
+  base, engine, draft, dec = server
   want = {p: smol.tokenizer.decode(_reference(smol, draft, dec, p, 4)[1].tokens) for p in PROMPTS}
   c = _client(base)
+  engine.metrics["batch_rows_peak"] = 0
 
   def client(i):
     out = []
@@ -227,6 +231,7 @@ def test_concurrent_clients_all_complete(server, smol):
     results = list(ex.map(client, range(20)))
   assert all(all(r) for r in results) and sum(len(r) for r in results) == 40
   assert _http(base, "GET", "/health")[1]["waiting"] == 0
+  assert engine.metrics["batch_rows_peak"] > 2, engine.metrics
 
 
 def test_health_loading_then_ready(server):
