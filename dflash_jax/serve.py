@@ -113,7 +113,8 @@ class Engine:
   compiled program per bucket). Each loop iteration: admit waiting requests into free slots,
   run prefill chunks of joining requests, oldest first, up to `dec.prefill_chunk` prompt tokens
   (so a long prompt never stalls the decoding rows for more than about one chunk; a batch that
-  should grow admits no one until the joining rows' prefills end, when the rows move), one decode call of `steps_per_call` rounds for every decoding row,
+  should grow admits no one while the joining rows' prefills are within two chunks of their end,
+  when the rows move), one decode call of `steps_per_call` rounds for every decoding row,
   then stream each row's new text; a row that finishes, hits a stop string or whose client is
   gone (`cancelled()`) frees its slot at once. `waiting` counts requests submitted and not
   finished (the queue bound).
@@ -479,8 +480,9 @@ class Engine:
 
   def _fit(self, want: int) -> bool:
     """Make the batch `want` slots (a bucket) when that changes its size, moving live rows.
-    Returns True when it should grow but waits for a joining row's prefill to end (rows move
-    between prefills, not during one): the caller admits no one meanwhile."""
+    Returns True when it should grow but waits for joining rows' prefills to end (rows move
+    between prefills, not during one) and those end within about two chunks: the caller admits
+    no one meanwhile (a longer prefill in the way: free slots are filled as they are)."""
     from dflash_jax import batching
     b = self._batch
     if b is None or b.size <= want:
@@ -499,8 +501,10 @@ class Engine:
     if b is None or not self._live:
       self._batch = batching.SlotBatch(self.target, self.draft, dec, want, self.eog)
       return False
-    if any(r.prefill is not None for r in self._live):
-      return b.size < want                      # move rows between prefills, not during one
+    joining = [r for r in self._live if r.prefill is not None]
+    if joining:            # rows move between prefills, not during one: hold admissions while
+      left = sum(r.ids.size - r.prefilled for r in joining)     # the grow is near
+      return b.size < want and left <= 2 * b.dec.prefill_chunk
     keep = sorted(self._live, key=lambda r: r.slot)
     self._batch = b.resized(want, [r.slot for r in keep])
     self.metrics["batch_resizes_total"] += 1
