@@ -413,9 +413,9 @@ class Engine:
     if want == 0:
       return
     hold = self._fit(batching.bucket(want))
-    # While a grow waits for a joining row's prefill, admit no one into the small batch: under
-    # a steady stream of arrivals some row would always be mid-prefill and the batch would
-    # never grow (measured: 20 clients served two at a time).
+    # While a grow waits for joining rows' prefills to end (soon: `_fit`), admit no one into
+    # the small batch: under a steady stream of arrivals some row would always be mid-prefill
+    # and the batch would never grow (measured: 20 clients served two at a time).
     free = [] if hold else sorted(set(range(self._batch.size)) - {r.slot for r in self._live})
     with self._cv:
       while free and self._pending:
