@@ -111,10 +111,10 @@ class Engine:
   One scheduler thread owns a `batching.SlotBatch` of B slots (a bucket; B grows with the number
   of requests up to `max_batch` and shrinks when they leave, rows moving with their caches, one
   compiled program per bucket). Each loop iteration: admit waiting requests into free slots,
-  run prefill chunks of joining requests, oldest first, up to `dec.prefill_chunk` prompt tokens
-  (so a long prompt never stalls the decoding rows for more than about one chunk; a batch that
-  should grow admits no one while the joining rows' prefills are within two chunks of their end,
-  when the rows move), one decode call of `steps_per_call` rounds for every decoding row,
+  run prefill chunks of joining requests, oldest first, up to forwards of `dec.prefill_chunk`
+  tokens in all (so a long prompt never stalls the decoding rows for more than about one chunk;
+  a batch that should grow admits no one while the joining rows' prefills are within two chunks
+  of their end, when the rows move), one decode call of `steps_per_call` rounds for every decoding row,
   then stream each row's new text; a row that finishes, hits a stop string or whose client is
   gone (`cancelled()`) frees its slot at once. `waiting` counts requests submitted and not
   finished (the queue bound).
@@ -437,17 +437,18 @@ class Engine:
       self._keep(r)                             # the chunks prefilled so far
       self._batch.release(r.slot)
       self._finish(r, cancelled=True)
-    # Prefill chunks of joining rows, oldest request first, until this iteration prefilled
-    # dec.prefill_chunk prompt tokens: a long prompt advances one chunk per iteration (the
-    # decoding rows stall for at most about one chunk), while short joins (a reused prefix
-    # leaves a few tokens) go in together instead of one per decode call.
-    budget = self._batch.dec.prefill_chunk
+    # Prefill chunks of joining rows, oldest request first, until this iteration's prefill
+    # forwards hold dec.prefill_chunk tokens (padding included: a forward's cost): a long prompt
+    # advances one chunk per iteration (the decoding rows stall for about one chunk), while short
+    # joins (a reused prefix leaves a few tokens) go in together instead of one per decode call.
+    chunk = self._batch.dec.prefill_chunk
+    budget = chunk
     for r in sorted((r for r in self._live if r.prefill is not None), key=lambda x: x.t_submit):
       if budget <= 0:
         break
       try:
         n_done = next(r.prefill)
-        budget -= n_done - r.prefilled
+        budget -= batching.prefill_len(r.ids.size - r.reused, chunk)   # this row's forward length
         r.prefilled = n_done
         if n_done >= r.ids.size:
           raise StopIteration

@@ -84,8 +84,8 @@ def summarize(d: str) -> None:
     if f.endswith(".jsonl"):
       with open(os.path.join(d, f)) as fh:
         recs += [json.loads(l) for l in fh if l.strip()]
-  per_file = collections.defaultdict(lambda: collections.Counter())
-  by_key = collections.defaultdict(list)   # key -> [(test, worker, compile s or None)]
+  per_file = collections.defaultdict(collections.Counter)
+  by_key = collections.defaultdict(list)   # key -> [(test, worker, compile s, module)]
   for r in recs:
     f = r["test"].split("::")[0]
     c = per_file[f]

@@ -4,15 +4,18 @@ copies, to weigh compile time against run time. Arguments: {unrolled, scan, pres
 once outside (what a stacked load would do). Dense targets only (asserts no recurrent layer).
   python bench_out/ci/layer_scan.py prestacked chain
 """
-import sys, time, dataclasses, functools
-import jax, jax.numpy as jnp
+import dataclasses
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
 import dflash_jax as dj
 from dflash_jax import cli, target as T, layers
-from dflash_jax.quants import take_rows
 scan = sys.argv[1] in ("scan", "prestacked")
 pre = sys.argv[1] == "prestacked"
 mode = sys.argv[2]
-orig = T._trunk
 def _trunk(params, cfg, x, cache, start, pos, local_mask, gdn_mixer, feature_layers, rt,
            live_bound=None, kv_row=None, ordered=None):
   assert not any(cfg.recurrent)
