@@ -51,7 +51,7 @@ def eog_early(qwen_f32, qwen_ref):
 # Batched AR rows: test_rows_equal_generate_alone_smollm2 and the engine test; the match rule's
 # rows differ from rejection's only inside the shared verify (test_sampling checks both rules).
 @pytest.mark.parametrize("mode,samp", [
-    ("chain", {}), ("ddtree", {}),
+    ("chain", {}),      # greedy DDTree rows: test_rows_equal_generate_alone_quantized
     ("chain", dict(temperature=0.9, top_k=20)),            # rejection rule
     ("ddtree", dict(temperature=0.8, top_p=0.9)),
 ])

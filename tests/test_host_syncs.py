@@ -59,7 +59,9 @@ def test_decode_round_host_syncs(qwen_f32, qwen_draft):
     assert counts["free"] == counts["free_sampled"] == host_syncs.Syncs(0, 0, 0, 0), mode
 
 
-@pytest.mark.parametrize("attention,rounds", [("dense", 0), ("dense", 3)])
+# attention "dense" with a while loop (no static rounds) is the same attention and the same loop
+# body as the case below minus the fixed trip count; that variant was dropped from CI for time.
+@pytest.mark.parametrize("attention,rounds", [("dense", 3)])
 def test_dense_attention_and_fixed_rounds_lossless(qwen_f32, qwen_draft, draft_ref, attention,
                                                    rounds):
   """Greedy output of every mode under attention "dense" and / or a static loop of `rounds`

@@ -120,9 +120,10 @@ def test_formats_change_numerics_within_bounds(qwen_f32, qwen_ref):
 
 
 def test_quantized_cache_lossless_smollm2(smol, smol_prompts):
-  """SmolLM2 with the shipped draft and a q8_0 cache (target and draft context), three prompts:
+  """SmolLM2 with the shipped draft and a q8_0 cache (target and draft context), two prompts:
   chain and DDTree greedy == autoregressive greedy with the same format up to rounding ties
-  (`same_up_to_ties`; 6 of 6 identical over 64 tokens on an AVX2 machine; at least 3 asserted),
+  (`same_up_to_ties`; over three prompts 6 of 6 identical over 64 tokens on an AVX2 machine;
+  here 48 tokens, at least 2 of 4 asserted),
   and the drafts are accepted.
 
   Not q4_0 here: one q4_0 rounding step is 1/8 of a block's largest value, so after a last-bit
@@ -134,14 +135,14 @@ def test_quantized_cache_lossless_smollm2(smol, smol_prompts):
   t = _with_kv(smol, "q8_0")
   draft = dj.load_draft(cli.find_draft_dir(smol), t)
   identical = 0
-  for p in smol_prompts[:3]:
+  for p in smol_prompts[:2]:
     prompt = list(p["prompt_ids"])
-    outs = {m: dj.generate(t, draft, prompt, max_new_tokens=64, mode=m, max_ctx=512,
+    outs = {m: dj.generate(t, draft, prompt, max_new_tokens=48, mode=m, max_ctx=256,
                            eog_ids=()) for m in ("ar", "chain", "ddtree")}
     for m in ("chain", "ddtree"):
       assert max(outs[m].accept_lens) > 1
       identical += same_up_to_ties(t, prompt, outs["ar"].tokens, outs[m].tokens)
-  assert identical >= 3
+  assert identical >= 2
 
 
 def test_draft_context_cache_uses_the_format(qwen_f32, qwen_draft):
