@@ -113,7 +113,8 @@ def test_legacy_format_same_logits(qwen_f32, ref, tmp_path_factory):
 @pytest.mark.parametrize("mode,block", [("chain", None), ("chain", 7), ("ddtree", None)])
 def test_greedy_output_equals_autoregressive(e3, qwen_f32, ref, mode, block, variant):
   if block is not None and variant != VARIANTS[0]:
-    # a shorter block is the loop's length, not the draft's layer: one variant runs it (CI time)
+    # block size 7 changes how many tokens the loop drafts, not the draft's weights: one variant
+    # runs it (CI time)
     pytest.skip("block size 7 runs with the llama3 variant")
   for start in (8, 16):
     prompt = ref["prompt_ids"][:start]

@@ -50,9 +50,10 @@ def ref(fixture_name):
 
 
 def _dense_mtp_only(fixture_name):
-  """The loop-state and prompt-cache bookkeeping of an MTP draft does not depend on the target's
-  MLP: the MoE fixture skips those tests (CI time); its own numerics (config, teacher-forced
-  logits, drafted chain, greedy and sampled decoding) run below."""
+  """Skip on the MoE MTP fixture (CI time): the tests that call this (loop-state and prompt-cache
+  bookkeeping, greedy decoding at 7 MTP steps) exercise the draft loop, not the target's MLP, and
+  run on the dense MTP fixture. The MoE fixture still runs the config, teacher-forced logits,
+  drafted chain, greedy (3 steps, chain and DDTree) and sampled tests."""
   if fixture_name != FIXTURES[0]:
     pytest.skip("MoE MTP fixture: covered by the dense MTP fixture (CI time)")
 
