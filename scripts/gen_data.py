@@ -49,6 +49,55 @@ _EXPORT = flags.DEFINE_string("export_prompts", None, "Write the encoded corpus 
 _EXPORT_N = flags.DEFINE_integer("export_count", 20000, "Prompts written by --export_prompts.")
 _START = flags.DEFINE_integer("start_prompt", 0, "Skip corpus prompts before this index (e.g. "
                               "sampled runs over another part of the corpus).")
+_SELF_Q = flags.DEFINE_integer(
+    "self_queries", 0, "Answer N user queries written by the target itself (Magpie, "
+    "dflash_jax.train.self_queries: sampled from its chat template up to a user turn's text, "
+    "decontaminated against HumanEval and the benchmark chat prompts) in place of the corpus. "
+    "They are sampled once into --queries_file and read from it on a resumed run.")
+_Q_FILE = flags.DEFINE_string("queries_file", None, "Prompt file of the self-written queries "
+                              "(default: DATA_DIR/self_queries_seed{--query_seed}_n{N}.npz).")
+_Q_SEED = flags.DEFINE_integer("query_seed", 0, "Seed of the query sampling (query i: seed + i).")
+_Q_TEMP = flags.DEFINE_float("query_temperature", 1.0, "Temperature of the query sampling.")
+_Q_TOKENS = flags.DEFINE_integer("query_tokens", 96, "Tokens per query at most (a query not "
+                                 "ended by then is dropped).")
+_Q_OPENERS = flags.DEFINE_list("query_openers", None, "Query openers, cycled (default "
+                               "self_queries.DEFAULT_OPENERS; use '' for a free query).")
+
+
+def _self_query_prompts(target, meta):
+  """The self-written query prompts: read from --queries_file when it exists (checked against
+  the target), else sampled, cleaned and written there. Updates meta with how they were made."""
+  from dflash_jax.train import datagen, shards, self_queries as sq
+  n = _SELF_Q.value
+  if not _DATA.value and not _Q_FILE.value:
+    raise app.UsageError("--self_queries needs --data_dir or --queries_file")
+  path = _Q_FILE.value or os.path.join(_DATA.value, f"self_queries_seed{_Q_SEED.value}_n{n}.npz")
+  if os.path.exists(path):
+    prompts, qmeta = datagen.load_prompts(path, target.config.n_vocab)
+    if qmeta.get("target_sha256") != meta["target_sha256"]:
+      raise app.UsageError(f"--queries_file={path} was sampled from target {qmeta.get('target')} "
+                           f"(sha256 {qmeta.get('target_sha256')}), not {meta['target']}")
+    logging.info("%s: %d self-written queries", path, len(prompts))
+  else:
+    openers = sq.DEFAULT_OPENERS if _Q_OPENERS.value is None else tuple(_Q_OPENERS.value)
+    t0 = time.time()
+    texts = sq.sample_queries(target, n, seed=_Q_SEED.value, temperature=_Q_TEMP.value,
+                              openers=openers, max_query_tokens=_Q_TOKENS.value,
+                              batch_size=_BATCH.value)
+    keep = sq.clean_queries(texts, sq.eval_texts())
+    kept = [texts[i] for i in keep]
+    prompts = sq.query_prompts(target, kept, _MAX_PROMPT.value, indices=keep)
+    qmeta = dict(meta, self_queries=n, query_seed=_Q_SEED.value,
+                 query_temperature=_Q_TEMP.value, query_tokens=_Q_TOKENS.value,
+                 query_openers=list(openers), sampled=n,
+                 unfinished=sum(t is None for t in texts), kept=len(prompts),
+                 query_minutes=round((time.time() - t0) / 60, 2), max_prompt=_MAX_PROMPT.value)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    datagen.save_prompts(path, prompts, qmeta)
+    logging.info("%s: %d of %d sampled queries kept (%d unfinished) in %.1f min", path,
+                 len(prompts), n, qmeta["unfinished"], qmeta["query_minutes"])
+  meta.update(queries_file=os.path.basename(path), prompts_sha256=shards.sha256_file(path))
+  return [p for p in prompts if len(p[1]) <= _MAX_PROMPT.value]
 
 
 def main(argv):
@@ -66,7 +115,11 @@ def main(argv):
           "target_sha256": shards.sha256_file(target.path),
           "corpus_seed": _CORPUS_SEED.value, "n_general": _N_GENERAL.value,
           "device": f"{jax.devices()[0].device_kind} (JAX {jax.__version__})"}
-  if _PROMPTS_FILE.value:
+  if _SELF_Q.value:
+    if _PROMPTS_FILE.value:
+      raise app.UsageError("--self_queries and --prompts_file are two prompt sources: give one")
+    prompts = _self_query_prompts(target, meta)
+  elif _PROMPTS_FILE.value:
     prompts, pmeta = datagen.load_prompts(_PROMPTS_FILE.value, target.config.n_vocab)
     if pmeta.get("target_sha256") != meta["target_sha256"]:
       raise app.UsageError(f"--prompts_file={_PROMPTS_FILE.value} was encoded for target "

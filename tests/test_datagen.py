@@ -115,3 +115,90 @@ def test_generated_shards_match_generate_and_resume(qwen_f32, tmp_path, temperat
     r = dj.generate(qwen_f32, None, ids, max_new_tokens=12, mode="ar", max_ctx=64,
                     sampling=samp, seed=5 + i)
     assert s.prompt.tolist() == ids and s.response.tolist() == r.tokens
+
+
+def test_self_query_cleaning_and_decontamination():
+  """Self-written queries (train.self_queries, Magpie): unfinished (None), too short / too long
+  and repeated texts are dropped, and so is every text sharing an 8-word run with an evaluation
+  text, or occurring whole in one when shorter; unrelated texts on the same topics stay."""
+  from dflash_jax.train import self_queries as sq
+  ev = ["Write a Python function that checks whether a number is prime.",
+        "How do I reverse a string in JavaScript?",
+        'def add(a, b):\n    """ Add two numbers a and b.\n    >>> add(2, 3)\n    5\n    """\n']
+  texts = ["How can I sort a dictionary by value in Python?",              # 0 kept
+           None,                                                            # 1 unfinished
+           "Hi",                                                            # 2 too short
+           "x" * 700,                                                       # 3 too long
+           "how can i sort a dictionary by VALUE in python",                # 4 repeat of 0
+           "Please write a python function that checks whether a number is prime or not",  # 5: 8-gram
+           "How do I reverse a string",                                     # 6: whole inside ev[1]
+           "Write a Python function that counts vowels in a word.",         # 7 kept (< 8 shared)
+           "Explain what this does: add two numbers a and b, add 2 3 gives 5",  # 8: 8-gram of ev[2]
+           "What is a prime number?"]                                       # 9 kept
+  assert sq.clean_queries(texts, ev) == [0, 7, 9]
+  assert sq.contaminated("HOW DO I REVERSE A STRING IN JAVASCRIPT", ev)
+  assert not sq.contaminated("Reverse the string", ev)        # 3 words, not a run of ev's
+  assert not sq.contaminated("Hi there", ["Hi there friend"])  # runs < 3 words: equality only
+  assert sq.contaminated("Hi there", ["hi, there!"])
+  he = sq.eval_texts()
+  assert len(he) == 16 + 164 and sq.contaminated(he[20][:200], he)
+
+
+def test_self_queries_follow_the_template_and_generate(qwen_f32):
+  """pre_query_ids is a token prefix of every one-turn chat prompt (so a sampled query continues
+  the template where a user's text goes); sample_queries gives query i what `generate` samples
+  alone after that prefix with seed + i (text from the opener on, None where no end-of-turn
+  token came); query_prompts keeps each query's sample index."""
+  import copy
+  import dataclasses
+  from dflash_jax import cli
+  from dflash_jax.train import self_queries as sq
+  with pytest.raises(ValueError, match="no tokenizer.chat_template"):
+    sq.pre_query_ids(qwen_f32)
+  tok = copy.copy(qwen_f32.tokenizer)       # the tiny GGUF has no template: give a copy ChatML's
+  tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                       "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>"
+                       "assistant\n{% endif %}")
+  qwen_f32 = dataclasses.replace(qwen_f32, tokenizer=tok)
+  pre = sq.pre_query_ids(qwen_f32)
+  assert tok.decode(pre, skip_special=False).endswith("user\n")
+  for q in ["Hello there", "Write a Python function that adds two numbers."]:
+    assert cli.build_prompt(qwen_f32, q, chat=True)[:len(pre)] == pre
+  openers = ("", "Explain")
+  samp = dj.SamplingConfig(temperature=1.0, top_p=0.95)
+  # Make the third token query 0 samples an end-of-turn token, so some queries end (a random
+  # tiny model rarely samples its real ones).
+  r0 = dj.generate(qwen_f32, None, pre, max_new_tokens=6, mode="ar", max_ctx=128, sampling=samp,
+                   seed=11, eog_ids=()).tokens
+  tok.eog_ids = tuple(sorted(set(tok.eog_ids) | {int(r0[2])}))
+  got = sq.sample_queries(qwen_f32, 3, seed=11, openers=openers, max_query_tokens=6,
+                          batch_size=2, max_ctx=128)
+  assert len(got) == 3 and got[0] == tok.decode(r0[:2])
+  eog = set(tok.eog_ids)
+  for i, g in enumerate(got):
+    o = openers[i % 2]
+    r = dj.generate(qwen_f32, None, pre + (tok.encode(o) if o else []), max_new_tokens=6,
+                    mode="ar", max_ctx=128, sampling=samp, seed=11 + i).tokens
+    want = (o + tok.decode(r[:-1])) if r and r[-1] in eog else None
+    assert g == want
+  ps = sq.query_prompts(qwen_f32, ["a question", "another one"], 256, indices=[4, 9])
+  assert [i for i, _ in ps] == [sq.SELF_QUERY_BASE + 4, sq.SELF_QUERY_BASE + 9]
+  assert ps[1][1] == cli.build_prompt(qwen_f32, "another one", chat=True)
+  with pytest.raises(ValueError, match="2 indices for 1 queries"):
+    sq.query_prompts(qwen_f32, ["x"], 256, indices=[1, 2])
+
+
+def test_resume_windows_keep_prompt_sets_apart(tmp_path):
+  """Shards of the corpus (indices from 0) and of self-written queries (from SELF_QUERY_BASE)
+  in one directory resume independently: each set's resume index counts only its own range."""
+  from dflash_jax.train import self_queries as sq
+  d = str(tmp_path / "d")
+  b = sq.SELF_QUERY_BASE
+  for first, n in ((0, 3), (3, 2), (b, 4)):
+    seqs = [shards_lib.TokenSeq(np.array([1, 2], np.int32), np.array([3], np.int32), first + k)
+            for k in range(n)]
+    shards_lib.write_shard(d, seqs, 1000, temperature=0.0, seed=0, last_prompt=first + n - 1)
+  assert datagen.resume_index(d, 0.0, 0) == b + 4                 # no window: the old rule
+  assert datagen.resume_index(d, 0.0, 0, 0, b) == 5
+  assert datagen.resume_index(d, 0.0, 0, b) == b + 4
+  assert datagen.resume_index(d, 0.0, 0, 2 * b) == 2 * b          # nothing there yet

@@ -83,12 +83,16 @@ def load_prompts(path: str, n_vocab: int) -> tuple[list[tuple[int, list[int]]], 
   return [(int(i), s.tolist()) for i, s in zip(index, splits)], meta
 
 
-def resume_index(data_dir: str, temperature: float, seed: int) -> int:
+def resume_index(data_dir: str, temperature: float, seed: int, lo: int = 0,
+                 hi: Optional[int] = None) -> int:
   """The first corpus index after every prompt already answered in data_dir at this
-  (temperature, seed) (0 if none)."""
+  (temperature, seed) among indices in [lo, hi) (hi None: no bound), or lo if none there. The
+  window keeps prompt sets with disjoint index ranges (the corpus, `self_queries` from
+  SELF_QUERY_BASE on) from resuming past each other."""
   done = [e["last_prompt"] for e in shards_lib.read_manifest(data_dir)["shards"]
-          if e.get("temperature") == temperature and e.get("seed") == seed]
-  return max(done) + 1 if done else 0
+          if e.get("temperature") == temperature and e.get("seed") == seed
+          and e["last_prompt"] >= lo and (hi is None or e["last_prompt"] < hi)]
+  return max(done) + 1 if done else lo
 
 
 def generate_token_seqs(target, prompts: Sequence[tuple[int, Sequence[int]]], *,
@@ -112,11 +116,14 @@ def generate_shards(target, prompts: Sequence[tuple[int, Sequence[int]]], data_d
                     max_ctx: int, shard_prompts: int, meta: dict, top_p: float = 1.0,
                     deadline: Optional[float] = None, max_response_tokens: Optional[int] = None,
                     log: Callable[[str], None] = print) -> dict:
-  """Answer the prompts not yet in data_dir for this (temperature, seed), `shard_prompts` per
-  shard, appending shards until the prompts run out, time.time() passes `deadline` or the
+  """Answer the prompts not yet in data_dir for this (temperature, seed) (resumed within the
+  prompts' index range, `resume_index`), `shard_prompts` per shard, appending shards until the prompts run out, time.time() passes `deadline` or the
   directory holds max_response_tokens response tokens. meta (command, target, target_sha256,
   ...) is recorded in every manifest entry. Returns the directory's `shards.summary`."""
-  start = resume_index(data_dir, temperature, seed)
+  if not prompts:
+    return shards_lib.summary(data_dir)
+  lo, hi = min(p[0] for p in prompts), max(p[0] for p in prompts) + 1
+  start = resume_index(data_dir, temperature, seed, lo, hi)
   todo = [p for p in prompts if p[0] >= start]
   for s in range(0, len(todo), shard_prompts):
     if deadline is not None and time.time() > deadline:
