@@ -1,0 +1,107 @@
+"""Is the self-written query data (gen_data.py --self_queries, Magpie) closer to the benchmark
+sets than the corpus is? Two measurements, no training:
+
+1. The shipped draft's held-out chain acceptance (`heldout.heldout_accept`, exact teacher-forced
+   greedy chain, block 16, first 128 response tokens) on: the benchmark chat prompts (16 x 128)
+   and HumanEval 0-49 x 64, answers to corpus chat prompts and corpus code prompts the draft never
+   saw (shards 53-68), and answers to self-written queries (never seen either). A draft fitted to
+   its training distribution accepts its own kind of text better; where a set sits between the
+   corpus and the benchmark says how far from the benchmark the training text is.
+2. A static n-gram table (`dflash_jax.ngram`, orders 1-4) of the committed shards without and with
+   the self-query shards: its teacher-forced next-token accuracy and chain acceptance (table
+   proposals over the target's greedy continuation, longest matching order, up to 15 tokens) on
+   the benchmark sets. Text closer to the benchmark's raises both.
+
+  python bench_out/train/self_queries_study.py --json_out bench_out/train/self_queries_s51.json
+"""
+
+import json
+
+import numpy as np
+from absl import app, flags
+
+_DATA = flags.DEFINE_string("data_dir", "checkpoints/train_data/smollm2-135m-instruct", "Shards.")
+_N = flags.DEFINE_integer("n_seqs", 48, "Sequences sampled from each held-out shard set.")
+_JSON = flags.DEFINE_string("json_out", None, "Write the results here.")
+_CACHE = flags.DEFINE_string("eval_cache", "/tmp/self_queries_eval.npz", "Greedy continuations.")
+
+
+def _table_chain(table, tokens, start, max_len=15):
+  """m(p) for p >= start: leading table predictions (true context, longest order first) equal to
+  tokens[p + 1 ..]; and the per-position next-token accuracy."""
+  from dflash_jax import ngram
+  t = np.asarray(tokens, np.int64)
+  pred = np.full(t.size, -1, np.int64)
+  for n in range(table.n_min, table.n_max + 1):           # higher orders overwrite lower ones
+    idx = np.arange(max(start, n), t.size)
+    h = ngram.context_hash(np, [t[idx - n + j] for j in range(n)], n)
+    pos = np.searchsorted(table.keys, h)
+    hit = (pos < table.keys.size) & (table.keys[np.minimum(pos, table.keys.size - 1)] == h)
+    pred[idx[hit]] = table.next[pos[hit]]
+  ok = pred == t                                           # ok[q]: table right about tokens[q]
+  m = np.zeros(t.size, np.int64)
+  for p in range(t.size - 2, start - 1, -1):               # anchor p: bonus tokens[p], guesses p+1..
+    m[p] = (m[p + 1] + 1 if ok[p + 1] else 0) if p + 1 < t.size else 0
+  m = np.minimum(m, max_len)
+  return m[start:t.size - 1], ok[start + 1:]
+
+
+def main(argv):
+  del argv
+  import dflash_jax as dj
+  from dflash_jax import cli, ngram
+  from dflash_jax.train import heldout, objective, shards
+  from dflash_jax.train.self_queries import SELF_QUERY_BASE
+  target = dj.load_target(cli.default_target_path())
+  d = dj.load_draft("checkpoints/smollm2-135m-instruct-dflash", target)
+  V = target.config.n_vocab
+  man = shards.read_manifest(_DATA.value)["shards"]
+  corpus_seqs, self_seqs = [], []
+  for e in man:
+    (self_seqs if e["first_prompt"] >= SELF_QUERY_BASE else corpus_seqs).append(e)
+  read = lambda es: [s for e in es for s in shards.read_shard(_DATA.value, e, V)]
+  unseen = read([e for e in corpus_seqs if 53 <= int(e["file"][6:11]) <= 68])
+  sets = {}
+  for kind, prompts in heldout.eval_prompts(target, 50, 16).items():
+    sets["bench_" + kind] = heldout.greedy_continuations(
+        target, prompts, heldout.EVAL_NEW_TOKENS[kind], cache_path=_CACHE.value, cache_prefix=kind)
+  rng = np.random.default_rng(0)
+  pick = lambda ss: [ss[i] for i in rng.choice(len(ss), size=min(_N.value, len(ss)), replace=False)]
+  sets["corpus_chat_unseen"] = pick([s for s in unseen if int(s.tokens[0]) == 1])
+  sets["corpus_code_unseen"] = pick([s for s in unseen if int(s.tokens[0]) != 1])
+  new = read(self_seqs)
+  if new:
+    sets["self_queries"] = pick(new)
+  out = {"n_self_query_seqs": len(new),
+         "self_query_response_tokens": int(sum(s.response.size for s in new)), "draft": {},
+         "table": {}}
+  lm = objective.frozen_target_tensors(target)[1]
+  for name, ss in sets.items():
+    h = heldout.heldout_accept(d.params, d.config, target, ss, max_new=128, lm_head_w=lm)
+    out["draft"][name] = {k: h[k] for k in ("chain_al", "n_seqs", "n_anchors")} | {
+        "p_offset_1": h["p_offset"][0]}
+    print(f"draft {name:<20} chain AL {h['chain_al']:.3f}  offset-1 {h['p_offset'][0]:.3f} "
+          f"({h['n_seqs']} seqs)", flush=True)
+  both = read(corpus_seqs) + new
+  tables = {"corpus": ngram.build([(s.tokens, s.prompt_len) for s in both[:len(both) - len(new)]], V)}
+  if new:
+    tables["corpus+self_queries"] = ngram.build([(s.tokens, s.prompt_len) for s in both], V)
+  for tname, tab in tables.items():
+    for name in ("bench_humaneval", "bench_chat"):
+      als, oks = [], []
+      for s in sets[name]:
+        m, ok = _table_chain(tab, s.tokens, s.prompt_len)
+        als.append(float(np.mean(heldout.walk_chain(m, s.tokens.size - s.prompt_len))))
+        oks.append(ok)
+      r = {"chain_al": float(np.mean(als)), "next_token_acc": float(np.mean(np.concatenate(oks))),
+           "entries": tab.size}
+      out["table"][f"{tname}/{name}"] = r
+      print(f"table {tname:<20} {name:<16} chain AL {r['chain_al']:.3f}  next-token "
+            f"{r['next_token_acc']:.3f}  ({tab.size} entries)", flush=True)
+  if _JSON.value:
+    with open(_JSON.value, "w") as fh:
+      json.dump(out, fh, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)
