@@ -11,14 +11,20 @@ sets than the corpus is? Two measurements, no training:
    the self-query shards: its teacher-forced next-token accuracy and chain acceptance (table
    proposals over the target's greedy continuation, longest matching order, up to 15 tokens) on
    the benchmark sets. Text closer to the benchmark's raises both.
+A control for (1): the target's own mean top-1 probability at the same positions (a set the target
+itself is unsure of is hard for any draft, whatever it was trained on).
 
   python bench_out/train/self_queries_study.py --json_out bench_out/train/self_queries_s51.json
 """
 
 import json
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
+
+from dflash_jax.runtime import Runtime
 
 _DATA = flags.DEFINE_string("data_dir", "checkpoints/train_data/smollm2-135m-instruct", "Shards.")
 _N = flags.DEFINE_integer("n_seqs", 48, "Sequences sampled from each held-out shard set.")
@@ -76,12 +82,27 @@ def main(argv):
          "self_query_response_tokens": int(sum(s.response.size for s in new)), "draft": {},
          "table": {}}
   lm = objective.frozen_target_tensors(target)[1]
+
+  @jax.jit
+  def top1(tokens, length):                      # the target's top-1 probability per position
+    _, hid = objective.target_pass(target.params, target.config, tokens, length,
+                                   d.config.target_layer_ids, Runtime())
+    lg = objective.head_logits(target.params, target.config, hid, lm)
+    return jnp.max(jax.nn.softmax(lg, -1), -1)
+
   for name, ss in sets.items():
     h = heldout.heldout_accept(d.params, d.config, target, ss, max_new=128, lm_head_w=lm)
+    conf = []
+    for sq_ in ss:
+      t = np.asarray(sq_.tokens[:sq_.prompt_len + 128], np.int32)
+      tp = np.zeros(-(-t.size // 64) * 64, np.int32)
+      tp[:t.size] = t
+      conf.append(np.asarray(top1(jnp.asarray(tp), jnp.int32(t.size)))[sq_.prompt_len:t.size - 1])
+    c = float(np.mean(np.concatenate(conf)))
     out["draft"][name] = {k: h[k] for k in ("chain_al", "n_seqs", "n_anchors")} | {
-        "p_offset_1": h["p_offset"][0]}
+        "p_offset_1": h["p_offset"][0], "target_top1_prob": c}
     print(f"draft {name:<20} chain AL {h['chain_al']:.3f}  offset-1 {h['p_offset'][0]:.3f} "
-          f"({h['n_seqs']} seqs)", flush=True)
+          f"target top-1 {c:.3f} ({h['n_seqs']} seqs)", flush=True)
   both = read(corpus_seqs) + new
   tables = {"corpus": ngram.build([(s.tokens, s.prompt_len) for s in both[:len(both) - len(new)]], V)}
   if new:
