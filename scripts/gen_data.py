@@ -4,6 +4,7 @@
   python scripts/gen_data.py --data_dir data/smollm2-135m-instruct --temperature 0.8 --seed 1
   python scripts/gen_data.py --export_prompts /tmp/p.npz --start_prompt 5571  # for another machine
   python scripts/gen_data.py --data_dir D --prompts_file /tmp/p.npz --batch_size 256 ...
+  python scripts/gen_data.py --data_dir data/smollm2-135m-instruct --self_queries 4096 --minutes 100
 
 The prompt corpus (dflash_jax.train.corpus: standard-library and installed-package functions to
 complete, chat about Python topics and functions, general-assistant templates; never HumanEval
@@ -12,7 +13,9 @@ it through the batched autoregressive loop (B = --batch_size rows at once), gree
 each response up to --max_new_tokens (repetition loops kept: that is the target's behaviour),
 and every --shard_prompts answers become one compressed shard listed in data_dir/manifest.json
 with how it was made (command, seed, temperature, target sha256, tokens, minutes). A rerun with
-the same --temperature / --seed continues after the last prompt answered.
+the same --temperature / --seed continues after the last prompt answered. With --self_queries N
+the prompts are instead user queries the target writes itself (dflash_jax.train.self_queries),
+sampled once into a hashed prompt file in the data directory and answered like corpus prompts.
 """
 
 import os
