@@ -223,6 +223,31 @@ def load_cached(path: str, vocab: int) -> NgramTable:
   return _load_cached(os.path.abspath(path), os.path.getmtime(path), vocab)
 
 
+def next_tokens(table: NgramTable, tokens, positions) -> tuple[np.ndarray, np.ndarray]:
+  """Host-side (numpy) table lookups for offline evaluation: for each q of `positions` [N] int,
+  the table's (next token, share) predicting tokens[q] from the tokens before it, the longest
+  held order first. tokens: [T] int. Returns (tok [N] int64, -1 where no order is held; share
+  [N] float32, 0 there)."""
+  positions = np.asarray(positions, np.int64)
+  tok = np.full(positions.shape, -1, np.int64)
+  share = np.zeros(positions.shape, np.float32)
+  if table.size == 0:
+    return tok, share
+  t = np.asarray(tokens, np.int64)
+  for n in range(table.n_max, table.n_min - 1, -1):
+    ok = (positions >= n) & (tok < 0)
+    if not ok.any():
+      continue
+    q = positions[ok]
+    h = context_hash(np, [t[q - n + j] for j in range(n)], n)
+    j = np.clip(np.searchsorted(table.keys, h), 0, table.size - 1)
+    hit = table.keys[j] == h
+    idx = np.flatnonzero(ok)[hit]
+    tok[idx] = table.next[j[hit]]
+    share[idx] = table.share[j[hit]]
+  return tok, share
+
+
 def _lookup(table: NgramTable, buf: jax.Array, end: int, n_real: jax.Array):
   """The table's top next token after buf[:end] (longest order held first; an order n counts
   only when n <= n_real, the real tokens before `end`): (found [] bool, token [] int32, share []

@@ -67,6 +67,17 @@ _Q_OPENERS = flags.DEFINE_list("query_openers", None, "Query openers, cycled (de
                                "self_queries.DEFAULT_OPENERS; use '' for a free query).")
 
 
+def _read_prompt_file(flag, path, target, meta):
+  """`datagen.load_prompts` of `path` (the value of --flag), refused with a UsageError naming
+  the flag when the file was made for another target than meta's."""
+  from dflash_jax.train import datagen
+  prompts, pmeta = datagen.load_prompts(path, target.config.n_vocab)
+  if pmeta.get("target_sha256") != meta["target_sha256"]:
+    raise app.UsageError(f"--{flag}={path} was made for target {pmeta.get('target')} "
+                         f"(sha256 {pmeta.get('target_sha256')}), not {meta['target']}")
+  return prompts, pmeta
+
+
 def _self_query_prompts(target, meta):
   """The self-written query prompts: read from --queries_file when it exists (checked against
   the target), else sampled, cleaned and written there. Updates meta with how they were made."""
@@ -76,10 +87,7 @@ def _self_query_prompts(target, meta):
     raise app.UsageError("--self_queries needs --data_dir or --queries_file")
   path = _Q_FILE.value or os.path.join(_DATA.value, f"self_queries_seed{_Q_SEED.value}_n{n}.npz")
   if os.path.exists(path):
-    prompts, qmeta = datagen.load_prompts(path, target.config.n_vocab)
-    if qmeta.get("target_sha256") != meta["target_sha256"]:
-      raise app.UsageError(f"--queries_file={path} was sampled from target {qmeta.get('target')} "
-                           f"(sha256 {qmeta.get('target_sha256')}), not {meta['target']}")
+    prompts, _ = _read_prompt_file("queries_file", path, target, meta)
     logging.info("%s: %d self-written queries", path, len(prompts))
   else:
     openers = sq.DEFAULT_OPENERS if _Q_OPENERS.value is None else tuple(_Q_OPENERS.value)
@@ -123,11 +131,7 @@ def main(argv):
       raise app.UsageError("--self_queries and --prompts_file are two prompt sources: give one")
     prompts = _self_query_prompts(target, meta)
   elif _PROMPTS_FILE.value:
-    prompts, pmeta = datagen.load_prompts(_PROMPTS_FILE.value, target.config.n_vocab)
-    if pmeta.get("target_sha256") != meta["target_sha256"]:
-      raise app.UsageError(f"--prompts_file={_PROMPTS_FILE.value} was encoded for target "
-                           f"{pmeta.get('target')} (sha256 {pmeta.get('target_sha256')}), not "
-                           f"{meta['target']}")
+    prompts, pmeta = _read_prompt_file("prompts_file", _PROMPTS_FILE.value, target, meta)
     prompts = [p for p in prompts if p[0] >= _START.value and len(p[1]) <= _MAX_PROMPT.value]
     meta.update(corpus_seed=pmeta["corpus_seed"], n_general=pmeta["n_general"],
                 prompts_file=os.path.basename(_PROMPTS_FILE.value),

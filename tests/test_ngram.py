@@ -323,3 +323,26 @@ def test_table_batched_rows_equal_one_row(smol, smol_prompts, tmp_path, monkeypa
   assert {r.mode for r in auto} == {"lookup"}
   assert [r.tokens for r in auto] == [a.tokens for a in ars]
   assert [r.accept_lens for r in auto] == [r.accept_lens for r in res]
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_next_tokens_match_the_reference(seed):
+  """ngram.next_tokens (host-side lookups for offline studies) gives, at every position, the
+  plain-count longest held context's top next token and share; -1 / 0 where none is held or
+  the table is empty."""
+  vocab, n_min, n_max, min_count = 5, 1, 3, 2
+  rng, table, tab = _random_table(seed, vocab, n_min, n_max, min_count)
+  t = rng.integers(0, vocab, 40)
+  pos = np.arange(40)
+  tok, share = ngram.next_tokens(table, t, pos)
+  hits = 0
+  for q in pos:
+    want = _ref_longest(tab, [int(x) for x in t[:q]], n_min, n_max, min_count) if q else None
+    if want is None:
+      assert tok[q] == -1 and share[q] == 0, q
+    else:
+      assert tok[q] == want[0] and abs(share[q] - want[1]) < 1e-6, q
+      hits += 1
+  assert hits > 20
+  tok, share = ngram.next_tokens(ngram.build([], vocab), t, pos)
+  assert (tok == -1).all() and not share.any()

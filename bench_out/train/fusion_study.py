@@ -49,28 +49,6 @@ BETAS = (0.0, 0.5, 1.0, 2.0)
 WEIGHTS = (0.25, 0.5, 2.0, 4.0)
 
 
-def table_top(table, tokens, positions):
-  """The table's (token, share) for predicting tokens[q] at each q of `positions` [N] (its context
-  the tokens before q; longest order held first); token -1 where no order is held."""
-  import numpy as np
-  from dflash_jax import ngram
-  tok = np.full(positions.shape, -1, np.int64)
-  share = np.zeros(positions.shape, np.float32)
-  t = np.asarray(tokens, np.int64)
-  for n in range(table.n_max, table.n_min - 1, -1):
-    ok = (positions >= n) & (tok < 0)
-    if not ok.any():
-      continue
-    q = positions[ok]
-    h = ngram.context_hash(np, [t[q - n + j] for j in range(n)], n)
-    j = np.clip(np.searchsorted(table.keys, h), 0, table.size - 1)
-    hit = table.keys[j] == h
-    idx = np.flatnonzero(ok)[hit]
-    tok[idx] = table.next[j[hit]]
-    share[idx] = table.share[j[hit]]
-  return tok, share
-
-
 def main(argv):
   del argv
   import jax
@@ -120,7 +98,7 @@ def main(argv):
       q = a[:, None] + np.arange(1, L)                       # [A, L-1] predicted positions
       valid = q < T
       qc = np.minimum(q, T - 1)
-      ttok, tshare = table_top(table, seq, qc.reshape(-1))
+      ttok, tshare = ngram.next_tokens(table, seq, qc.reshape(-1))
       ttok, tshare = ttok.reshape(q.shape), tshare.reshape(q.shape)
       Tp = -(-T // 64) * 64
       tp = np.zeros(Tp, np.int32)

@@ -38,12 +38,7 @@ def _table_chain(table, tokens, start, max_len=15):
   from dflash_jax import ngram
   t = np.asarray(tokens, np.int64)
   pred = np.full(t.size, -1, np.int64)
-  for n in range(table.n_min, table.n_max + 1):           # higher orders overwrite lower ones
-    idx = np.arange(max(start, n), t.size)
-    h = ngram.context_hash(np, [t[idx - n + j] for j in range(n)], n)
-    pos = np.searchsorted(table.keys, h)
-    hit = (pos < table.keys.size) & (table.keys[np.minimum(pos, table.keys.size - 1)] == h)
-    pred[idx[hit]] = table.next[pos[hit]]
+  pred[start:] = ngram.next_tokens(table, t, np.arange(start, t.size))[0]
   ok = pred == t                                           # ok[q]: table right about tokens[q]
   m = np.zeros(t.size, np.int64)
   for p in range(t.size - 2, start - 1, -1):               # anchor p: bonus tokens[p], guesses p+1..

@@ -117,8 +117,9 @@ def generate_shards(target, prompts: Sequence[tuple[int, Sequence[int]]], data_d
                     deadline: Optional[float] = None, max_response_tokens: Optional[int] = None,
                     log: Callable[[str], None] = print) -> dict:
   """Answer the prompts not yet in data_dir for this (temperature, seed) (resumed within the
-  prompts' index range, `resume_index`), `shard_prompts` per shard, appending shards until the prompts run out, time.time() passes `deadline` or the
-  directory holds max_response_tokens response tokens. meta (command, target, target_sha256,
+  prompts' index range, `resume_index`), `shard_prompts` per shard, appending shards until the
+  prompts run out, time.time() passes `deadline` or the directory holds max_response_tokens
+  response tokens. meta (command, target, target_sha256,
   ...) is recorded in every manifest entry. Returns the directory's `shards.summary`."""
   if not prompts:
     return shards_lib.summary(data_dir)
