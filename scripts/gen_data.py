@@ -59,7 +59,10 @@ _SELF_Q = flags.DEFINE_integer(
     "They are sampled once into --queries_file and read from it on a resumed run.")
 _Q_FILE = flags.DEFINE_string("queries_file", None, "Prompt file of the self-written queries "
                               "(default: DATA_DIR/self_queries_seed{--query_seed}_n{N}.npz).")
-_Q_SEED = flags.DEFINE_integer("query_seed", 0, "Seed of the query sampling (query i: seed + i).")
+_Q_SEED = flags.DEFINE_integer(
+    "query_seed", 0, "First query number: queries --query_seed .. + N - 1 are sampled (query j "
+    "draws with seed j and is corpus index SELF_QUERY_BASE + j), so a further set takes a seed "
+    ">= an earlier file's seed + N (an overlapping range is refused).")
 _Q_TEMP = flags.DEFINE_float("query_temperature", 1.0, "Temperature of the query sampling.")
 _Q_TOKENS = flags.DEFINE_integer("query_tokens", 96, "Tokens per query at most (a query not "
                                  "ended by then is dropped).")
@@ -90,19 +93,28 @@ def _self_query_prompts(target, meta):
     prompts, _ = _read_prompt_file("queries_file", path, target, meta)
     logging.info("%s: %d self-written queries", path, len(prompts))
   else:
+    try:
+      earlier = sq.earlier_queries(os.path.dirname(os.path.abspath(path)), path, _Q_SEED.value,
+                                   n, target.config.n_vocab, meta["target_sha256"])
+    except ValueError as e:
+      raise app.UsageError(f"--self_queries={n} --query_seed={_Q_SEED.value}: {e}") from None
     openers = sq.DEFAULT_OPENERS if _Q_OPENERS.value is None else tuple(_Q_OPENERS.value)
     t0 = time.time()
-    texts = sq.sample_queries(target, n, seed=_Q_SEED.value, temperature=_Q_TEMP.value,
+    seed = _Q_SEED.value
+    texts = sq.sample_queries(target, n, seed=seed, temperature=_Q_TEMP.value,
                               openers=openers, max_query_tokens=_Q_TOKENS.value,
                               batch_size=_BATCH.value)
     keep = sq.clean_queries(texts, sq.eval_texts())
     kept = [texts[i] for i in keep]
-    prompts = sq.query_prompts(target, kept, _MAX_PROMPT.value, indices=keep)
-    qmeta = dict(meta, self_queries=n, query_seed=_Q_SEED.value,
+    prompts = sq.query_prompts(target, kept, _MAX_PROMPT.value, indices=[seed + i for i in keep])
+    fresh = [p for p in prompts if tuple(p[1]) not in earlier]
+    qmeta = dict(meta, self_queries=n, query_seed=seed,
                  query_temperature=_Q_TEMP.value, query_tokens=_Q_TOKENS.value,
                  query_openers=list(openers), sampled=n,
-                 unfinished=sum(t is None for t in texts), kept=len(prompts),
+                 unfinished=sum(t is None for t in texts),
+                 in_earlier_files=len(prompts) - len(fresh), kept=len(fresh),
                  query_minutes=round((time.time() - t0) / 60, 2), max_prompt=_MAX_PROMPT.value)
+    prompts = fresh
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     datagen.save_prompts(path, prompts, qmeta)
     logging.info("%s: %d of %d sampled queries kept (%d unfinished) in %.1f min", path,

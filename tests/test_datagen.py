@@ -147,8 +147,8 @@ def test_self_query_cleaning_and_decontamination():
 def test_self_queries_follow_the_template_and_generate(qwen_f32):
   """pre_query_ids is a token prefix of every one-turn chat prompt (so a sampled query continues
   the template where a user's text goes); sample_queries gives query i what `generate` samples
-  alone after that prefix with seed + i (text from the opener on, None where no end-of-turn
-  token came); query_prompts keeps each query's sample index."""
+  alone after that prefix and its opener with seed j = seed + i (text from the opener on, None
+  where no end-of-turn token came); query_prompts keeps each query's sample index."""
   import copy
   import dataclasses
   from dflash_jax import cli
@@ -166,17 +166,17 @@ def test_self_queries_follow_the_template_and_generate(qwen_f32):
     assert cli.build_prompt(qwen_f32, q, chat=True)[:len(pre)] == pre
   openers = ("", "Explain")
   samp = dj.SamplingConfig(temperature=1.0, top_p=0.95)
-  # Make the third token query 0 samples an end-of-turn token, so some queries end (a random
-  # tiny model rarely samples its real ones).
-  r0 = dj.generate(qwen_f32, None, pre, max_new_tokens=6, mode="ar", max_ctx=128, sampling=samp,
-                   seed=11, eog_ids=()).tokens
+  # Query j (here 11, 12, 13) opens with openers[j % 2]. Make the third token query 11 samples
+  # an end-of-turn token, so some queries end (a random tiny model rarely samples its real ones).
+  r0 = dj.generate(qwen_f32, None, pre + tok.encode("Explain"), max_new_tokens=6, mode="ar",
+                   max_ctx=128, sampling=samp, seed=11, eog_ids=()).tokens
   tok.eog_ids = tuple(sorted(set(tok.eog_ids) | {int(r0[2])}))
   got = sq.sample_queries(qwen_f32, 3, seed=11, openers=openers, max_query_tokens=6,
                           batch_size=1, max_ctx=128)    # one slot: generate's compiled loop
-  assert len(got) == 3 and got[0] == tok.decode(r0[:2])
+  assert len(got) == 3 and got[0] == "Explain" + tok.decode(r0[:2])
   eog = set(tok.eog_ids)
   for i, g in enumerate(got):
-    o = openers[i % 2]
+    o = openers[(11 + i) % 2]
     r = dj.generate(qwen_f32, None, pre + (tok.encode(o) if o else []), max_new_tokens=6,
                     mode="ar", max_ctx=128, sampling=samp, seed=11 + i).tokens
     want = (o + tok.decode(r[:-1])) if r and r[-1] in eog else None
@@ -202,3 +202,28 @@ def test_resume_windows_keep_prompt_sets_apart(tmp_path):
   assert datagen.resume_index(d, 0.0, 0, 0, b) == 5
   assert datagen.resume_index(d, 0.0, 0, b) == b + 4
   assert datagen.resume_index(d, 0.0, 0, 2 * b) == 2 * b          # nothing there yet
+
+
+def test_earlier_query_files_are_kept_apart(tmp_path):
+  """earlier_queries: the ids of the other self-query files in the directory (not the one being
+  written), and a clear error naming the file for an overlapping query range (the same
+  samples), another target's file, or a corrupt one."""
+  from dflash_jax.train import self_queries as sq
+  d = tmp_path / "d"
+  d.mkdir()
+  meta = {"target": "t.gguf", "target_sha256": "abc", "query_seed": 0, "self_queries": 8}
+  f0 = str(d / "self_queries_seed0_n8.npz")
+  datagen.save_prompts(f0, [(sq.SELF_QUERY_BASE + 1, [5, 6]), (sq.SELF_QUERY_BASE + 4, [7])],
+                       meta)
+  new = str(d / "self_queries_seed8_n8.npz")
+  assert sq.earlier_queries(str(d), new, 8, 8, 100, "abc") == {(5, 6), (7,)}
+  assert sq.earlier_queries(str(d), f0, 0, 8, 100, "abc") == set()     # itself: not earlier
+  with pytest.raises(ValueError, match=r"\[4, 12\) overlap \[0, 8\) of .*seed0_n8.npz.*query 8"):
+    sq.earlier_queries(str(d), new, 4, 8, 100, "abc")
+  with pytest.raises(ValueError, match="seed0_n8.npz was made for target t.gguf"):
+    sq.earlier_queries(str(d), new, 8, 8, 100, "other")
+  with pytest.raises(ValueError, match="outside the vocabulary"):
+    sq.earlier_queries(str(d), new, 8, 8, 7, "abc")
+  (d / "self_queries_bad.npz").write_bytes(b"not a zip")
+  with pytest.raises(ValueError, match="self_queries_bad.npz: not a readable prompt file"):
+    sq.earlier_queries(str(d), new, 8, 8, 100, "abc")

