@@ -74,11 +74,10 @@ def _read_prompt_file(flag, path, target, meta):
   """`datagen.load_prompts` of `path` (the value of --flag), refused with a UsageError naming
   the flag when the file was made for another target than meta's."""
   from dflash_jax.train import datagen
-  prompts, pmeta = datagen.load_prompts(path, target.config.n_vocab)
-  if pmeta.get("target_sha256") != meta["target_sha256"]:
-    raise app.UsageError(f"--{flag}={path} was made for target {pmeta.get('target')} "
-                         f"(sha256 {pmeta.get('target_sha256')}), not {meta['target']}")
-  return prompts, pmeta
+  try:
+    return datagen.load_prompts(path, target.config.n_vocab, meta["target_sha256"])
+  except ValueError as e:
+    raise app.UsageError(f"--{flag}={path}: {e}") from None
 
 
 def _self_query_prompts(target, meta):

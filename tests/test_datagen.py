@@ -65,13 +65,17 @@ def test_corrupt_shards_are_clear_errors(tmp_path):
 def test_prompt_file_round_trip_and_errors(tmp_path):
   """Encoded prompts written for another machine (gen_data.py --export_prompts) come back
   exactly, meta included; a file with a flipped id, an id outside the vocabulary, indices out of
-  order or garbage is a ValueError naming the file."""
+  order, garbage or another target's sha256 is a ValueError naming the file."""
   rng = np.random.default_rng(7)
   prompts = [(3 * i + 2, rng.integers(0, 1000, 1 + i % 5).tolist()) for i in range(9)]
   path = str(tmp_path / "p.npz")
   datagen.save_prompts(path, prompts, {"target_sha256": "ab", "corpus_seed": 0})
   back, meta = datagen.load_prompts(path, 1000)
   assert back == prompts and meta == {"target_sha256": "ab", "corpus_seed": 0}
+  assert datagen.load_prompts(path, 1000, target_sha256="ab")[0] == prompts
+  with pytest.raises(ValueError, match="p.npz was made for target None .sha256 ab., not the "
+                                       "target of sha256 cd"):
+    datagen.load_prompts(path, 1000, target_sha256="cd")
   with pytest.raises(ValueError, match=r"p.npz: token id \d+ outside the vocabulary \[0, 10\)"):
     datagen.load_prompts(path, 10)
   z = dict(np.load(path))

@@ -59,10 +59,12 @@ def save_prompts(path: str, prompts: Sequence[tuple[int, Sequence[int]]], meta: 
   return digest
 
 
-def load_prompts(path: str, n_vocab: int) -> tuple[list[tuple[int, list[int]]], dict]:
+def load_prompts(path: str, n_vocab: int, target_sha256: Optional[str] = None
+                 ) -> tuple[list[tuple[int, list[int]]], dict]:
   """The (corpus index, ids) pairs and meta written by `save_prompts`.
   Raises ValueError naming the file if it is unreadable, its arrays disagree, its hash does not
-  match, an id is >= n_vocab, or the indices are not increasing."""
+  match, an id is >= n_vocab, the indices are not increasing, or (target_sha256 given) its meta
+  names another target's sha256."""
   import json
   try:
     with np.load(path) as z:
@@ -70,6 +72,9 @@ def load_prompts(path: str, n_vocab: int) -> tuple[list[tuple[int, list[int]]], 
       meta, digest = json.loads(str(z["meta"])), str(z["sha256"])
   except Exception as e:  # noqa: BLE001 (zip, key, JSON errors alike)
     raise ValueError(f"{path}: not a readable prompt file ({type(e).__name__}: {e})") from None
+  if target_sha256 is not None and meta.get("target_sha256") != target_sha256:
+    raise ValueError(f"{path} was made for target {meta.get('target')} (sha256 "
+                     f"{meta.get('target_sha256')}), not the target of sha256 {target_sha256}")
   if index.shape != lens.shape or int(lens.sum()) != ids.size or (lens <= 0).any():
     raise ValueError(f"{path}: {index.size} indices, {lens.size} lengths summing to "
                      f"{int(lens.sum())} and {ids.size} ids do not agree")

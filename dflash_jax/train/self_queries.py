@@ -170,10 +170,7 @@ def earlier_queries(data_dir: str, path: str, seed: int, n: int, n_vocab: int,
   for f in sorted(glob.glob(os.path.join(data_dir, "self_queries_*.npz"))):
     if os.path.abspath(f) == os.path.abspath(path):
       continue
-    prompts, meta = datagen.load_prompts(f, n_vocab)
-    if meta.get("target_sha256") != target_sha256:
-      raise ValueError(f"{f} was made for target {meta.get('target')} (sha256 "
-                       f"{meta.get('target_sha256')}), not sha256 {target_sha256}")
+    prompts, meta = datagen.load_prompts(f, n_vocab, target_sha256)
     a = int(meta.get("query_seed", 0))
     b = a + int(meta.get("self_queries", 0))
     if a < seed + n and seed < b:
