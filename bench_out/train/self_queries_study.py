@@ -15,6 +15,7 @@ A control for (1): the target's own mean top-1 probability at the same positions
 itself is unsure of is hard for any draft, whatever it was trained on).
 
   python bench_out/train/self_queries_study.py --json_out bench_out/train/self_queries_s51.json
+  python bench_out/train/self_queries_study.py --n_seqs 64 --table_cuts 76,83,89 --json_out ...s53.json
 """
 
 import json
@@ -30,6 +31,8 @@ _DATA = flags.DEFINE_string("data_dir", "checkpoints/train_data/smollm2-135m-ins
 _N = flags.DEFINE_integer("n_seqs", 48, "Sequences sampled from each held-out shard set.")
 _JSON = flags.DEFINE_string("json_out", None, "Write the results here.")
 _CACHE = flags.DEFINE_string("eval_cache", "/tmp/self_queries_eval.npz", "Greedy continuations.")
+_CUTS = flags.DEFINE_list("table_cuts", [], "Also tables of the corpus plus the self-query shards "
+                          "numbered below each cut (e.g. 76,83: the table's growth with this data).")
 
 
 def _table_chain(table, tokens, start, max_len=15):
@@ -100,6 +103,11 @@ def main(argv):
           f"target top-1 {c:.3f} ({h['n_seqs']} seqs)", flush=True)
   both = read(corpus_seqs) + new
   tables = {"corpus": ngram.build([(s.tokens, s.prompt_len) for s in both[:len(both) - len(new)]], V)}
+  for cut in map(int, _CUTS.value):
+    part = read([e for e in self_seqs if int(e["file"][6:11]) < cut])
+    tables[f"corpus+self_queries<{cut}"] = ngram.build(
+        [(s.tokens, s.prompt_len) for s in both[:len(both) - len(new)] + part], V)
+    out[f"self_query_response_tokens<{cut}"] = int(sum(s.response.size for s in part))
   if new:
     tables["corpus+self_queries"] = ngram.build([(s.tokens, s.prompt_len) for s in both], V)
   for tname, tab in tables.items():
