@@ -64,7 +64,8 @@ def main(argv):
   for e in man:
     (self_seqs if e["first_prompt"] >= SELF_QUERY_BASE else corpus_seqs).append(e)
   read = lambda es: [s for e in es for s in shards.read_shard(_DATA.value, e, V)]
-  unseen = read([e for e in corpus_seqs if 53 <= int(e["file"][6:11]) <= 68])
+  shard_no = lambda e: int(e["file"][6:11])
+  unseen = read([e for e in corpus_seqs if 53 <= shard_no(e) <= 68])
   sets = {}
   for kind, prompts in heldout.eval_prompts(target, 50, 16).items():
     sets["bench_" + kind] = heldout.greedy_continuations(
@@ -73,7 +74,8 @@ def main(argv):
   pick = lambda ss: [ss[i] for i in rng.choice(len(ss), size=min(_N.value, len(ss)), replace=False)]
   sets["corpus_chat_unseen"] = pick([s for s in unseen if int(s.tokens[0]) == 1])
   sets["corpus_code_unseen"] = pick([s for s in unseen if int(s.tokens[0]) != 1])
-  new = read(self_seqs)
+  new_by_shard = [(shard_no(e), read([e])) for e in self_seqs]      # each shard read once
+  new = [s for _, ss in new_by_shard for s in ss]
   if new:
     sets["self_queries"] = pick(new)
   out = {"n_self_query_seqs": len(new),
@@ -101,15 +103,15 @@ def main(argv):
         "p_offset_1": h["p_offset"][0], "target_top1_prob": c}
     print(f"draft {name:<20} chain AL {h['chain_al']:.3f}  offset-1 {h['p_offset'][0]:.3f} "
           f"target top-1 {c:.3f} ({h['n_seqs']} seqs)", flush=True)
-  both = read(corpus_seqs) + new
-  tables = {"corpus": ngram.build([(s.tokens, s.prompt_len) for s in both[:len(both) - len(new)]], V)}
+  corpus = read(corpus_seqs)
+  pairs = lambda ss: [(s.tokens, s.prompt_len) for s in ss]
+  tables = {"corpus": ngram.build(pairs(corpus), V)}
   for cut in map(int, _CUTS.value):
-    part = read([e for e in self_seqs if int(e["file"][6:11]) < cut])
-    tables[f"corpus+self_queries<{cut}"] = ngram.build(
-        [(s.tokens, s.prompt_len) for s in both[:len(both) - len(new)] + part], V)
+    part = [s for no, ss in new_by_shard if no < cut for s in ss]
+    tables[f"corpus+self_queries<{cut}"] = ngram.build(pairs(corpus + part), V)
     out[f"self_query_response_tokens<{cut}"] = int(sum(s.response.size for s in part))
   if new:
-    tables["corpus+self_queries"] = ngram.build([(s.tokens, s.prompt_len) for s in both], V)
+    tables["corpus+self_queries"] = ngram.build(pairs(corpus + new), V)
   for tname, tab in tables.items():
     for name in ("bench_humaneval", "bench_chat"):
       als, oks = [], []
