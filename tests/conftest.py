@@ -222,7 +222,16 @@ def pytest_configure(config):
   # hashes, so a monkeypatched function compiles afresh.
   import tempfile
   from dflash_jax import compile_cache
-  compile_cache.enable(tempfile.mkdtemp(prefix="dflash_jax_test_xla_"))
+  config._dflash_xla_dir = tempfile.mkdtemp(prefix="dflash_jax_test_xla_")
+  compile_cache.enable(config._dflash_xla_dir)
+
+
+def pytest_unconfigure(config):
+  # The session's compile cache (100-300 MB a test process) is of no use after it: remove it.
+  d = getattr(config, "_dflash_xla_dir", None)
+  if d:
+    jax.config.update("jax_compilation_cache_dir", None)
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="module", autouse=True)
