@@ -230,7 +230,8 @@ def pytest_unconfigure(config):
   # The session's compile cache (100-300 MB a test process) is of no use after it: remove it.
   d = getattr(config, "_dflash_xla_dir", None)
   if d:
-    jax.config.update("jax_compilation_cache_dir", None)
+    from dflash_jax import compile_cache
+    compile_cache.disable()
     shutil.rmtree(d, ignore_errors=True)
 
 

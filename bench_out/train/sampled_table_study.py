@@ -2,7 +2,7 @@
 `auto` uses? The table counts every shard's continuations and proposes each context's most frequent
 next token; sampled text adds counts that greedy decoding would not write. Teacher-forced table
 chain acceptance (table proposals over the target's greedy continuation, longest matching order, up
-to 15 tokens; `self_queries_study._table_chain`) on HumanEval 0-49 x 64 and the 16 chat prompts x
+to 15 tokens; `self_queries_study.table_accept`) on HumanEval 0-49 x 64 and the 16 chat prompts x
 128, for tables of: the greedy shards only, the shards before --cut, and every shard.
 
   python bench_out/train/sampled_table_study.py --cut 107 --json_out bench_out/train/sampled_table_s56.json
@@ -12,12 +12,11 @@ import json
 import os
 import sys
 
-import numpy as np
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-# its flags --data_dir, --eval_cache and --json_out serve here too
-from self_queries_study import _CACHE, _DATA, _JSON, _table_chain  # noqa: E402
+# its flags --data_dir, --eval_cache and --json_out serve here too; its table measure too
+from self_queries_study import _DATA, _JSON, bench_sets, table_accept  # noqa: E402
 
 _CUT = flags.DEFINE_integer("cut", 107, "Also a table of the shards numbered below this.")
 
@@ -26,13 +25,11 @@ def main(argv):
   del argv
   import dflash_jax as dj
   from dflash_jax import cli, ngram
-  from dflash_jax.train import heldout, shards
+  from dflash_jax.train import shards
   target = dj.load_target(cli.default_target_path())
   V = target.config.n_vocab
   man = shards.read_manifest(_DATA.value)["shards"]
-  sets = {k: heldout.greedy_continuations(target, p, heldout.EVAL_NEW_TOKENS[k],
-                                          cache_path=_CACHE.value, cache_prefix=k)
-          for k, p in heldout.eval_prompts(target, 50, 16).items()}
+  sets = bench_sets(target)
   seqs = {e["file"]: shards.read_shard(_DATA.value, e, V) for e in man}
   tok = lambda es: int(sum(e["response_tokens"] for e in es))
   groups = {"greedy shards only": [e for e in man if e["temperature"] == 0],
@@ -44,9 +41,7 @@ def main(argv):
     row = {"shards": len(es), "response_tokens": tok(es),
            "sampled_tokens": tok([e for e in es if e["temperature"] > 0]), "entries": tab.size}
     for k, ss in sets.items():
-      als = [float(np.mean(heldout.walk_chain(_table_chain(tab, s.tokens, s.prompt_len)[0],
-                                              s.tokens.size - s.prompt_len))) for s in ss]
-      row[f"{k}_chain_al"] = float(np.mean(als))
+      row[f"{k}_chain_al"] = table_accept(tab, ss)[0]
     out["tables"][name] = row
     print(f"{name:<22} {row['response_tokens']:>9} tokens ({row['sampled_tokens']:>7} sampled) "
           f"{row['entries']:>8} entries  HumanEval chain AL {row['humaneval_chain_al']:.4f}  "

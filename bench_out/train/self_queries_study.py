@@ -50,6 +50,27 @@ def _table_chain(table, tokens, start, max_len=15):
   return m[start:t.size - 1], ok[start + 1:]
 
 
+def bench_sets(target) -> dict:
+  """{"humaneval", "chat"}: the target's greedy continuations of bench.py's prompt sets (HumanEval
+  0-49, the 16 chat prompts), cached in --eval_cache."""
+  from dflash_jax.train import heldout
+  return {kind: heldout.greedy_continuations(target, prompts, heldout.EVAL_NEW_TOKENS[kind],
+                                             cache_path=_CACHE.value, cache_prefix=kind)
+          for kind, prompts in heldout.eval_prompts(target, 50, 16).items()}
+
+
+def table_accept(table, seqs) -> tuple[float, float]:
+  """The table's teacher-forced chain acceptance over seqs (`_table_chain` walked as the decode loop
+  walks a chain, mean over sequences) and its next-token accuracy over all their positions."""
+  from dflash_jax.train import heldout
+  als, oks = [], []
+  for s in seqs:
+    m, ok = _table_chain(table, s.tokens, s.prompt_len)
+    als.append(float(np.mean(heldout.walk_chain(m, s.tokens.size - s.prompt_len))))
+    oks.append(ok)
+  return float(np.mean(als)), float(np.mean(np.concatenate(oks)))
+
+
 def main(argv):
   del argv
   import dflash_jax as dj
@@ -66,10 +87,7 @@ def main(argv):
   read = lambda es: [s for e in es for s in shards.read_shard(_DATA.value, e, V)]
   shard_no = lambda e: int(e["file"][6:11])
   unseen = read([e for e in corpus_seqs if 53 <= shard_no(e) <= 68])
-  sets = {}
-  for kind, prompts in heldout.eval_prompts(target, 50, 16).items():
-    sets["bench_" + kind] = heldout.greedy_continuations(
-        target, prompts, heldout.EVAL_NEW_TOKENS[kind], cache_path=_CACHE.value, cache_prefix=kind)
+  sets = {"bench_" + kind: ss for kind, ss in bench_sets(target).items()}
   rng = np.random.default_rng(0)
   pick = lambda ss: [ss[i] for i in rng.choice(len(ss), size=min(_N.value, len(ss)), replace=False)]
   sets["corpus_chat_unseen"] = pick([s for s in unseen if int(s.tokens[0]) == 1])
@@ -114,13 +132,8 @@ def main(argv):
     tables["corpus+self_queries"] = ngram.build(pairs(corpus + new), V)
   for tname, tab in tables.items():
     for name in ("bench_humaneval", "bench_chat"):
-      als, oks = [], []
-      for s in sets[name]:
-        m, ok = _table_chain(tab, s.tokens, s.prompt_len)
-        als.append(float(np.mean(heldout.walk_chain(m, s.tokens.size - s.prompt_len))))
-        oks.append(ok)
-      r = {"chain_al": float(np.mean(als)), "next_token_acc": float(np.mean(np.concatenate(oks))),
-           "entries": tab.size}
+      al, acc = table_accept(tab, sets[name])
+      r = {"chain_al": al, "next_token_acc": acc, "entries": tab.size}
       out["table"][f"{tname}/{name}"] = r
       print(f"table {tname:<20} {name:<16} chain AL {r['chain_al']:.3f}  next-token "
             f"{r['next_token_acc']:.3f}  ({tab.size} entries)", flush=True)
