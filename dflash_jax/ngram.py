@@ -112,11 +112,27 @@ def build(seqs: Sequence[tuple[np.ndarray, int]], vocab: int, *, n_min: int = 1,
                     vocab=vocab)
 
 
-def from_shards(data_dir: str, vocab: int, **kw) -> NgramTable:
+def _greedy(entry: dict) -> bool:
+  return entry.get("temperature", 0.0) in (0, 0.0)
+
+
+def from_shards(data_dir: str, vocab: int, *, greedy_only: bool = True, **kw) -> NgramTable:
   """`build` over a token-shard directory (`train.shards`, validated as read: a corrupt shard is a
-  ValueError naming its file): each sequence's response tokens with its prompt as context."""
+  ValueError naming its file): each sequence's response tokens with its prompt as context.
+
+  greedy_only: count only the shards generated at temperature 0 (the manifest's "temperature";
+    an entry without one counts as greedy), when the directory has any: the table proposes what
+    greedy decoding writes, and sampled answers lower the shares of its entries (session 56,
+    `bench_out/ngram_cpu/README.md`: decoded acceptance 1.668 -> 1.678 chat, 1.900 -> 1.911
+    HumanEval without them). A directory of sampled shards only is counted whole.
+  kw: `build`'s options. Raises ValueError for a directory without shards."""
   from dflash_jax.train import shards
-  seqs = shards.read_shards(data_dir, vocab)
+  entries = shards.read_manifest(data_dir)["shards"]
+  if not entries:
+    shards.read_shards(data_dir, vocab)            # raises the clear "no token shards" error
+  if greedy_only and any(map(_greedy, entries)):
+    entries = [e for e in entries if _greedy(e)]
+  seqs = [s for e in entries for s in shards.read_shard(data_dir, e, vocab)]
   return build([(s.tokens, s.prompt_len) for s in seqs], vocab, **kw)
 
 
@@ -155,12 +171,13 @@ def cache_dir() -> str:
 
 def _built_path(data_dir: str, vocab: int) -> str | None:
   """The cache file of the table built from `data_dir` (keyed by its manifest's bytes, which name
-  every shard's sha256, the table format and vocab), or None without a manifest."""
+  every shard's sha256 and temperature, the table format, the shard selection and vocab), or None
+  without a manifest."""
   manifest = os.path.join(data_dir, "manifest.json")
   if not os.path.isfile(manifest):
     return None
   with open(manifest, "rb") as fh:
-    digest = hashlib.sha256(fh.read() + f"|format {FORMAT}|vocab {vocab}".encode()).hexdigest()
+    digest = hashlib.sha256(fh.read() + f"|format {FORMAT}|greedy shards|vocab {vocab}".encode()).hexdigest()
   return os.path.join(cache_dir(), f"{digest[:32]}.npz")
 
 
@@ -187,8 +204,8 @@ def _from_dir(data_dir: str, vocab: int) -> NgramTable:
 
 
 def load(path: str, vocab: int) -> NgramTable:
-  """A table from `path`: an .npz written by `save`, or a token-shard directory (built with the
-  defaults of `build`, and kept built under `cache_dir()` keyed by the directory's manifest).
+  """A table from `path`: an .npz written by `save`, or a token-shard directory (built by `from_shards`
+  with its defaults, and kept built under `cache_dir()` keyed by the directory's manifest).
   Checked against the target's vocabulary; raises FileNotFoundError for a missing path and
   ValueError naming the file for a corrupt or mismatched one."""
   if not os.path.exists(path):

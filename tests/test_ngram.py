@@ -228,6 +228,38 @@ def test_shard_dir_table_is_built_once(tmp_path, monkeypatch):
   assert len(list(cache.iterdir())) == 2
 
 
+def test_shard_dir_table_counts_greedy_shards(tmp_path, monkeypatch):
+  """A directory's table counts its temperature-0 shards only (sampled answers are draft data, not
+  what greedy decoding writes); `greedy_only=False`, or a directory of sampled shards only,
+  counts every shard; adding a sampled shard leaves the table as it was."""
+  from dflash_jax.train import shards
+  monkeypatch.setattr(ngram, "cache_dir", lambda: str(tmp_path / "cache"))
+  rng = np.random.default_rng(7)
+  V = 9
+
+  def add_shard(d, n, temperature):
+    seqs = [shards.TokenSeq(t[:max(s, 1)].astype(np.int32), t[max(s, 1):].astype(np.int32), i)
+            for i, (t, s) in enumerate(_corpus(rng, V, n))]
+    shards.write_shard(d, seqs, V, target="t.gguf", temperature=temperature)
+    return [(q.tokens, q.prompt_len) for q in seqs]
+
+  def same(a, b):
+    return all(np.array_equal(getattr(a, f), getattr(b, f)) for f in ("keys", "next", "share"))
+
+  mixed, sampled_only = str(tmp_path / "mixed"), str(tmp_path / "sampled")
+  greedy = add_shard(mixed, 20, 0.0)
+  sampled = add_shard(mixed, 20, 0.8)
+  greedy += add_shard(mixed, 10, 0)
+  assert not same(ngram.build(greedy, V), ngram.build(greedy + sampled, V))   # the test can fail
+  assert same(ngram.load(mixed, V), ngram.build(greedy, V))
+  assert same(ngram.from_shards(mixed, V, greedy_only=False), ngram.build(greedy + sampled, V))
+  only = add_shard(sampled_only, 20, 1.0)
+  assert same(ngram.load(sampled_only, V), ngram.build(only, V))
+  before = ngram.load(mixed, V)
+  add_shard(mixed, 20, 0.8)
+  assert same(ngram.load(mixed, V), before)
+
+
 def test_config_errors(tmp_path):
   with pytest.raises(ValueError, match="lookup_table is set with lookup=0"):
     dj.DecodeConfig(mode="chain", lookup_table="x")
