@@ -669,11 +669,11 @@ class DecodeConfig:
       MAX_NGRAM).
     lookup_table: "" (default: off) or a static n-gram table (`dflash_jax.ngram`: an .npz written
       by `ngram.save`, or a token-shard directory such as the target's generated training data,
-      built when loaded): a round whose row has no prompt-lookup match proposes the table's
-      chain of most frequent next tokens instead (`ngram.table_path`; llama.cpp's static lookup
-      cache, REST). Needs lookup >= 1 (the chain's length), except with mode "auto", where a
-      table with lookup = 0 is one auto may use (its "lookup@G+tableE" columns, `auto_mode`).
-      Lossless like every proposal.
+      built from its greedy shards when loaded, `ngram.from_shards`): a round whose row has no
+      prompt-lookup match proposes the table's chain of most frequent next tokens instead
+      (`ngram.table_path`; llama.cpp's static lookup cache, REST). Needs lookup >= 1 (the chain's
+      length), except with mode "auto", where a table with lookup = 0 is one auto may use (its
+      "lookup@G+tableE" columns, `auto_mode`). Lossless like every proposal.
     lookup_table_expect: a table chain is proposed only when its expected accepted length under
       the table's shares is >= this (tokens; 0 = always). A verify of a few tokens costs ~2
       autoregressive steps on a 2-core CPU, about one on a GPU: lower it where verify is cheap.

@@ -109,8 +109,9 @@ def define(flag_values: flags.FlagValues = flags.FLAGS, *,
       lookup_table=flags.DEFINE_string(
           "lookup_table", _DEFAULT.lookup_table, "A static n-gram table (an .npz from "
           "dflash_jax.ngram.save, or a token-shard directory such as checkpoints/train_data/"
-          "<target>/, built when loaded): where the context has no --lookup match, propose the "
-          "table's chain of most frequent next tokens (needs --lookup). Empty = off.", **fv),
+          "<target>/, built from its greedy shards when loaded): where the context has no "
+          "--lookup match, propose the table's chain of most frequent next tokens (needs "
+          "--lookup). Empty = off.", **fv),
       lookup_table_expect=flags.DEFINE_float(
           "lookup_table_expect", _DEFAULT.lookup_table_expect, "Propose a --lookup_table chain "
           "only when its expected accepted length (tokens, from the table's counts) is at least "

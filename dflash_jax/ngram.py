@@ -177,7 +177,8 @@ def _built_path(data_dir: str, vocab: int) -> str | None:
   if not os.path.isfile(manifest):
     return None
   with open(manifest, "rb") as fh:
-    digest = hashlib.sha256(fh.read() + f"|format {FORMAT}|greedy shards|vocab {vocab}".encode()).hexdigest()
+    key = fh.read() + f"|format {FORMAT}|greedy shards|vocab {vocab}".encode()
+  digest = hashlib.sha256(key).hexdigest()
   return os.path.join(cache_dir(), f"{digest[:32]}.npz")
 
 
@@ -204,10 +205,10 @@ def _from_dir(data_dir: str, vocab: int) -> NgramTable:
 
 
 def load(path: str, vocab: int) -> NgramTable:
-  """A table from `path`: an .npz written by `save`, or a token-shard directory (built by `from_shards`
-  with its defaults, and kept built under `cache_dir()` keyed by the directory's manifest).
-  Checked against the target's vocabulary; raises FileNotFoundError for a missing path and
-  ValueError naming the file for a corrupt or mismatched one."""
+  """A table from `path`: an .npz written by `save`, or a token-shard directory (built by
+  `from_shards` with its defaults, and kept built under `cache_dir()` keyed by the directory's
+  manifest). Checked against the target's vocabulary; raises FileNotFoundError for a missing path
+  and ValueError naming the file for a corrupt or mismatched one."""
   if not os.path.exists(path):
     raise FileNotFoundError(f"n-gram table {path!r} not found (an .npz from "
                             "dflash_jax.ngram.save, or a token-shard directory)")
