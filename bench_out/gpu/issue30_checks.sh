@@ -2,9 +2,12 @@
 # Issue 30's prepared GPU checks (bench_out/gpu/NOTES.md), in order of expected value per device second,
 # within one device call:
 #   bash bench_out/gpu/issue30_checks.sh BUDGET_S [dry]
-# from the repository root on the device machine (carry: .whl and .gpu/smol.sha256; and, unless
-# /tmp/smol.gguf is already there from the training run of TRAIN_RUN.md, .gpu/smolB after an earlier
-# call carried .gpu/smolA and ran `cat .gpu/smolA > /tmp/smol.gguf`: 64 MiB a call). Each check runs with
+# from the repository root on the device machine (carry: .whl, .gpu/smol.sha256 and, where the tree
+# was reduced as TRAIN_RUN.md does, tests/data: tests/conftest.py reads it at import, so without it the
+# pytest checks are skipped; and, unless /tmp/smol.gguf is already there from the training run,
+# .gpu/smolB after an earlier call carried .gpu/smolA and ran `cat .gpu/smolA > /tmp/smol.gguf`: 64 MiB
+# a call). The draft: /tmp/ck if a training run left one there, else the shipped one (without either the
+# decode checks are skipped). Each check runs with
 # the seconds left as its timeout (none starts with less than its own minimum); its JSON and log go to
 # $OUT. `dry` prints the commands and exits (run it here first).
 #   1. host round trips per decode round (session 39): SmolLM2 + the shipped draft (or /tmp/ck if the
@@ -35,6 +38,16 @@ run() {   # run NAME MIN_S CMD...: CMD with the time left as its timeout, output
   tail -c 6000 "$OUT/$name.log" > "$OUT/$name.tail" && mv "$OUT/$name.tail" "$OUT/$name.log"
 }
 
+needs() {  # needs PATH NAME MIN_S CMD...: run, where PATH (carried data the check reads) is here
+  local path=$1
+  shift
+  if [ -z "$DRY" ] && [ ! -e "$path" ]; then
+    echo "skip $1: $path is not here (carry it)" | tee -a "$OUT/checks.txt"
+    return
+  fi
+  run "$@"
+}
+
 if [ -z "$DRY" ]; then
   mkdir -p "$OUT"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -55,17 +68,17 @@ B="python3 scripts/bench.py --target /tmp/smol.gguf --draft $DRAFT --dataset cha
 --n_gen 96 --repeats 1 --modes ar,chain,ddtree --budgets 22 --nollama_cpp"
 CMDBUF="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
 
-run syncs_live_r0 90 "$B --json_out $OUT/syncs_live_r0.json"
-run syncs_dense_r8 90 "$B --attention dense --rounds 8 --json_out $OUT/syncs_dense_r8.json"
-run syncs_live_r0_cmdbuf 90 "XLA_FLAGS=$CMDBUF $B --json_out $OUT/syncs_live_r0_cmdbuf.json"
-run syncs_dense_r0 90 "$B --attention dense --json_out $OUT/syncs_dense_r0.json"
-run pytest_mgpu 120 "python3 -m pytest -q tests/test_mgpu.py -k gpu"
+needs "$DRAFT/model.safetensors" syncs_live_r0 90 "$B --json_out $OUT/syncs_live_r0.json"
+needs "$DRAFT/model.safetensors" syncs_dense_r8 90 "$B --attention dense --rounds 8 --json_out $OUT/syncs_dense_r8.json"
+needs "$DRAFT/model.safetensors" syncs_live_r0_cmdbuf 90 "XLA_FLAGS=$CMDBUF $B --json_out $OUT/syncs_live_r0_cmdbuf.json"
+needs "$DRAFT/model.safetensors" syncs_dense_r0 90 "$B --attention dense --json_out $OUT/syncs_dense_r0.json"
+needs tests/data/dflash_tiny pytest_mgpu 120 "python3 -m pytest -q tests/test_mgpu.py -k gpu"
 run mgpu_table 150 "python3 scripts/bench_kernels.py --tables=mgpu --ms=1,16,23,32,64 \
 --mgpu_stages=2,3,4 --e2e= --repeats 10 --json_out $OUT/mgpu.json"
-run pytest_tree_replay 120 "python3 -m pytest -q tests/test_kernels.py -k 'tree_gdn or model_with_pallas'"
+needs tests/data/dflash_tiny pytest_tree_replay 120 "python3 -m pytest -q tests/test_kernels.py -k 'tree_gdn or model_with_pallas'"
 run e2e_27b 240 "python3 scripts/bench_kernels.py --tables=tree_gdn \
 --e2e=pallas,pallas_dense,pallas_replay,mosaic --repeats 10 --json_out $OUT/e2e_27b.json"
-run pytest_moe 60 "python3 -m pytest -q tests/test_moe.py -k 'float64 or pallas or lowers'"
+needs tests/data/dflash_tiny pytest_moe 60 "python3 -m pytest -q tests/test_moe.py -k 'float64 or pallas or lowers'"
 run moe_35b 90 "python3 scripts/bench_kernels.py --tables=moe --ms=1,16,23,64 --e2e= --repeats 10 \
 --json_out $OUT/moe_35b.json"
 run e2e_mtp 200 "python3 scripts/bench_kernels.py --tables= --e2e=pallas_mtp --repeats 10 \
