@@ -5,6 +5,7 @@ decoding) of mode "lookup", of chain / DDTree grafts with a table and of draft r
 it (`DecodeConfig.table_mix`; its sampled exactness is in test_sampling.py)."""
 
 import collections
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -192,25 +193,31 @@ def test_file_checks(tmp_path):
     ngram.build([(np.asarray([1, 2, 12]), 0)], 9)
 
 
+def _add_shard(rng, d, V, n, **meta):
+  """Writes a shard of n random sequences (`_corpus`; each prompt >= 1 token) to d with the
+  manifest metadata meta; returns them as `build`'s (tokens, start) pairs."""
+  from dflash_jax.train import shards
+  seqs = [shards.TokenSeq(t[:max(s, 1)].astype(np.int32), t[max(s, 1):].astype(np.int32), i)
+          for i, (t, s) in enumerate(_corpus(rng, V, n))]
+  shards.write_shard(d, seqs, V, target="t.gguf", **meta)
+  return [(q.tokens, q.prompt_len) for q in seqs]
+
+
+def _same_table(a, b):
+  return all(np.array_equal(getattr(a, f), getattr(b, f)) for f in ("keys", "next", "share"))
+
+
 def test_shard_dir_table_is_built_once(tmp_path, monkeypatch):
   """A token-shard directory's table is built once and kept under ngram.cache_dir(), keyed by the
   manifest: a second load reads it back (equal arrays, no shard read), an unreadable cache file
   is rebuilt and replaced, and a new shard (a new manifest) builds afresh."""
-  from dflash_jax.train import shards
   cache = tmp_path / "cache"
   monkeypatch.setattr(ngram, "cache_dir", lambda: str(cache))
   rng = np.random.default_rng(5)
   V, d = 9, str(tmp_path / "data")
   build = ngram.from_shards
-
-  def add_shard(n):
-    seqs = [shards.TokenSeq(t[:max(s, 1)].astype(np.int32), t[max(s, 1):].astype(np.int32), i)
-            for i, (t, s) in enumerate(_corpus(rng, V, n))]     # a shard's prompts: >= 1 token
-    shards.write_shard(d, seqs, V, target="t.gguf")
-    return [(q.tokens, q.prompt_len) for q in seqs]
-
-  def same(a, b):
-    return all(np.array_equal(getattr(a, f), getattr(b, f)) for f in ("keys", "next", "share"))
+  add_shard = functools.partial(_add_shard, rng, d, V)
+  same = _same_table
 
   corpus = add_shard(20)
   want = ngram.build(corpus, V)
@@ -232,19 +239,13 @@ def test_shard_dir_table_counts_greedy_shards(tmp_path, monkeypatch):
   """A directory's table counts its temperature-0 shards only (sampled answers are draft data, not
   what greedy decoding writes); `greedy_only=False`, or a directory of sampled shards only,
   counts every shard; adding a sampled shard leaves the table as it was."""
-  from dflash_jax.train import shards
   monkeypatch.setattr(ngram, "cache_dir", lambda: str(tmp_path / "cache"))
   rng = np.random.default_rng(7)
   V = 9
+  same = _same_table
 
   def add_shard(d, n, temperature):
-    seqs = [shards.TokenSeq(t[:max(s, 1)].astype(np.int32), t[max(s, 1):].astype(np.int32), i)
-            for i, (t, s) in enumerate(_corpus(rng, V, n))]
-    shards.write_shard(d, seqs, V, target="t.gguf", temperature=temperature)
-    return [(q.tokens, q.prompt_len) for q in seqs]
-
-  def same(a, b):
-    return all(np.array_equal(getattr(a, f), getattr(b, f)) for f in ("keys", "next", "share"))
+    return _add_shard(rng, d, V, n, temperature=temperature)
 
   mixed, sampled_only = str(tmp_path / "mixed"), str(tmp_path / "sampled")
   greedy = add_shard(mixed, 20, 0.0)
