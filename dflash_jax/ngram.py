@@ -113,7 +113,7 @@ def build(seqs: Sequence[tuple[np.ndarray, int]], vocab: int, *, n_min: int = 1,
 
 
 def _greedy(entry: dict) -> bool:
-  return entry.get("temperature", 0.0) in (0, 0.0)
+  return entry.get("temperature", 0.0) == 0
 
 
 def from_shards(data_dir: str, vocab: int, *, greedy_only: bool = True, **kw) -> NgramTable:
@@ -127,12 +127,8 @@ def from_shards(data_dir: str, vocab: int, *, greedy_only: bool = True, **kw) ->
     HumanEval without them). A directory of sampled shards only is counted whole.
   kw: `build`'s options. Raises ValueError for a directory without shards."""
   from dflash_jax.train import shards
-  entries = shards.read_manifest(data_dir)["shards"]
-  if not entries:
-    shards.read_shards(data_dir, vocab)            # raises the clear "no token shards" error
-  if greedy_only and any(map(_greedy, entries)):
-    entries = [e for e in entries if _greedy(e)]
-  seqs = [s for e in entries for s in shards.read_shard(data_dir, e, vocab)]
+  greedy = greedy_only and any(map(_greedy, shards.read_manifest(data_dir)["shards"]))
+  seqs = shards.read_shards(data_dir, vocab, where=_greedy if greedy else None)
   return build([(s.tokens, s.prompt_len) for s in seqs], vocab, **kw)
 
 

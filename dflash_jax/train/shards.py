@@ -20,7 +20,7 @@ import hashlib
 import json
 import os
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -145,9 +145,12 @@ def read_shard(data_dir: str, entry: dict, n_vocab: int) -> list[TokenSeq]:
 
 
 def read_shards(data_dirs: str | Sequence[str], n_vocab: int,
-                max_shards: Optional[int] = None) -> list[TokenSeq]:
+                max_shards: Optional[int] = None,
+                where: Optional[Callable[[dict], bool]] = None) -> list[TokenSeq]:
   """Every sequence of every listed shard of one or more data directories, in manifest order
-  (read_shard's validation). Raises ValueError for a directory without shards."""
+  (read_shard's validation). max_shards: the first ones of each directory only; where: a test on
+  a manifest entry (after max_shards), the shards it passes only. Raises ValueError for a
+  directory without shards."""
   dirs = [data_dirs] if isinstance(data_dirs, str) else list(data_dirs)
   out = []
   for d in dirs:
@@ -155,7 +158,8 @@ def read_shards(data_dirs: str | Sequence[str], n_vocab: int,
     if not entries:
       raise ValueError(f"{d}: no token shards (no {MANIFEST}, or it lists none)")
     for e in entries[:max_shards]:
-      out.extend(read_shard(d, e, n_vocab))
+      if where is None or where(e):
+        out.extend(read_shard(d, e, n_vocab))
   return out
 
 
