@@ -17,7 +17,9 @@
 #      compute dtype (bf16 operands on the tensor cores, float32 accumulation; float32 = sessions
 #      26-27's setting, 0.400 s a step at batch 32); PACK (optional, default 1024): packed rows of
 #      PACK tokens (train_draft.py --pack: several whole sequences back to back per row, each seeing
-#      only itself, ~78 % real tokens at 1024; TRAIN_BATCH is then rows a step, default 12, and the
+#      only itself, ~78 % real tokens at 1024; TRAIN_BATCH is then rows a step, by default from the
+#      GPU's memory (nvidia-smi: >= 110,000 MiB 24 rows, as session 46's H200; >= 70,000 16, an H100
+#      80GB; else or without nvidia-smi 12; an empty argument "" keeps that default), and the
 #      anchors scale to 96 per 400 tokens, 96 per average sequence), 0: one sequence per 800-token
 #      row (sessions 26-27: TRAIN_BATCH default 32, ~49 % real tokens).
 # Waits at most WAIT_S seconds (or until the training ends), then copies to $OUT what exists: the
@@ -37,7 +39,14 @@ LAYERS=${8:-}
 DTYPE=${9:-bfloat16}
 PACK=${10:-1024}
 if [ "$PACK" -gt 0 ]; then
-  TB=${TB:-12}
+  if [ -z "$TB" ]; then   # rows a step from the GPU's memory (XLA's estimate: ~3.5 GB a packed row of 1024)
+    MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2> /dev/null | head -n 1)
+    MEM=${MEM%%.*}; MEM=${MEM//[^0-9]/}
+    if [ "${MEM:-0}" -ge 110000 ]; then TB=24      # H200 (141 GB; session 46 ran 24)
+    elif [ "${MEM:-0}" -ge 70000 ]; then TB=16     # H100 80 GB (24 rows need ~85 GB)
+    else TB=12; fi
+    echo "TRAIN_BATCH $TB (GPU memory ${MEM:-unknown} MiB)"
+  fi
   SHAPE="--pack --seq_len $PACK --anchors $(( PACK * 96 / 400 ))"
 else
   TB=${TB:-32}
