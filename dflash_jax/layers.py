@@ -9,6 +9,7 @@ Hk/Hv GDN key/value heads, Dk/Dv GDN head dims, C conv channels, K conv kernel.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import jax
@@ -30,16 +31,52 @@ def linear(x: jax.Array, w: QuantWeight, rt: Runtime) -> jax.Array:
   and N it tiles, the reference otherwise; "pallas_interpret" is the same through the Pallas
   interpreter (CPU tests). A `Q4KTiles` weight (rt.kernels "mosaic" / "mosaic_interpret", tiled
   at load) runs `pallas_kernels.mgpu_matmul.q4k_matmul` (bf16 operands, float32 accumulation).
+  Under `jax.vmap` (the batched decode loop) a kernel call runs once on the rows of the whole
+  batch, not once per row (`_rows_folded`).
   """
   lead = x.shape[:-1]
   x2 = x.reshape(-1, x.shape[-1])
-  if isinstance(w, mgpu.Q4KTiles):               # tiled at load for rt.kernels "mosaic*"
-    y = _mosaic_matmul(x2, w, rt)
-  elif rt.pallas and dm.supports(w):
-    y = dm.dequant_matmul(x2, w, compute_dtype=rt.cdt, interpret=rt.interpret)
+  if isinstance(w, mgpu.Q4KTiles) or (rt.pallas and dm.supports(w)):
+    y = _rows_folded(rt)(x2, w)
   else:
     y = dm.dequant_matmul_reference(x2, w, rt.cdt)
   return y.reshape(*lead, w.shape[0])
+
+
+def _kernel_matmul(x2: jax.Array, w, rt: Runtime) -> jax.Array:
+  """x2 [M, K] through the Pallas kernel that `linear` picks for w -> [M, N] float32."""
+  if isinstance(w, mgpu.Q4KTiles):               # tiled at load for rt.kernels "mosaic*"
+    return _mosaic_matmul(x2, w, rt)
+  return dm.dequant_matmul(x2, w, compute_dtype=rt.cdt, interpret=rt.interpret)
+
+
+def _rows_folded(rt: Runtime):
+  """`_kernel_matmul` with a vmap rule that folds the batch into the kernel's rows: under
+  `jax.vmap` with x batched and the weight not (the batched decode loop vmaps a row's step
+  over the rows; `jax.vmap` of a `pallas_call` would instead add a grid axis over the batch, a
+  copy of the whole grid per row that reads every weight tile again), x [B, M, K] runs as one
+  call on [B*M, K], so a step of B rows streams each weight once per M-tile, as XLA's batched
+  dot does. Nested vmaps fold level by level. A batched weight (the MoE experts, vmapped with
+  their own packed rows) keeps one kernel per batch element (`jax.vmap` of the kernel)."""
+
+  @jax.custom_batching.custom_vmap
+  def mm(x2, w):
+    return _kernel_matmul(x2, w, rt)
+
+  @mm.def_vmap
+  def _(axis_size, in_batched, x2, w):
+    x_b, w_b = in_batched
+    if any(jax.tree.leaves(w_b)):
+      w_axes = jax.tree.map(lambda b: 0 if b else None, w_b)
+      y = jax.vmap(functools.partial(_kernel_matmul, rt=rt),
+                   in_axes=(0 if x_b else None, w_axes))(x2, w)
+      return y, True
+    if not x_b:                                   # nothing batched: the same rows for all
+      return mm(x2, w), False
+    b, m, k = x2.shape
+    return mm(x2.reshape(b * m, k), w).reshape(b, m, -1), True
+
+  return mm
 
 
 # The configuration the Mosaic GPU kernel runs in GPU interpret mode (CPU tests): what the

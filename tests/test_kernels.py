@@ -138,6 +138,56 @@ def test_dequant_matmul_rejects_bad_input():
   assert not dm.supports(QuantWeight(jnp.zeros((4, 34), jnp.uint8), "q8_0", (4, 32)))
 
 
+def _kernel_grids(fn, *args) -> list[tuple[int, ...]]:
+  """The grid of every pallas_call in fn's jaxpr (nested jaxprs included)."""
+  import re
+  txt = str(jax.make_jaxpr(fn)(*args))
+  return [tuple(int(v) for v in g.split(",") if v.strip())
+          for g in re.findall(r"grid=\(([^)]*)\)", txt)]
+
+
+def test_linear_folds_vmapped_rows_into_one_kernel_call():
+  """`layers.linear` under `jax.vmap` (the batched decode loop vmaps one row's step over the
+  rows): the rows of every vmap level fold into the kernel's M, one pallas_call whose grid is
+  that of a plain call on [B*M, K] (a vmapped pallas_call would get a batch grid axis and read
+  every weight tile once per row), bit-identical to row-by-row calls and within the f32
+  tolerance of gguf-py's float64 product; a batched weight (the MoE experts' form) keeps one
+  kernel per batch element, equal to expert-by-expert calls; and a batch of 64 one-token rows at
+  Qwen3.5-27B's ffn_gate/up shape lowers for an H100 as one Triton call."""
+  from dflash_jax import layers
+  from dflash_jax.runtime import Runtime
+  rng, seed = _fresh_rng()
+  rt = Runtime(kernels="pallas" if ON_GPU else "pallas_interpret", compute_dtype="float32")
+  n, k = 64, 512
+  raw = _random_blocks(rng, "q4_k", n, k // 256)
+  w = QuantWeight(jnp.asarray(raw), "q4_k", (n, k))
+  x = jnp.asarray(rng.standard_normal((2, 3, 5, k)), jnp.float32)
+  f = lambda xr: layers.linear(xr, w, rt)                          # noqa: E731
+  y = jax.jit(jax.vmap(jax.vmap(f)))(x)
+  rows = np.stack([np.stack([np.asarray(f(x[i, j])) for j in range(3)]) for i in range(2)])
+  assert np.array_equal(np.asarray(y), rows), f"seed {seed}"
+  w64 = gq.dequantize(raw, QT.Q4_K).astype(np.float64)
+  assert _rel(y, np.asarray(x, np.float64) @ w64.T) < F32_TOL, f"seed {seed}"
+  assert _kernel_grids(jax.vmap(jax.vmap(f)), x) == _kernel_grids(f, x.reshape(30, k))
+  assert _kernel_grids(jax.vmap(f), x[0]) == _kernel_grids(f, x[0].reshape(15, k))
+  assert len(_kernel_grids(jax.vmap(f), x[0])) == 1
+  # batched weights: one kernel per expert, as expert-by-expert calls
+  experts = jnp.stack([jnp.asarray(_random_blocks(rng, "q4_k", n, k // 256)) for _ in range(3)])
+  one = lambda xs, d: layers.linear(xs, QuantWeight(d, "q4_k", (n, k)), rt)   # noqa: E731
+  ye = jax.vmap(one)(x[0], experts)
+  assert np.array_equal(np.asarray(ye), np.stack([np.asarray(one(x[0, e], experts[e]))
+                                                  for e in range(3)])), f"seed {seed}"
+  (grid,) = _kernel_grids(jax.vmap(one), x[0], experts)
+  assert grid[0] == 3 and grid[1:] == _kernel_grids(f, x[0, 0])[0]
+  # a batch of 64 decode rows at a 27B shape: one kernel call in the CUDA lowering
+  n, k = 17408, 5120
+  g = lambda xb, data: jax.vmap(lambda xr: layers.linear(             # noqa: E731
+      xr, QuantWeight(data, "q4_k", (n, k)), Runtime(kernels="pallas", compute_dtype="bfloat16")))(xb)
+  txt = _lower_for_h100(g, jax.ShapeDtypeStruct((64, 1, k), jnp.bfloat16),
+                        jax.ShapeDtypeStruct((n, k // 256 * 144), jnp.uint8))
+  assert txt.count("__gpu$xla.gpu.triton") == 1
+
+
 @pytest.mark.parametrize("fmt", dm.KERNEL_FORMATS)
 def test_dequant_matmul_lowers_for_h100(fmt):
   """Every format at the model's default tiles for the Qwen3.5-27B shapes (decode M=1, chain
@@ -289,8 +339,8 @@ def test_tree_gdn_lowers_for_h100(n):
 def test_model_with_pallas_kernels_matches_reference():
   """The tiny Qwen3.5 hybrid (Q4_K_M: Q4_K, Q6_K and Q8_0... tensors) through forward with
   kernels="pallas_interpret" vs "reference": logits to 1e-5, and DDTree decoding (tree GDN
-  kernel, with per-node states and with the outputs-only kernel + replayed commit)
-  token-identical."""
+  kernel, with per-node states and with the outputs-only kernel + replayed commit) and a
+  two-row batched chain token-identical."""
   import os
   import dflash_jax as dj
   from conftest import QWEN, DRAFT
@@ -313,3 +363,11 @@ def test_model_with_pallas_kernels_matches_reference():
   c = dj.generate(rep, dj.load_draft(DRAFT, rep), ids, max_new_tokens=6, mode="ddtree", budget=6,
                   max_ctx=64)
   assert c.tokens == a.tokens and c.accept_lens == b.accept_lens
+  # two rows in one batched loop (layers.linear folds the rows into each kernel call): each
+  # row's tokens are the reference kernels' for that prompt alone
+  prompts = [ids, [3, 14, 15, 92, 65]]
+  rows = dj.generate_batch(ker, dj.load_draft(DRAFT, ker), prompts, max_new_tokens=5,
+                           mode="chain", max_ctx=64, batch_size=2)
+  for p, r in zip(prompts, rows):
+    assert r.tokens == dj.generate(ref, draft, p, max_new_tokens=5, mode="chain",
+                                   max_ctx=64).tokens

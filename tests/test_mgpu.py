@@ -75,6 +75,25 @@ def test_interpret_matches_bf16_operand_reference(m, n, k, kb, splits, n_sm):
   assert np.linalg.norm(got - full) / np.linalg.norm(full) <= 1e-2   # bf16 operand rounding
 
 
+def test_vmapped_rows_fold_into_one_mosaic_call():
+  """`layers.linear` on a tiled Q4_K weight under nested `jax.vmap` (the batched decode loop)
+  traces one Mosaic GPU kernel over the folded rows [B1*B2*M, K], whose grid is that of a plain
+  call (a vmapped kernel would get a batch grid axis and read the weight once per row)."""
+  from dflash_jax import layers
+  from dflash_jax.runtime import Runtime
+  from test_kernels import _kernel_grids
+  rng = np.random.default_rng(1)
+  n, k = 128, 512
+  t = jax.tree.map(jnp.asarray, mm.to_tiles(_weight(rng, n, k)))
+  rt = Runtime(kernels="mosaic_interpret", compute_dtype="bfloat16")
+  x = jnp.asarray(rng.standard_normal((2, 3, 1, k)), jnp.float32)
+  f = lambda xr: layers.linear(xr, t, rt)                        # noqa: E731
+  plain = _kernel_grids(f, x.reshape(6, k))
+  assert len(plain) == 1
+  assert _kernel_grids(jax.vmap(jax.vmap(f)), x) == plain
+  assert jax.eval_shape(jax.vmap(jax.vmap(f)), x).shape == (2, 3, 1, n)
+
+
 def _spec(n, k):
   s = jax.ShapeDtypeStruct
   return mm.Q4KTiles(codes=s((k // 64, n, 32), jnp.uint8), scales=s((k // 32, n), jnp.uint8),
