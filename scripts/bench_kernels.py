@@ -40,6 +40,11 @@ _E2E = flags.DEFINE_list("e2e", ["pallas", "pallas_unfused", "reference"],
                         "pallas_mtp (fused, with an MTP block: its 3-step draft and a chain-4 "
                         "verify timed too); "
                         "empty for none.")
+_E2E_BATCHES = flags.DEFINE_list("e2e_batches", [], "Each --e2e variant also times one AR step of "
+                                  "B rows (the batched decode loop's form: one row's step vmapped "
+                                  "over B caches of 576 rows each) for each B here, and its "
+                                  "aggregate tok/s; ~0.23 GB of cache a row at Qwen3.5-27B shapes "
+                                  "(twice that while a step runs).")
 _TABLES = flags.DEFINE_list("tables", ["matmul", "tree_gdn"], "Kernel tables to run: matmul, "
                             "tree_gdn, tiles (a TileConfig sweep over --sweep), variants (kernel "
                             "variants at default tiles over --sweep), mgpu (the Mosaic GPU Q4_K "
@@ -196,7 +201,7 @@ def _random_qwen35(sz, mtp: bool = False):
 
 
 def _e2e(sz, copy_gbs, repeats, kernels, fuse=True, gdn_commit="states", attention="live",
-         mtp=False):
+         mtp=False, batches=()):
   """AR step and 23-node tree verify of the `_random_qwen35` model (bf16 compute). fuse: load
   with fused projections (the default) or one matmul per GGUF tensor; gdn_commit: the
   Runtime's (per-node SSM states written by the verify, or replayed at commit); attention: the
@@ -204,7 +209,8 @@ def _e2e(sz, copy_gbs, repeats, kernels, fuse=True, gdn_commit="states", attenti
   the model's MTP block (`--draft mtp`): 3 chained block steps (`mtp.propose`, its draft per
   decode step) and a 4-token chain verify, and the acceptance length at which such a step
   costs what as many AR steps cost (random weights: the block's acceptance itself is not
-  measured)."""
+  measured). batches: row counts B for a batched AR step (`step` vmapped over B caches, as
+  `decode.decode_loop` vmaps a row's step): ms a step and aggregate tok/s (B / ms)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -257,6 +263,18 @@ def _e2e(sz, copy_gbs, repeats, kernels, fuse=True, gdn_commit="states", attenti
   _log(f"e2e tree-23 verify {tree_ms:.2f} ms")
   floor_ms = model_bytes / (copy_gbs * 1e9) * 1e3
   extra = {}
+  if batches:
+    rows_step = jax.jit(jax.vmap(lambda params, cache, tok: step(params, cache, tree_lib.path_tree(tok)),
+                                 in_axes=(None, 0, 0)))
+    extra["batched_ar"] = []
+    for b in batches:
+      caches = jax.vmap(lambda _: target_lib.init_cache(cfg, ctx + 64, rt))(jnp.arange(b))
+      ms = _median_ms(rows_step, params, caches, jnp.zeros((b, 1), jnp.int32), repeats=repeats)
+      del caches
+      extra["batched_ar"].append({"B": b, "step_ms": ms, "tok_s": b / ms * 1e3,
+                                  "x_one_row_tok_s": b * ar_ms / ms})
+      _log(f"e2e batched AR B={b}: {ms:.2f} ms a step, {b / ms * 1e3:.0f} tok/s "
+           f"({b * ar_ms / ms:.2f}x one row)")
   if mtp:
     from dflash_jax import draft as draft_lib
     from dflash_jax import mtp as mtp_lib
@@ -574,6 +592,9 @@ def _print_tables(res):
       print(f"{key}: AR {e['ar_ms']:.2f} ms/token (floor {e['floor_ms']:.2f} ms, "
             f"{e['ar_fraction_of_floor']:.2f} of floor); 23-node tree verify {e['tree23_verify_ms']:.2f} ms "
             f"({e['tree23_over_ar']:.2f}x AR)")
+      for r in e.get("batched_ar", []):
+        print(f"  batched AR B={r['B']}: {r['step_ms']:.2f} ms a step, {r['tok_s']:.0f} tok/s "
+              f"({r['x_one_row_tok_s']:.2f}x one row)")
       if "mtp3_propose_ms" in e:
         print(f"  MTP: 3 block steps {e['mtp3_propose_ms']:.2f} ms + chain-4 verify "
               f"{e['chain4_verify_ms']:.2f} ms = {e['mtp3_step_ms']:.2f} ms a step: faster than AR "
@@ -615,7 +636,8 @@ def main(argv):
       raise app.UsageError(f"--e2e: unknown variant {v!r}; expected some of {list(variants)}")
     key, kernels, fuse, gdn_commit, attention = variants[v]
     res[key] = _e2e(sz, copy_gbs, reps, kernels, fuse=fuse, gdn_commit=gdn_commit,
-                    attention=attention, mtp=v == "pallas_mtp")
+                    attention=attention, mtp=v == "pallas_mtp",
+                    batches=[int(b) for b in _E2E_BATCHES.value])
     _dump(res)
   _print_tables(res)
   _dump(res)

@@ -16,6 +16,8 @@
 #   2. the Mosaic GPU Q4_K kernel: on-device tests, then its table at M = 1..64 (session 31);
 #   3. the outputs-only tree Gated DeltaNet kernel: tests, then the 27B-shaped e2e with replay (session 32);
 #   4. the 27B-shaped random model end to end: pallas vs pallas_dense vs mosaic (sessions 32, 39);
+#   4b. the 27B-shaped random model's batched AR step, B = 1 / 4 / 16 / 64 rows, Pallas vs reference
+#      kernels (session 58: the kernels now run once on the batch's rows under the loop's vmap);
 #   5. a Qwen3.5-35B-A3B-shaped MoE FFN (session 41): tests/test_moe.py, then its table (both expert
 #      paths, Pallas vs reference kernels, T = 1 .. 64);
 #   6. the MTP draft (session 42): the 27B-shaped random model with an MTP block: 3 block steps + a chain-4 verify against an AR step (the break-even
@@ -75,9 +77,11 @@ needs "$DRAFT/model.safetensors" syncs_dense_r0 90 "$B --attention dense --json_
 needs tests/data/dflash_tiny pytest_mgpu 120 "python3 -m pytest -q tests/test_mgpu.py -k gpu"
 run mgpu_table 150 "python3 scripts/bench_kernels.py --tables=mgpu --ms=1,16,23,32,64 \
 --mgpu_stages=2,3,4 --e2e= --repeats 10 --json_out $OUT/mgpu.json"
-needs tests/data/dflash_tiny pytest_tree_replay 120 "python3 -m pytest -q tests/test_kernels.py -k 'tree_gdn or model_with_pallas'"
+needs tests/data/dflash_tiny pytest_tree_replay 120 "python3 -m pytest -q tests/test_kernels.py -k 'tree_gdn or model_with_pallas or folds'"
 run e2e_27b 240 "python3 scripts/bench_kernels.py --tables=tree_gdn \
 --e2e=pallas,pallas_dense,pallas_replay,mosaic --repeats 10 --json_out $OUT/e2e_27b.json"
+run e2e_batched 200 "python3 scripts/bench_kernels.py --tables= --e2e=pallas,reference \
+--e2e_batches=1,4,16,64 --repeats 10 --json_out $OUT/e2e_batched.json"
 needs tests/data/dflash_tiny pytest_moe 60 "python3 -m pytest -q tests/test_moe.py -k 'float64 or pallas or lowers'"
 run moe_35b 90 "python3 scripts/bench_kernels.py --tables=moe --ms=1,16,23,64 --e2e= --repeats 10 \
 --json_out $OUT/moe_35b.json"
