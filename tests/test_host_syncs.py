@@ -94,8 +94,9 @@ def test_runtime_rejects_bad_attention_and_rounds():
 def test_static_round_lowers_for_a_gpu(qwen_draft):
   """The GPU configuration of a sync-free decode loop (Pallas kernels, bf16, attention "dense",
   rounds 4; DDTree with the draft, two rows) on the tiny Qwen3.5 hybrid's Q4_K_M file lowers for
-  an H100 without a GPU (the Triton matmul and tree-GDN kernels inside the static loop), and
-  its traced form holds no data-dependent loop or branch."""
+  an H100 without a GPU (the Triton matmul and tree-GDN kernels inside the static loop), its
+  traced form holds no data-dependent loop or branch, and each matmul kernel runs once for both
+  rows (no batch grid axis)."""
   import os
 
   import jax
@@ -105,7 +106,7 @@ def test_static_round_lowers_for_a_gpu(qwen_draft):
   from dflash_jax import decode as decode_lib
   from dflash_jax import target_params
   from dflash_jax.gguf_io import read_gguf
-  from test_kernels import H100
+  from test_kernels import H100, kernel_calls
   path = os.path.join(QWEN, "model-q4_k_m.gguf")
   cfg = dj.load_target(path, kernels="reference").config
   rt = Runtime(kernels="pallas", compute_dtype="bfloat16", attention="dense", rounds=4)
@@ -121,6 +122,10 @@ def test_static_round_lowers_for_a_gpu(qwen_draft):
   fn = lambda p, dp, s: decode_lib.decode_loop(p, dp, s, jnp.int32(4), jnp.asarray([0], jnp.int32),
                                                plan=plan)
   assert host_syncs.count(fn, params, dparams, state) == host_syncs.Syncs(0, 0, 0, 0)
+  # the two rows run each matmul kernel once on both rows' tokens: grid (M tiles, N tiles, K
+  # splits), no batch axis (layers.linear folds the loop's vmap into M)
+  mats = [g for name, g in kernel_calls(fn, params, dparams, state) if "dequant_matmul" in name]
+  assert mats and all(len(g) == 3 for g in mats), mats
   mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Auto,),
                                    abstract_device=jax.sharding.AbstractDevice(H100, 1, "cuda"))
   with jax.sharding.use_abstract_mesh(mesh):      # Triton's lowering asks for a GPU model

@@ -138,12 +138,28 @@ def test_dequant_matmul_rejects_bad_input():
   assert not dm.supports(QuantWeight(jnp.zeros((4, 34), jnp.uint8), "q8_0", (4, 32)))
 
 
+def kernel_calls(fn, *args) -> list[tuple[str, tuple[int, ...]]]:
+  """(kernel name, grid) of every pallas_call in fn's traced program, nested jaxprs (jit, loops,
+  branches, custom rules) included. args: arrays or ShapeDtypeStructs."""
+  out = []
+
+  def walk(jaxpr):
+    for e in jaxpr.eqns:
+      if e.primitive.name == "pallas_call":
+        name = e.params.get("name", e.params.get("name_and_src_info"))
+        out.append((str(getattr(name, "name", name)), tuple(e.params["grid_mapping"].grid)))
+      for v in e.params.values():
+        for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+          sub = getattr(sub, "jaxpr", sub)
+          if hasattr(sub, "eqns"):
+            walk(sub)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return out
+
+
 def _kernel_grids(fn, *args) -> list[tuple[int, ...]]:
-  """The grid of every pallas_call in fn's jaxpr (nested jaxprs included)."""
-  import re
-  txt = str(jax.make_jaxpr(fn)(*args))
-  return [tuple(int(v) for v in g.split(",") if v.strip())
-          for g in re.findall(r"grid=\(([^)]*)\)", txt)]
+  return [g for _, g in kernel_calls(fn, *args)]
 
 
 def test_linear_folds_vmapped_rows_into_one_kernel_call():
