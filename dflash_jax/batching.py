@@ -60,8 +60,8 @@ class Row:
 
 def tokens_before(ids, start: int) -> np.ndarray:
   """[W] int32: ids[start-W:start] right-aligned, zeros where the position is negative (the
-  window of recent tokens a prefill chunk at `start` takes, W = sampling.PENALTY_WINDOW)."""
-  from dflash_jax.sampling import PENALTY_WINDOW as w
+  window of recent tokens a prefill chunk at `start` takes, W = decode.RECENT_WINDOW)."""
+  w = decode_lib.RECENT_WINDOW
   out = np.zeros(w, np.int32)
   got = np.asarray(ids[max(0, start - w):start], np.int32)
   if got.size:

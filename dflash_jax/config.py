@@ -655,8 +655,8 @@ class DecodeConfig:
       elementwise instead of a dot. Prefill is shared by every mode and unchanged.
     lookup: G > 0: prompt lookup (n-gram) drafting over the row's own recent tokens. The longest
       n-gram (lookup_ngram_max down to lookup_ngram_min tokens) ending at the bonus token that
-      also occurs earlier in the row's last `sampling.PENALTY_WINDOW` committed tokens (prompt
-      included; the most recent occurrence) proposes the <= G tokens that followed it
+      also occurs earlier in the row's last `decode.RECENT_WINDOW` (2048) committed tokens
+      (prompt included; the most recent occurrence) proposes the <= G tokens that followed it
       (`tree.lookup_path`). In "chain" / "ddtree" the proposal is grafted into the draft's
       tree as one more branch (`tree.graft_path`: nodes the tree already has are shared), so a
       step accepts the longer of the two; mode "lookup" drafts with it alone, no draft model:

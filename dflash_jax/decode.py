@@ -50,6 +50,14 @@ from dflash_jax.runtime import Runtime
 AR_CONFIGS = (mtp_lib.MTPConfig, eagle3_lib.Eagle3Config)
 
 
+# Tokens a row carries for prompt lookup (`tree.lookup_path` searches all of them: a long
+# prompt's repeats, e.g. code being edited, are found up to this far back; llama.cpp's lookup
+# searches the whole context) and the penalties (the last sampling.PENALTY_WINDOW of them).
+# The search and the window's update cost the same few microseconds from 256 to 2048 tokens
+# on the CPU (session 58); 8 KB a row.
+RECENT_WINDOW = 2048
+
+
 def _ar(dcfg):
   """(module, config its functions take) of an autoregressive draft: (eagle3, its Eagle3Config)
   or (mtp, the target's TargetConfig its MTPConfig carries)."""
@@ -161,8 +169,9 @@ class DecodeState:
       variant of the loop).
     finite: [] bool the logits the first token came from (end of prefill) were all finite
       (False: corrupt weights or metadata; `api.generate` raises).
-    recent: [W] int32 the tokens at positions pos-W..pos-1 (W = sampling.PENALTY_WINDOW; the
-      penalties' window; entries at negative positions are ignored).
+    recent: [W] int32 the tokens at positions pos-W..pos-1 (W = RECENT_WINDOW: prompt lookup
+      searches them all, the penalties read the last sampling.PENALTY_WINDOW; entries at
+      negative positions are ignored).
     gstate: [] int32 the row's grammar state after the bonus token (a state of the batch's
       grammar.GrammarTables), or grammar.NO_GRAMMAR (-1) for an unconstrained row.
     mtp_h: [D] float32 with an autoregressive draft: the target's normed hidden state of
@@ -202,7 +211,7 @@ def init_row(plan: Plan) -> DecodeState:
                                   relative=plan.draft_relative)
              if plan.uses_draft else None),
       key=jax.random.key(0), samp=sampling_lib.SamplingConfig().params(),
-      finite=jnp.bool_(True), recent=jnp.zeros((sampling_lib.PENALTY_WINDOW,), jnp.int32),
+      finite=jnp.bool_(True), recent=jnp.zeros((RECENT_WINDOW,), jnp.int32),
       gstate=jnp.int32(grammar_lib.NO_GRAMMAR),
       mtp_h=jnp.zeros((dcfg.d_model,), jnp.float32) if plan.ar_draft else None)
 
@@ -232,10 +241,11 @@ def _uses_rejection(dec: DecodeConfig, sampled: bool) -> bool:
   return sampled and dec.mode == "chain" and dec.chain_rule == "rejection"
 
 
-def _recent_pos(end: jax.Array) -> jax.Array:
-  """[W] int32 positions of a recent-token window whose last entry sits at `end`."""
+def _penalty_window(recent: jax.Array, end: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The last sampling.PENALTY_WINDOW tokens of a recent-token window whose last entry sits at
+  position `end`, and their positions ([P] int32 each)."""
   w = sampling_lib.PENALTY_WINDOW
-  return end - (w - 1) + jnp.arange(w, dtype=jnp.int32)
+  return recent[-w:], end - (w - 1) + jnp.arange(w, dtype=jnp.int32)
 
 
 def _prefill_row(tparams, dparams, row: DecodeState, k_all, v_all, slot, tokens, start, n_valid,
@@ -258,12 +268,12 @@ def _prefill_row(tparams, dparams, row: DecodeState, k_all, v_all, slot, tokens,
   last = jax.lax.dynamic_slice_in_dim(pre.hidden, n_valid - 1, 1, axis=0)
   key = jax.random.fold_in(row.key, sampling_lib.PREFILL_STREAM)
   logits = target_lib.logits(tparams, plan.tcfg, last, plan.rt)
-  w = sampling_lib.PENALTY_WINDOW
-  recent = jax.lax.dynamic_slice_in_dim(jnp.concatenate([before, tokens]), n_valid, w)
+  recent = jax.lax.dynamic_slice_in_dim(jnp.concatenate([before, tokens]), n_valid,
+                                        RECENT_WINDOW)
   end = start + n_valid - 1                     # the last prompt token's position
   adjusted = jax.lax.cond(
       sampling_lib.rules_on(row.samp),
-      lambda x: sampling_lib.apply_rules(x, row.samp, recent, _recent_pos(end),
+      lambda x: sampling_lib.apply_rules(x, row.samp, *_penalty_window(recent, end),
                                          jnp.zeros((1,), jnp.int32), jnp.full((1,), -1, jnp.int32),
                                          jnp.ones((1, 1), bool), end[None]),
       lambda x: x.astype(jnp.float32), logits)
@@ -298,8 +308,8 @@ def prefill_chunk(tparams, dparams, state: DecodeState, slot: jax.Array, tokens:
   done, i.e. out of the decode loop, until then: a running batch may decode between chunks).
   The row's PRNG key (from `seed`), length budget `max_new` and sampling params `samp`
   (SamplingParams; temperature 0 = greedy) are set on every chunk; before: [W] int32 the
-  prompt's tokens at positions start-W..start-1 (W = sampling.PENALTY_WINDOW; entries at
-  negative positions are ignored): the penalties' window. grammar: the batch's
+  prompt's tokens at positions start-W..start-1 (W = RECENT_WINDOW; entries at negative
+  positions are ignored): the window prompt lookup and the penalties read. grammar: the batch's
   grammar.GrammarTables (None: no row is constrained) and gstart [] int32 the row's initial
   grammar state (grammar.NO_GRAMMAR: unconstrained); the first token is drawn under it.
   Updates the row's
@@ -742,7 +752,7 @@ def _step(tparams, dparams, s: DecodeState, eog_ids, live_bound, rules, grammar,
   def choose(logits):
     # logit_bias and penalties, each node under its own path's window (sampling.apply_rules)
     node_pos = s.pos + tree.depths
-    ruled = lambda x: sampling_lib.apply_rules(x, s.samp, s.recent, _recent_pos(s.pos - 1),
+    ruled = lambda x: sampling_lib.apply_rules(x, s.samp, *_penalty_window(s.recent, s.pos - 1),
                                                tree.tokens, node_pos, tree.ancestor_matrix(),
                                                node_pos)
     plain = lambda x: x.astype(jnp.float32)

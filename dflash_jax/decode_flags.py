@@ -99,7 +99,7 @@ def define(flag_values: flags.FlagValues = flags.FLAGS, *,
           "DDTree at budget 22). 0 = off (faster).", **fv),
       lookup=flags.DEFINE_integer(
           "lookup", _DEFAULT.lookup, "Prompt-lookup drafting: up to this many tokens that followed "
-          "the latest earlier occurrence of the context's last n-gram (in the last 256 tokens). "
+          "the latest earlier occurrence of the context's last n-gram (in the last 2048 tokens). "
           "--mode lookup drafts with it alone; chain / ddtree graft it into the draft's tree as "
           "one more branch (<= block_size - 1). 0 = off.", **fv),
       lookup_ngram_min=flags.DEFINE_integer("lookup_ngram_min", _DEFAULT.lookup_ngram_min,

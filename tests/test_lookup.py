@@ -152,6 +152,43 @@ def test_lookup_batched_rows_equal_one_row(smol, smol_prompts):
     assert r.tokens == ar.tokens
 
 
+def test_lookup_searches_a_long_prompt(smol):
+  """Prompt lookup searches the row's last decode.RECENT_WINDOW tokens (2048), not only the
+  penalties' 256: after a 1,100-token prompt prefilled in 128-token chunks the row's window holds
+  the prompt's tail in order; a repeat ~1,000 tokens back is proposed (`lookup_proposal`); and
+  greedy mode "lookup" on that prompt equals AR token for token."""
+  import dataclasses
+
+  import jax
+  from dflash_jax import api, batching, decode
+  from dflash_jax.sampling import PENALTY_WINDOW, SamplingConfig
+  W = decode.RECENT_WINDOW
+  assert W >= 2048 > PENALTY_WINDOW
+  rng = np.random.default_rng(0)
+  v = smol.config.n_vocab
+  code = np.asarray(smol.tokenizer.encode(
+      "def reverse_words(sentence):\n    words = sentence.split()\n    return ' '.join(words[::-1])\n"),
+      np.int32)
+  filler = rng.permutation(np.arange(1000, v))[:1000].astype(np.int32)     # no repeated n-gram
+  prompt = np.concatenate([code, filler, code[:6]])
+  assert prompt.size > 1000
+  dec = api.resolve_config(None, dj.DecodeConfig(mode="lookup", lookup=4, max_ctx=2048))
+  sb = batching.SlotBatch(smol, None, dec, 1, jnp.zeros((0,), jnp.int32))
+  sb.prefill(0, prompt, 8, SamplingConfig())
+  row = jax.tree.map(lambda a: a[0], sb.state)
+  assert int(row.pos) == prompt.size
+  np.testing.assert_array_equal(np.asarray(row.recent)[-prompt.size:], prompt)
+  # the bonus token as the copy would continue: the suffix (code[4], code[5], bonus) sits
+  # ~1,000 tokens back, so the proposal is the code's next tokens
+  row = dataclasses.replace(row, bonus=jnp.int32(code[6]))
+  tok, n = decode.lookup_proposal(row, dec)
+  assert int(n) == 4 and np.array_equal(np.asarray(tok), code[7:11]), (tok, n)
+  ar = dj.generate(smol, None, prompt, max_new_tokens=24, mode="ar", max_ctx=2048, eog_ids=())
+  lk = dj.generate(smol, None, prompt, max_new_tokens=24, mode="lookup", lookup=4, max_ctx=2048,
+                   eog_ids=())
+  assert lk.tokens == ar.tokens
+
+
 def test_sampled_chain_rejection_ignores_the_lookup_branch(qwen_f32, qwen_draft, draft_ref):
   """Under chain_rule "rejection" a sampled row verifies the draft's chain only: with the same
   seed its output equals the run without a lookup branch, token for token."""
