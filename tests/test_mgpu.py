@@ -84,16 +84,16 @@ def test_vmapped_rows_fold_into_one_mosaic_call():
   from dflash_jax.runtime import Runtime
   # the grids printed in the trace (the Mosaic GPU kernel is not a `pallas_call` equation in
   # GPU interpret mode; its grid and its pipeline's grid are printed with it)
-  _kernel_grids = lambda fn, a: re.findall(r"grid=\(([^)]*)\)", str(jax.make_jaxpr(fn)(a)))  # noqa: E731
+  printed_grids = lambda fn, a: re.findall(r"grid=\(([^)]*)\)", str(jax.make_jaxpr(fn)(a)))  # noqa: E731
   rng = np.random.default_rng(1)
   n, k = 128, 512
   t = jax.tree.map(jnp.asarray, mm.to_tiles(_weight(rng, n, k)))
   rt = Runtime(kernels="mosaic_interpret", compute_dtype="bfloat16")
   x = jnp.asarray(rng.standard_normal((2, 3, 1, k)), jnp.float32)
   f = lambda xr: layers.linear(xr, t, rt)                        # noqa: E731
-  plain = _kernel_grids(f, x.reshape(6, k))
+  plain = printed_grids(f, x.reshape(6, k))
   assert len(plain) == 1
-  assert _kernel_grids(jax.vmap(jax.vmap(f)), x) == plain
+  assert printed_grids(jax.vmap(jax.vmap(f)), x) == plain
   assert jax.eval_shape(jax.vmap(jax.vmap(f)), x).shape == (2, 3, 1, n)
 
 

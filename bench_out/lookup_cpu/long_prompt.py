@@ -14,7 +14,6 @@ window; every output is checked equal to AR's. The window is switched by setting
 
 import json
 import statistics
-import time
 
 from absl import app, flags
 
