@@ -327,6 +327,13 @@ def _block_attention(q, kc, vc, kb, vb, ctx_mask, blk_mask, head_dim: int):
           + jnp.einsum("akglm,amkd->alkgd", p[..., n_ctx:], vb, precision=hp))
 
 
+# `_block_attention` rematerialized: the backward pass recomputes the scores and probabilities
+# instead of keeping them ([A, Hkv, G, L, n_ctx + L] float32 a layer, 147 MB for a packed row of
+# 1024 with 245 blocks of 16: kept, they are most of a training step's memory once the loss is
+# fused, `objective.fused_head_loss`), for one more forward of the attention.
+_block_attention_remat = jax.checkpoint(_block_attention, static_argnums=(7,))
+
+
 def packed_positions(anchors: jax.Array, n_ctx: int, block_size: int, positions, segments):
   """RoPE positions and the same-sequence mask of a training forward over T context rows.
 
@@ -344,7 +351,7 @@ def packed_positions(anchors: jax.Array, n_ctx: int, block_size: int, positions,
 
 def train_hidden(params: DraftParams, cfg: DraftConfig, feats: jax.Array, block_ids: jax.Array,
                  anchors: jax.Array, embed: QuantWeight, rt: Runtime = Runtime(),
-                 positions=None, segments=None):
+                 positions=None, segments=None, remat_attention: bool = False):
   """Draft forward for many blocks of one sequence at once (training; same math as ingest +
   propose, checked by tests).
 
@@ -353,6 +360,8 @@ def train_hidden(params: DraftParams, cfg: DraftConfig, feats: jax.Array, block_
   positions, segments: None, or [T] int32 for a packed row (several sequences back to back;
   `packed_positions`): a block then sees only its own sequence's rows before its anchor, at
   RoPE positions inside that sequence, so each block computes what it would alone.
+  remat_attention: static; recompute each layer's attention scores in the backward pass instead
+  of keeping them (less memory, the same gradients; `TrainConfig.remat_attention`).
   Returns h: [A, L, D] float32 after the final norm (apply the target lm_head to rows 1..L-1).
   """
   n_ctx = feats.shape[0]
@@ -370,7 +379,8 @@ def train_hidden(params: DraftParams, cfg: DraftConfig, feats: jax.Array, block_
     ctx_mask, blk_mask = block_masks(anchors, n_ctx, cfg, cfg.sliding[i])
     if same is not None:
       ctx_mask = ctx_mask & same[:, None, :]
-    o = _block_attention(q, kc, vc, kb.reshape(A, L, Hkv, Dh), vb.reshape(A, L, Hkv, Dh),
-                         ctx_mask, blk_mask, Dh)
+    attend = _block_attention_remat if remat_attention else _block_attention
+    o = attend(q, kc, vc, kb.reshape(A, L, Hkv, Dh), vb.reshape(A, L, Hkv, Dh),
+               ctx_mask, blk_mask, Dh)
     h = _mlp_residual(h, o.reshape(A, L, H * Dh), lay, cfg, rt)
   return layers.rms_norm(h, params.norm, cfg.rms_eps)

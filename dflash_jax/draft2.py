@@ -32,8 +32,9 @@ import jax.numpy as jnp
 from dflash_jax import layers
 from dflash_jax import tree as tree_lib
 from dflash_jax.config import DraftConfig
-from dflash_jax.draft import (ConvParams, DraftCache, DraftParams, _block_attention, _context, _kv,
-                             _queries, context_rope, packed_positions)
+from dflash_jax.draft import (ConvParams, DraftCache, DraftParams, _block_attention,
+                             _block_attention_remat, _context, _kv, _queries, context_rope,
+                             packed_positions)
 from dflash_jax.quants import QuantWeight, take_rows
 from dflash_jax.runtime import Runtime
 
@@ -151,7 +152,7 @@ def propose_hidden(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, bo
 
 def train_hidden(params: DraftParams, cfg: DraftConfig, feats: jax.Array, block_ids: jax.Array,
                  anchors: jax.Array, embed: QuantWeight, rt: Runtime = Runtime(),
-                 positions=None, segments=None) -> jax.Array:
+                 positions=None, segments=None, remat_attention: bool = False) -> jax.Array:
   """The DFlash-2 forward for many blocks of one sequence at once (training; the math of
   `propose_hidden` over a cache holding positions 0..anchor-1, checked by tests).
 
@@ -159,7 +160,8 @@ def train_hidden(params: DraftParams, cfg: DraftConfig, feats: jax.Array, block_
   [x_anchor, MASK x (L-1)]; anchors: [A] int32 positions of the blocks' first rows. Block a sees
   context positions < anchors[a] and its own rows (`block_masks`), the convolutions run inside
   each block. positions, segments: None, or [T] int32 for a packed row (`draft.train_hidden`):
-  a block sees only its own sequence's rows, at RoPE positions inside it.
+  a block sees only its own sequence's rows, at RoPE positions inside it. remat_attention: as
+  in `draft.train_hidden`.
   Returns hidden [A, L, D] float32 after the final norm.
   """
   f = cfg.dflash2
@@ -183,8 +185,8 @@ def train_hidden(params: DraftParams, cfg: DraftConfig, feats: jax.Array, block_
       q = _queries(af, lay, rqpos.reshape(-1), cfg, rt).reshape(A, L, Hkv, H // Hkv, Dh)
       kb, vb = _kv(af, lay, rqpos.reshape(-1), cfg, rt)
       ctx_mask, blk_mask = jax.vmap(lambda p, m: block_masks(p, cpos, cfg, i, m))(qpos, before)
-      o = _block_attention(q, kc, vc, kb.reshape(A, L, Hkv, Dh), vb.reshape(A, L, Hkv, Dh),
-                           ctx_mask, blk_mask, Dh)
+      o = (_block_attention_remat if remat_attention else _block_attention)(
+          q, kc, vc, kb.reshape(A, L, Hkv, Dh), vb.reshape(A, L, Hkv, Dh), ctx_mask, blk_mask, Dh)
       return o.reshape(A, L, H * Dh)
 
     x = _layer(x, params, cfg, i, attend, rt)[0]

@@ -101,6 +101,14 @@ _OFFSETS = flags.DEFINE_integer("loss_offsets", 0, "Block offsets 1..K that carr
                                 "block_size - 1); the draft still runs the whole block, only K "
                                 "rows a block go through the lm_head.", lower_bound=0)
 _DTYPE = flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
+_HEAD_CHUNK = flags.DEFINE_integer("head_chunk", None, "Label rows per pass of the fused lm_head + "
+                                   "cross-entropy + KL (DFlash-1: the logits of the whole batch "
+                                   "are never held; default TrainConfig's, 2048); 0: the "
+                                   "materialized form. Memory only: the loss and its gradient are "
+                                   "the same.", lower_bound=0)
+_REMAT = flags.DEFINE_bool("remat_attention", False, "Recompute the draft's attention scores in "
+                           "the backward pass instead of keeping them: about half the step's "
+                           "memory with a fused loss, for one more attention forward.")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 250, "Steps between held-out evaluations (0: "
                                    "only at the end).")
 _N_EVAL = flags.DEFINE_integer("n_eval", 4, "Held-out prompts of each kind (HumanEval, chat).")
@@ -298,7 +306,8 @@ def main(argv):
                          weight_decay=_WD.value, clip=_CLIP.value, gamma=_GAMMA.value,
                          kl_weight=_KL.value, seed=_SEED.value, compute_dtype=_DTYPE.value,
                          restrict_vocab=_RESTRICT.value, loss_offsets=_OFFSETS.value,
-                         length_buckets=buckets, pack=_PACK.value)
+                         length_buckets=buckets, pack=_PACK.value, remat_attention=_REMAT.value,
+                         **({} if _HEAD_CHUNK.value is None else {"head_chunk": _HEAD_CHUNK.value}))
   out_norm = (_INIT_NORM.value * np.asarray(target.params.out_norm, np.float32)
               if _INIT_NORM.value > 0 else None)
   if init is None and not ttt:

@@ -202,6 +202,163 @@ def test_restricted_vocab_loss_against_float64(qwen_f32, tiny_data, n_anchors):
                      jnp.asarray(vocab))
 
 
+def _leaf_gaps(ga, gb):
+  """Per gradient leaf: max |a - b| / max |a| (0 for an all-zero leaf equal in both)."""
+  out = []
+  for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = np.abs(a).max()
+    out.append(float(np.abs(a - b).max() / scale) if scale else float(np.abs(b).max()))
+  return out
+
+
+@pytest.mark.parametrize("kl,restrict,n_anchors,dtype", [
+    (0.7, True, 24, "float32"), (0.0, False, 5, "float32"), (0.7, False, 5, "float32"),
+    (0.7, True, 24, "bfloat16")])
+def test_fused_head_loss_equals_materialized(qwen_f32, tiny_data, kl, restrict, n_anchors, dtype):
+  """The fused lm_head + CE + KL (`batch_loss` with head_chunk > 0: chunks of label rows, the
+  gradient formed in the forward pass by hand) against the materialized logits differentiated
+  by JAX (head_chunk=0, itself checked against float64 above): loss and ce / kl relative 1e-5,
+  acc / acc1 exact, every gradient leaf within 1e-5 of its largest entry (bf16 compute: loss
+  2e-3 relative; the two gradients differ by bf16 rounding, 0.2-0.5 % relative Frobenius a
+  leaf, since the fused matmul accumulates in float32 where autodiff's transposed einsum rounds
+  to bf16: each leaf must be as close to the float32 gradient as the materialized bf16 one,
+  within 25 %, and < 3 % from it; both measured ~1 %), for chunks of 7 rows (not dividing the 144 or 30 label rows: padding) and one
+  chunk larger than all of them; restricted and whole vocabulary, KL on and off, the target's
+  log-probabilities indexed per position (24 anchors x 3 > 64 positions) or per label row."""
+  cfg = _tiny_cfg(qwen_f32, block_size=4)
+  params = jax.tree.map(jnp.asarray, draft_io.init_params(jax.random.key(5), cfg, 256,
+                                                          weight_fmt="f32"))
+  batch = train.make_batch(np.random.default_rng(6), tiny_data[:2], cfg, seq_len=64,
+                           n_anchors=n_anchors, mask_token_id=cfg.mask_token_id)
+  tparams, lm = train.frozen_target_tensors(qwen_f32)
+  vocab = jnp.asarray(train.data_vocab(tiny_data[:2], qwen_f32.config.n_vocab)) if restrict else None
+  w = jnp.asarray(train.loss_weights(4, 3.0))
+  rt = Runtime(compute_dtype=dtype)
+
+  def run(chunk):
+    f = lambda p: train.batch_loss(p, cfg, batch, tparams, qwen_f32.config, lm, w, kl, rt,  # noqa: E731
+                                   vocab, head_chunk=chunk)
+    return jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+
+  (l0, m0), g0 = run(0)
+  tol = 1e-5 if dtype == "float32" else 2e-3
+  if dtype != "float32":
+    rt = Runtime()
+    g32 = run(0)[1]
+    rt = Runtime(compute_dtype=dtype)
+  for chunk in (7, 10_000):
+    (l1, m1), g1 = run(chunk)
+    assert float(l1) == pytest.approx(float(l0), rel=tol)
+    assert float(m1["ce"]) == pytest.approx(float(m0["ce"]), rel=tol)
+    assert float(m1["kl"]) == pytest.approx(float(m0["kl"]), rel=tol, abs=1e-7)
+    assert (float(m1["acc"]), float(m1["acc1"])) == (float(m0["acc"]), float(m0["acc1"]))
+    if dtype == "float32":
+      gaps = _leaf_gaps(g0, g1)
+      assert max(gaps) < tol, gaps
+    else:                                 # bf16: as close to the float32 gradient as autodiff's
+      def frob(ga, gb):
+        return np.array([np.linalg.norm(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+                         / max(np.linalg.norm(np.asarray(a, np.float64)), 1e-30)
+                         for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb))])
+      e_mat, e_fused = frob(g32, g0), frob(g32, g1)
+      assert e_fused.max() < 3e-2 and np.all(e_fused <= 1.25 * e_mat + 1e-4), (e_fused, e_mat)
+  assert (float(m0["kl"]) > 0) == (kl > 0)
+
+
+def test_fused_head_loss_direct():
+  """`fused_head_loss` alone on random rows: loss and per-row nll / kl / hit equal a float64
+  numpy computation (relative 1e-5), its hand-formed gradient equals JAX's gradient of the
+  materialized float32 formula (1e-5 of the largest entry) for chunks 1, 5, 37 (= R) and 100,
+  rows of zero weight add nothing; KL arguments must come together; and XLA's temporary memory
+  for a [4096 x 8192] case is under a quarter of the materialized form's (the reason it exists)."""
+  rng = np.random.default_rng(0)
+  R, D, N, M = 37, 16, 50, 11
+  h = jnp.asarray(rng.normal(size=(R, D)), jnp.float32)
+  head = jnp.asarray(rng.normal(size=(N, D)) * 0.5, jnp.float32)
+  z = np.asarray(h, np.float64) @ np.asarray(head, np.float64).T
+  lab = rng.integers(0, N, R)
+  lab[::3] = z.argmax(1)[::3]                    # some rows' label is the argmax: hits
+  lab = jnp.asarray(lab, jnp.int32)
+  w = jnp.asarray(rng.uniform(size=R) * (rng.uniform(size=R) > 0.2), jnp.float32)
+  t_lp = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(M, N)) * 2, jnp.float32))
+  ti = jnp.asarray(rng.integers(0, M, R), jnp.int32)
+
+  lq = z - z.max(1, keepdims=True)
+  lq = lq - np.log(np.exp(lq).sum(1, keepdims=True))
+  nll_ref = -lq[np.arange(R), np.asarray(lab)]
+  lp = np.asarray(t_lp, np.float64)[np.asarray(ti)]
+  kl_ref = (np.exp(lp) * (lp - lq)).sum(1)
+  loss_ref = float((np.asarray(w) * (nll_ref + 0.3 * kl_ref)).sum())
+
+  def materialized(h):
+    lq = jax.nn.log_softmax(h @ head.T)
+    nll = -jnp.take_along_axis(lq, lab[:, None], 1)[:, 0]
+    return jnp.sum(w * nll) + jnp.sum(0.3 * w * train.distill_kl(t_lp[ti], h @ head.T))
+
+  g_ref = jax.grad(materialized)(h)
+  for chunk in (1, 5, 37, 100):
+    loss, nll, kl, hit = train.fused_head_loss(h, head, lab, w, 0.3 * w, t_lp, ti, chunk=chunk)
+    assert float(loss) == pytest.approx(loss_ref, rel=1e-5)
+    np.testing.assert_allclose(np.asarray(nll), nll_ref, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(kl), kl_ref, rtol=1e-4, atol=1e-6)
+    assert np.array_equal(np.asarray(hit), z.argmax(1) == np.asarray(lab))
+    g = jax.grad(lambda x: train.fused_head_loss(x, head, lab, w, 0.3 * w, t_lp, ti,  # noqa: B023
+                                                 chunk=chunk)[0])(h)
+    assert max(_leaf_gaps(g_ref, g)) < 1e-5
+    assert np.all(np.asarray(g)[np.asarray(w) == 0] == 0)
+  no_kl = train.fused_head_loss(h, head, lab, w, chunk=8)
+  assert float(no_kl[0]) == pytest.approx(float((np.asarray(w) * nll_ref).sum()), rel=1e-5)
+  assert not np.asarray(no_kl[2]).any()
+  with pytest.raises(ValueError, match="together"):
+    train.fused_head_loss(h, head, lab, w, 0.3 * w, t_lp)
+
+  S = jax.ShapeDtypeStruct
+  big = (S((4096, 64), jnp.float32), S((8192, 64), jnp.float32), S((4096,), jnp.int32),
+         S((4096,), jnp.float32), S((512, 8192), jnp.float32), S((4096,), jnp.int32))
+
+  def temp(f):
+    return jax.jit(jax.grad(f)).lower(*big).compile().memory_analysis().temp_size_in_bytes
+
+  def mat_big(h, head, lab, w, t_lp, ti):
+    z = h @ head.T
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(z), lab[:, None], 1)[:, 0]
+    return jnp.sum(w * nll) + jnp.sum(w * train.distill_kl(t_lp[ti], z))
+
+  fused_big = lambda h, head, lab, w, t_lp, ti: train.fused_head_loss(  # noqa: E731
+      h, head, lab, w, w, t_lp, ti, chunk=256)[0]
+  t_mat, t_fused = temp(mat_big), temp(fused_big)
+  assert t_fused < t_mat / 4, (t_fused, t_mat)
+
+
+def test_remat_attention_same_gradients(qwen_f32, tiny_data):
+  """remat_attention (the draft's attention scores recomputed in the backward pass): the same
+  loss and gradients as keeping them (every leaf within 1e-6 of its largest entry), DFlash-1
+  and DFlash-2, with less XLA temporary memory for the DFlash-1 step."""
+  cfg = _tiny_cfg(qwen_f32, block_size=4)
+  cfg2 = draft_io.dflash2_config(cfg, conv_kernel=3, conv_group=64, selector_rank=8,
+                                 selector_top_k=4)
+  batch = train.make_batch(np.random.default_rng(7), tiny_data[:2], cfg, seq_len=64,
+                           n_anchors=24, mask_token_id=cfg.mask_token_id)
+  tparams, lm = train.frozen_target_tensors(qwen_f32)
+  w = jnp.asarray(train.loss_weights(4, 3.0))
+  temp = {}
+  for c in (cfg, cfg2):
+    params = jax.tree.map(jnp.asarray, draft_io.init_params(jax.random.key(8), c, 256,
+                                                            weight_fmt="f32"))
+    out = {}
+    for remat in (False, True):
+      f = lambda p: train.batch_loss(p, c, batch, tparams, qwen_f32.config, lm, w, 0.7,  # noqa: E731,B023
+                                     Runtime(), remat_attention=remat)[0]  # noqa: B023
+      step = jax.jit(jax.value_and_grad(f))
+      out[remat] = step(params)
+      if c is cfg:
+        temp[remat] = step.lower(params).compile().memory_analysis().temp_size_in_bytes
+    assert float(out[True][0]) == pytest.approx(float(out[False][0]), rel=1e-6)
+    assert max(_leaf_gaps(out[False][1], out[True][1])) < 1e-6
+  assert temp[True] < temp[False], temp
+
+
 def test_vocab_index_and_head_logits(qwen_f32):
   """The two restricted-vocabulary pieces both objectives (DFlash's batch_loss, EAGLE-3's
   ttt_loss) use: vocab_index maps ids to their rank in the sorted vocabulary and flags ids

@@ -311,9 +311,80 @@ def top1_accuracy(logits, labels, valid, first):
   return acc, acc1
 
 
+HEAD_CHUNK = 2048
+
+
+def fused_head_loss(h, head, labels, ce_w, kl_w=None, t_lp=None, t_idx=None, *,
+                    chunk: int = HEAD_CHUNK, compute_dtype=jnp.float32):
+  """The draft's lm_head, cross-entropy and KL in one pass over chunks of rows, never holding
+  the [R, N] logits (the step's largest arrays: 24 packed rows of 245 blocks x 15 offsets over
+  a 29k-id loss vocabulary are 10 GB in float32 per copy), with its gradient formed in the
+  same pass (cut cross-entropy / fused linear cross-entropy, as Liger-Kernel and Apple's
+  CCE do; here the lm_head and the target are frozen, so only h gets a gradient).
+
+  Per row r: z = h_r @ head^T (compute_dtype operands, float32 accumulation), log q =
+  log_softmax(z), nll_r = -log q[labels_r], kl_r = sum_v p (log p - log q) with log p =
+  t_lp[t_idx_r] (the target's log-probabilities over the same N ids); loss = sum_r ce_w_r nll_r
+  + kl_w_r kl_r, and dloss/dz_r = ce_w_r (q - onehot(labels_r)) + kl_w_r (q - p), so dloss/dh_r =
+  that @ head, computed chunk by chunk in the forward pass and scaled by the loss's cotangent.
+
+  h: [R, D] float32; head: [N, D] float (frozen: its cotangent is zero, as are t_lp's);
+  labels: [R] int32 in [0, N); ce_w, kl_w: [R] float32 (a row with both zero does not count);
+  t_lp: [M, N] float32 log-probabilities and t_idx [R] int32 rows of it, or all three None (no
+  KL term). chunk: static rows per pass (R is padded to a multiple). Returns (loss [] float32,
+  nll [R], kl [R] (zeros without t_lp), hit [R] bool: argmax z == label); the last three are
+  metrics, outside the gradient. Equal to the materialized form (`batch_loss(head_chunk=0)`)
+  up to float rounding (tests/test_train.py)."""
+  has_kl = t_lp is not None
+  if (kl_w is None) != (not has_kl) or (t_idx is None) != (not has_kl):
+    raise ValueError("fused_head_loss: kl_w, t_lp and t_idx are given together or not at all")
+  r, d = h.shape
+  c = max(1, min(int(chunk), r))
+  if not has_kl:
+    kl_w, t_idx = jnp.zeros((r,), jnp.float32), jnp.zeros((r,), jnp.int32)
+
+  def pass_(head_c, t_lp_, x):
+    hc, lab, a, b, ti = x
+    z = jnp.dot(hc.astype(compute_dtype), head_c.T, preferred_element_type=jnp.float32)
+    lq = jax.nn.log_softmax(z, axis=-1)
+    q = jnp.exp(lq)
+    nll = -jnp.take_along_axis(lq, lab[:, None], axis=-1)[:, 0]
+    g = a[:, None] * (q - jax.nn.one_hot(lab, z.shape[-1], dtype=jnp.float32))
+    kl = jnp.zeros_like(nll)
+    if has_kl:
+      lp = t_lp_[ti]
+      p = jnp.exp(lp)
+      kl = jnp.sum(p * (lp - lq), axis=-1)
+      g = g + b[:, None] * (q - p)
+    dh = jnp.dot(g.astype(compute_dtype), head_c, preferred_element_type=jnp.float32)
+    return nll, kl, jnp.argmax(z, -1) == lab, dh
+
+  def fwd(h_, head_, labels_, ce_w_, kl_w_, t_lp_, t_idx_):
+    pad = -r % c
+    xs = tuple(jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(-1, c, *a.shape[1:])
+               for a in (h_, labels_, ce_w_, kl_w_, t_idx_))
+    head_c = head_.astype(compute_dtype)
+    nll, kl, hit, dh = jax.lax.map(lambda x: pass_(head_c, t_lp_, x), xs)
+    nll, kl, hit = (v.reshape(-1)[:r] for v in (nll, kl, hit))
+    loss = jnp.sum(ce_w_ * nll) + jnp.sum(kl_w_ * kl)
+    return (loss, nll, kl, hit), dh.reshape(-1, d)[:r].astype(h_.dtype)
+
+  @jax.custom_vjp
+  def f(h_, head_, labels_, ce_w_, kl_w_, t_lp_, t_idx_):
+    return fwd(h_, head_, labels_, ce_w_, kl_w_, t_lp_, t_idx_)[0]
+
+  def bwd(dh, cts):                  # only h is trained: the head and the target are frozen
+    return dh * cts[0], None, None, None, None, None, None
+
+  f.defvjp(fwd, bwd)
+  loss, nll, kl, hit = f(h, jax.lax.stop_gradient(head), labels, ce_w, kl_w,
+                         None if t_lp is None else jax.lax.stop_gradient(t_lp), t_idx)
+  return loss, jax.lax.stop_gradient(nll), jax.lax.stop_gradient(kl), hit
+
+
 def batch_loss(params, cfg: DraftConfig, batch: Batch, tparams, tcfg: TargetConfig, lm_head_w,
                weights, kl_weight: float = 0.0, rt: Runtime = Runtime(), vocab_ids=None,
-               targets=None):
+               targets=None, head_chunk: int = HEAD_CHUNK, remat_attention: bool = False):
   """Weighted cross-entropy on the target's tokens plus kl_weight x the weighted KL from the
   target's next-token distribution (its logits at position anchor+k-1 predict the label at
   anchor+k), both normalised by the label weights; target features computed online
@@ -336,6 +407,12 @@ def batch_loss(params, cfg: DraftConfig, batch: Batch, tparams, tcfg: TargetConf
   sequences guarantees it; a valid label outside it would count as invalid). DFlash-1 only.
   targets: None (the target's prefill runs here) or `batch_targets` of this batch for
   cfg.target_layer_ids (computed once for several drafts).
+  head_chunk: static; > 0: a DFlash-1 draft's lm_head, softmaxes and their gradient run
+  `fused_head_loss` over chunks of that many label rows (the [B, A, K, N] logits, the target's
+  gathered log-probabilities and their gradients are never materialized); 0: the materialized
+  form (the reference it is tested against; DFlash-2 drafts always take it).
+  remat_attention: static; the draft's attention scores are recomputed in the backward pass
+  (`draft.train_hidden`), for memory.
   Returns (loss, metrics {"ce", "kl", "acc": top-1 accuracy over valid labels, "acc1": at
   offset 1; DFlash-2 adds "ce_unary"}); ce / kl / acc are the selector's for DFlash-2.
   Raises ValueError for vocab_ids with a DFlash-2 draft.
@@ -354,38 +431,67 @@ def batch_loss(params, cfg: DraftConfig, batch: Batch, tparams, tcfg: TargetConf
     labels, in_vocab = vocab_index(vocab_ids, labels)
     label_valid = label_valid & in_vocab
 
+  fused = head_chunk > 0 and not two
+  if vocab_ids is None:
+    t_logits = lambda x: target_lib.logits(tparams, tcfg, x, rt)          # noqa: E731
+  else:                                  # the target's output norm, then its lm_head rows in N
+    t_logits = lambda x: head_logits(tparams, tcfg, x, head, rt)          # noqa: E731
+
   def one(tokens, length, block_ids, anchors, tgt, positions, segments):
     feats, hidden = tgt if tgt is not None else target_pass(
         tparams, tcfg, tokens, length, cfg.target_layer_ids, rt, positions, segments)
     fwd = draft2.train_hidden if two else draft_lib.train_hidden
-    h = fwd(params, cfg, feats, block_ids, anchors, tparams.embed, rt, positions, segments)
+    h = fwd(params, cfg, feats, block_ids, anchors, tparams.embed, rt, positions, segments,
+            remat_attention)
+    rows = jnp.clip(anchors[:, None] + jnp.arange(K), 0, tokens.shape[0] - 1)       # [A, K]
+    if fused:                            # the target's log-probabilities and their row per label
+      if not kl_weight:
+        return h[:, 1:K + 1], None, None
+      if rows.size >= tokens.shape[0]:   # blocks overlap: every position's once, indexed
+        return h[:, 1:K + 1], jax.nn.log_softmax(t_logits(hidden), axis=-1), rows
+      return (h[:, 1:K + 1], jax.nn.log_softmax(t_logits(hidden[rows.reshape(-1)]), axis=-1),
+              jnp.arange(rows.size, dtype=jnp.int32).reshape(rows.shape))
     d = jnp.einsum("ald,vd->alv", h[:, 1:K + 1].astype(rt.cdt), head.astype(rt.cdt),
                    preferred_element_type=jnp.float32)
-    rows = jnp.clip(anchors[:, None] + jnp.arange(K), 0, tokens.shape[0] - 1)       # [A, K]
     sel = d
     if two:
       d = draft2.cap_logits(d, cfg)
       sel = d + draft2.pairwise_scores(params, h[:, 1:K + 1], tokens[rows], rt)
     if not kl_weight:
       return d, sel, jnp.zeros(d.shape[:2], jnp.float32)
-    if vocab_ids is None:
-      t_logits = lambda x: target_lib.logits(tparams, tcfg, x, rt)
-    else:                                # the target's output norm, then its lm_head rows in N
-      t_logits = lambda x: head_logits(tparams, tcfg, x, head, rt)
     if rows.size >= tokens.shape[0]:     # blocks overlap: every position's logits once, gathered
       t = t_logits(hidden)[rows.reshape(-1)].reshape(d.shape)
     else:
       t = t_logits(hidden[rows.reshape(-1)]).reshape(d.shape)
     return d, sel, distill_kl(t, sel)
 
-  unary, logits, kl = jax.vmap(one)(batch.tokens, batch.lengths, batch.block_ids, batch.anchors,
-                                    targets, batch.positions, batch.segments)
+  out = jax.vmap(one)(batch.tokens, batch.lengths, batch.block_ids, batch.anchors, targets,
+                      batch.positions, batch.segments)
   w = weights[None, None, :] * label_valid
   norm = jnp.maximum(jnp.sum(w), 1e-6)
-
+  first = jnp.arange(K) == 0
+  if fused:
+    hk, t_lp, t_rows = out                                  # [B, A, K, D], [B, M, N], [B, A, K]
+    ce_w = jax.lax.stop_gradient(w / norm).reshape(-1)
+    kw = None
+    if kl_weight:
+      t_rows = t_rows + t_lp.shape[1] * jnp.arange(t_lp.shape[0], dtype=jnp.int32)[:, None, None]
+      t_lp, t_rows = t_lp.reshape(-1, t_lp.shape[-1]), t_rows.reshape(-1)
+      kw = kl_weight * ce_w
+    total, nll, kl, hit = fused_head_loss(
+        hk.reshape(-1, hk.shape[-1]), head, labels.reshape(-1), ce_w, kw, t_lp, t_rows,
+        chunk=head_chunk, compute_dtype=rt.cdt)
+    hit = hit.reshape(w.shape) & label_valid
+    n_valid = jnp.sum(label_valid)
+    n_first = jnp.sum(label_valid & first)
+    metrics = {"ce": jnp.sum(ce_w * nll), "kl": jnp.sum(ce_w * kl),
+               "acc": jnp.sum(hit) / jnp.maximum(n_valid, 1),
+               "acc1": jnp.sum(hit & first) / jnp.maximum(n_first, 1)}
+    return total, metrics
+  unary, logits, kl = out
   ce = weighted_ce(logits, labels, w, norm)
   kl = jnp.sum(kl * w) / norm
-  acc, acc1 = top1_accuracy(logits, labels, label_valid, jnp.arange(K) == 0)
+  acc, acc1 = top1_accuracy(logits, labels, label_valid, first)
   metrics = {"ce": ce, "kl": kl, "acc": acc, "acc1": acc1}
   loss = ce + kl_weight * kl
   if two:
@@ -401,15 +507,17 @@ def frozen_target_tensors(target):
 
 
 def make_train_step(cfg: DraftConfig, tcfg: TargetConfig, optimizer, weights, *,
-                    kl_weight: float = 0.0, mesh=None, rt: Runtime = Runtime()):
+                    kl_weight: float = 0.0, mesh=None, rt: Runtime = Runtime(),
+                    head_chunk: int = HEAD_CHUNK, remat_attention: bool = False):
   """A jitted train step (params, opt_state, batch, tparams, lm_head_w, vocab_ids=None,
   targets=None) -> (params, opt_state, metrics) (vocab_ids: `batch_loss`'s restricted loss
-  vocabulary; targets: `batch_targets` of the batch, computed once for several drafts). With a
+  vocabulary; targets: `batch_targets` of the batch, computed once for several drafts;
+  head_chunk, remat_attention: as in `batch_loss`). With a
   mesh, the batch is sharded over its 'data' axis (data parallel) and params / optimizer state /
   target are replicated; XLA inserts the gradient all-reduce."""
   return jit_step(lambda params, batch, tparams, lm_head_w, vocab_ids, targets: batch_loss(
-      params, cfg, batch, tparams, tcfg, lm_head_w, weights, kl_weight, rt, vocab_ids, targets),
-      optimizer, mesh)
+      params, cfg, batch, tparams, tcfg, lm_head_w, weights, kl_weight, rt, vocab_ids, targets,
+      head_chunk, remat_attention), optimizer, mesh)
 
 
 def jit_step(loss_fn, optimizer, mesh=None):

@@ -47,6 +47,12 @@ class TrainConfig:
   then rows per step and anchors per row, split equally between its sequences (scale them with
   the sequences a row holds). Less
   padding than one sequence per row, in one compiled shape; not with length_buckets.
+  head_chunk: label rows per pass of the fused lm_head + cross-entropy + KL
+  (`objective.fused_head_loss`; DFlash-1), which never holds the logits of the whole batch;
+  0: the materialized form. remat_attention: recompute the draft's attention scores in the
+  backward pass instead of keeping them. Both change memory, not the loss or its gradient
+  (XLA's estimate for 24 packed rows of 1024 x 245 anchors over a 29k-id loss vocabulary in
+  bfloat16: 101 GB materialized, 54 GB fused, 28 GB with both; bench_out/train/README.md).
   """
 
   steps: int = 1000
@@ -66,6 +72,8 @@ class TrainConfig:
   restrict_vocab: bool = False
   loss_offsets: int = 0
   pack: bool = False
+  head_chunk: int = objective.HEAD_CHUNK
+  remat_attention: bool = False
 
   def __post_init__(self):
     for name in ("steps", "batch", "anchors", "seq_len"):
@@ -81,6 +89,8 @@ class TrainConfig:
                        "has one length, seq_len)")
     if self.loss_offsets < 0:
       raise ValueError(f"TrainConfig.loss_offsets={self.loss_offsets} must be >= 0 (0: all)")
+    if self.head_chunk < 0:
+      raise ValueError(f"TrainConfig.head_chunk={self.head_chunk} must be >= 0 (0: materialized)")
     if self.lr <= 0 or self.kl_weight < 0 or self.gamma <= 0:
       raise ValueError("TrainConfig: lr and gamma must be > 0, kl_weight >= 0")
 
@@ -240,8 +250,8 @@ def make_step(target, cfg: DraftConfig, tc: TrainConfig, mesh=None):
   return objective.make_train_step(
       cfg, target.config, make_optimizer(tc),
       jnp.asarray(objective.loss_weights(cfg.block_size, tc.gamma, tc.loss_offsets)),
-      kl_weight=tc.kl_weight,
-      mesh=mesh, rt=Runtime(compute_dtype=tc.compute_dtype))
+      kl_weight=tc.kl_weight, mesh=mesh, rt=Runtime(compute_dtype=tc.compute_dtype),
+      head_chunk=tc.head_chunk, remat_attention=tc.remat_attention)
 
 
 def train(target, cfg: DraftConfig, seqs: Sequence, tc: TrainConfig, state: TrainState, *,
