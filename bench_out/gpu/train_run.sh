@@ -18,8 +18,9 @@
 #      26-27's setting, 0.400 s a step at batch 32); PACK (optional, default 1024): packed rows of
 #      PACK tokens (train_draft.py --pack: several whole sequences back to back per row, each seeing
 #      only itself, ~78 % real tokens at 1024; TRAIN_BATCH is then rows a step, by default from the
-#      GPU's memory (nvidia-smi: >= 110,000 MiB 24 rows, as session 46's H200; >= 70,000 16, an H100
-#      80GB; else or without nvidia-smi 12; an empty argument "" keeps that default), and the
+#      GPU's memory (nvidia-smi: >= 70,000 MiB 24 rows, as session 46's H200, on an H100 80GB too
+#      since session 59's fused loss; else or without nvidia-smi 12; an empty argument "" keeps
+#      that default), and the
 #      anchors scale to 96 per 400 tokens, 96 per average sequence), 0: one sequence per 800-token
 #      row (sessions 26-27: TRAIN_BATCH default 32, ~49 % real tokens).
 # Waits at most WAIT_S seconds (or until the training ends), then copies to $OUT what exists: the
@@ -39,11 +40,11 @@ LAYERS=${8:-}
 DTYPE=${9:-bfloat16}
 PACK=${10:-1024}
 if [ "$PACK" -gt 0 ]; then
-  if [ -z "$TB" ]; then   # rows a step from the GPU's memory (XLA's estimate: ~3.5 GB a packed row of 1024)
+  if [ -z "$TB" ]; then   # rows a step from the GPU's memory (XLA's estimate, session 59's fused
+    # loss: 2.2 GB a packed row of 1024, 24 rows 53.6 GB; the materialized loss of session 46: 101 GB)
     MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2> /dev/null | head -n 1)
     MEM=${MEM%%.*}; MEM=${MEM//[^0-9]/}
-    if [ "${MEM:-0}" -ge 110000 ]; then TB=24      # H200 (141 GB; session 46 ran 24)
-    elif [ "${MEM:-0}" -ge 70000 ]; then TB=16     # H100 80 GB (24 rows need ~85 GB)
+    if [ "${MEM:-0}" -ge 70000 ]; then TB=24       # H100 80 GB, H200 141 GB (session 46 ran 24)
     else TB=12; fi
     echo "TRAIN_BATCH $TB (GPU memory ${MEM:-unknown} MiB)"
   fi
