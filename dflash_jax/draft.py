@@ -312,26 +312,35 @@ def block_masks(anchors: jax.Array, n_ctx: int, cfg: DraftConfig, sliding: bool)
   return ctx, blk
 
 
-def _block_attention(q, kc, vc, kb, vb, ctx_mask, blk_mask, head_dim: int):
+def _block_attention(q, kc, vc, kb, vb, ctx_mask, blk_mask, head_dim: int,
+                     compute_dtype=jnp.float32):
   """Training attention of A blocks: q [A, L, Hkv, G, Dh] over the shared context kc/vc
-  [n_ctx, Hkv, Dh] and the block's own kb/vb [A, L, Hkv, Dh]. Returns [A, L, Hkv, G, Dh]."""
-  hp = jax.lax.Precision.HIGHEST
+  [n_ctx, Hkv, Dh] and the block's own kb/vb [A, L, Hkv, Dh]. Returns [A, L, Hkv, G, Dh]
+  float32. compute_dtype (static): float32 runs the products at HIGHEST precision; bfloat16
+  takes bf16 operands (q, k, v and the probabilities) with float32 accumulation, as the draft's
+  projections do under it (and flash attention in bf16 training); the softmax is float32."""
+  f32 = jnp.dtype(compute_dtype) == jnp.float32
+  hp = jax.lax.Precision.HIGHEST if f32 else None
+  c = (lambda x: x) if f32 else (lambda x: x.astype(compute_dtype))   # noqa: E731
+
+  def mm(spec, a, b):
+    return jnp.einsum(spec, c(a), c(b), precision=hp, preferred_element_type=jnp.float32)
+
   n_ctx = kc.shape[0]
   scale = head_dim ** -0.5
-  s_ctx = jnp.einsum("alkgd,tkd->akglt", q, kc, precision=hp) * scale
-  s_blk = jnp.einsum("alkgd,amkd->akglm", q, kb, precision=hp) * scale
+  s_ctx = mm("alkgd,tkd->akglt", q, kc) * scale
+  s_blk = mm("alkgd,amkd->akglm", q, kb) * scale
   s = jnp.concatenate([jnp.where(ctx_mask[:, None, None], s_ctx, -jnp.inf),
                        jnp.where(blk_mask[:, None, None], s_blk, -jnp.inf)], axis=-1)
   p = jax.nn.softmax(s, axis=-1)
-  return (jnp.einsum("akglt,tkd->alkgd", p[..., :n_ctx], vc, precision=hp)
-          + jnp.einsum("akglm,amkd->alkgd", p[..., n_ctx:], vb, precision=hp))
+  return mm("akglt,tkd->alkgd", p[..., :n_ctx], vc) + mm("akglm,amkd->alkgd", p[..., n_ctx:], vb)
 
 
 # `_block_attention` rematerialized: the backward pass recomputes the scores and probabilities
 # instead of keeping them ([A, Hkv, G, L, n_ctx + L] float32 a layer, 147 MB for a packed row of
 # 1024 with 245 blocks of 16: kept, they are most of a training step's memory once the loss is
 # fused, `objective.fused_head_loss`), for one more forward of the attention.
-_block_attention_remat = jax.checkpoint(_block_attention, static_argnums=(7,))
+_block_attention_remat = jax.checkpoint(_block_attention, static_argnums=(7, 8))
 
 
 def packed_positions(anchors: jax.Array, n_ctx: int, block_size: int, positions, segments):
@@ -381,6 +390,6 @@ def train_hidden(params: DraftParams, cfg: DraftConfig, feats: jax.Array, block_
       ctx_mask = ctx_mask & same[:, None, :]
     attend = _block_attention_remat if remat_attention else _block_attention
     o = attend(q, kc, vc, kb.reshape(A, L, Hkv, Dh), vb.reshape(A, L, Hkv, Dh),
-               ctx_mask, blk_mask, Dh)
+               ctx_mask, blk_mask, Dh, rt.cdt)
     h = _mlp_residual(h, o.reshape(A, L, H * Dh), lay, cfg, rt)
   return layers.rms_norm(h, params.norm, cfg.rms_eps)

@@ -186,7 +186,8 @@ def train_hidden(params: DraftParams, cfg: DraftConfig, feats: jax.Array, block_
       kb, vb = _kv(af, lay, rqpos.reshape(-1), cfg, rt)
       ctx_mask, blk_mask = jax.vmap(lambda p, m: block_masks(p, cpos, cfg, i, m))(qpos, before)
       o = (_block_attention_remat if remat_attention else _block_attention)(
-          q, kc, vc, kb.reshape(A, L, Hkv, Dh), vb.reshape(A, L, Hkv, Dh), ctx_mask, blk_mask, Dh)
+          q, kc, vc, kb.reshape(A, L, Hkv, Dh), vb.reshape(A, L, Hkv, Dh), ctx_mask, blk_mask, Dh,
+          rt.cdt)
       return o.reshape(A, L, H * Dh)
 
     x = _layer(x, params, cfg, i, attend, rt)[0]
