@@ -135,19 +135,25 @@ def tiny_data(qwen_f32, qwen_ref):
                                      seed=0, batch_size=4, max_ctx=64)
 
 
+def _loss_case(target, data, n_anchors, seed=1):
+  """A block-4 tiny draft (random init, key `seed`) and a batch of data[:2] with n_anchors
+  anchors a row: (cfg, params, batch, target params, lm_head, loss weights gamma 3)."""
+  cfg = _tiny_cfg(target, block_size=4)
+  params = jax.tree.map(jnp.asarray, draft_io.init_params(jax.random.key(seed), cfg, 256,
+                                                          weight_fmt="f32"))
+  batch = train.make_batch(np.random.default_rng(seed + 1), data[:2], cfg, seq_len=64,
+                           n_anchors=n_anchors, mask_token_id=cfg.mask_token_id)
+  tparams, lm = train.frozen_target_tensors(target)
+  return cfg, params, batch, tparams, lm, jnp.asarray(train.loss_weights(4, 3.0))
+
+
 @pytest.mark.parametrize("n_anchors", [5, 24])
 def test_distillation_term_against_float64(qwen_f32, tiny_data, n_anchors):
   """batch_loss(kl_weight=w) - batch_loss(kl_weight=0) = w * the weighted mean of KL(p || q),
   with p the target's next-token distribution (its logits at anchor+k-1, from the independent
   full forward `forward_logits`) and q the draft's, computed in float64 numpy. 24 anchors x 3
   labels > 64 positions: the step computes every position's target logits once and gathers."""
-  cfg = _tiny_cfg(qwen_f32, block_size=4)
-  params = jax.tree.map(jnp.asarray, draft_io.init_params(jax.random.key(1), cfg, 256,
-                                                          weight_fmt="f32"))
-  batch = train.make_batch(np.random.default_rng(2), tiny_data[:2], cfg, seq_len=64,
-                           n_anchors=n_anchors, mask_token_id=cfg.mask_token_id)
-  tparams, lm = train.frozen_target_tensors(qwen_f32)
-  w = jnp.asarray(train.loss_weights(4, 3.0))
+  cfg, params, batch, tparams, lm, w = _loss_case(qwen_f32, tiny_data, n_anchors)
   l0, m0 = train.batch_loss(params, cfg, batch, tparams, qwen_f32.config, lm, w, 0.0)
   l1, m1 = train.batch_loss(params, cfg, batch, tparams, qwen_f32.config, lm, w, 0.7)
   num = den = 0.0
@@ -184,17 +190,11 @@ def test_restricted_vocab_loss_against_float64(qwen_f32, tiny_data, n_anchors):
   `forward_logits`), relative 1e-4; the whole vocabulary as vocab_ids gives the unrestricted
   loss (1e-5 relative); the restricted loss differs from the unrestricted one (N < V), so neither
   check passes by ignoring vocab_ids. A DFlash-2 draft refuses it."""
-  cfg = _tiny_cfg(qwen_f32, block_size=4)
   V = qwen_f32.config.n_vocab
-  params = jax.tree.map(jnp.asarray, draft_io.init_params(jax.random.key(1), cfg, 256,
-                                                          weight_fmt="f32"))
-  batch = train.make_batch(np.random.default_rng(2), tiny_data[:2], cfg, seq_len=64,
-                           n_anchors=n_anchors, mask_token_id=cfg.mask_token_id)
+  cfg, params, batch, tparams, lm, w = _loss_case(qwen_f32, tiny_data, n_anchors)
   vocab = train.data_vocab(tiny_data[:2], V)
   assert 0 < vocab.size < V and np.all(np.diff(vocab) > 0)
   assert set(batch.labels[batch.label_valid].tolist()) <= set(vocab.tolist())
-  tparams, lm = train.frozen_target_tensors(qwen_f32)
-  w = jnp.asarray(train.loss_weights(4, 3.0))
   args = (params, cfg, batch, tparams, qwen_f32.config, lm, w, 0.7, Runtime())
   l_full, m_full = train.batch_loss(*args)
   l_all, m_all = train.batch_loss(*args, jnp.arange(V, dtype=jnp.int32))
@@ -258,14 +258,8 @@ def test_fused_head_loss_equals_materialized(qwen_f32, tiny_data, kl, restrict, 
   within 25 %, and < 3 % from it; both measured ~1 %), for chunks of 7 rows (not dividing the 144 or 30 label rows: padding) and one
   chunk larger than all of them; restricted and whole vocabulary, KL on and off, the target's
   log-probabilities indexed per position (24 anchors x 3 > 64 positions) or per label row."""
-  cfg = _tiny_cfg(qwen_f32, block_size=4)
-  params = jax.tree.map(jnp.asarray, draft_io.init_params(jax.random.key(5), cfg, 256,
-                                                          weight_fmt="f32"))
-  batch = train.make_batch(np.random.default_rng(6), tiny_data[:2], cfg, seq_len=64,
-                           n_anchors=n_anchors, mask_token_id=cfg.mask_token_id)
-  tparams, lm = train.frozen_target_tensors(qwen_f32)
+  cfg, params, batch, tparams, lm, w = _loss_case(qwen_f32, tiny_data, n_anchors, seed=5)
   vocab = jnp.asarray(train.data_vocab(tiny_data[:2], qwen_f32.config.n_vocab)) if restrict else None
-  w = jnp.asarray(train.loss_weights(4, 3.0))
   rt = Runtime(compute_dtype=dtype)
 
   def run(chunk):
