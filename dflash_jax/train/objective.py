@@ -305,7 +305,14 @@ def top1_accuracy(logits, labels, valid, first):
   """(acc, acc1): the share of valid labels that are the argmax of logits, over all of them and
   over those where `first` holds (the first block offset / TTT step). logits: [..., V]; labels:
   [...] int32; valid: [...] bool; first: bool broadcastable to labels. Empty sets give 0."""
-  hit = (jnp.argmax(logits, -1) == labels) & valid
+  return hit_rates(jnp.argmax(logits, -1) == labels, valid, first)
+
+
+def hit_rates(hit, valid, first):
+  """(acc, acc1) of per-label hits (top-1 correct): the share of valid labels hit, over all of
+  them and over those where `first` holds. hit, valid: [...] bool; first: bool broadcastable to
+  them. Empty sets give 0."""
+  hit = hit & valid
   acc = jnp.sum(hit) / jnp.maximum(jnp.sum(valid), 1)
   acc1 = jnp.sum(hit & first) / jnp.maximum(jnp.sum(valid & first), 1)
   return acc, acc1
@@ -336,7 +343,7 @@ def fused_head_loss(h, head, labels, ce_w, kl_w=None, t_lp=None, t_idx=None, *,
   metrics, outside the gradient. Equal to the materialized form (`batch_loss(head_chunk=0)`)
   up to float rounding (tests/test_train.py)."""
   has_kl = t_lp is not None
-  if (kl_w is None) != (not has_kl) or (t_idx is None) != (not has_kl):
+  if (kl_w is None) != (t_lp is None) or (t_idx is None) != (t_lp is None):
     raise ValueError("fused_head_loss: kl_w, t_lp and t_idx are given together or not at all")
   r, d = h.shape
   c = max(1, min(int(chunk), r))
@@ -481,13 +488,8 @@ def batch_loss(params, cfg: DraftConfig, batch: Batch, tparams, tcfg: TargetConf
     total, nll, kl, hit = fused_head_loss(
         hk.reshape(-1, hk.shape[-1]), head, labels.reshape(-1), ce_w, kw, t_lp, t_rows,
         chunk=head_chunk, compute_dtype=rt.cdt)
-    hit = hit.reshape(w.shape) & label_valid
-    n_valid = jnp.sum(label_valid)
-    n_first = jnp.sum(label_valid & first)
-    metrics = {"ce": jnp.sum(ce_w * nll), "kl": jnp.sum(ce_w * kl),
-               "acc": jnp.sum(hit) / jnp.maximum(n_valid, 1),
-               "acc1": jnp.sum(hit & first) / jnp.maximum(n_first, 1)}
-    return total, metrics
+    acc, acc1 = hit_rates(hit.reshape(w.shape), label_valid, first)
+    return total, {"ce": jnp.sum(ce_w * nll), "kl": jnp.sum(ce_w * kl), "acc": acc, "acc1": acc1}
   unary, logits, kl = out
   ce = weighted_ce(logits, labels, w, norm)
   kl = jnp.sum(kl * w) / norm
