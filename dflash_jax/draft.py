@@ -319,12 +319,8 @@ def _block_attention(q, kc, vc, kb, vb, ctx_mask, blk_mask, head_dim: int,
   float32. compute_dtype (static): float32 runs the products at HIGHEST precision; bfloat16
   takes bf16 operands (q, k, v and the probabilities) with float32 accumulation, as the draft's
   projections do under it (and flash attention in bf16 training); the softmax is float32."""
-  f32 = jnp.dtype(compute_dtype) == jnp.float32
-  hp = jax.lax.Precision.HIGHEST if f32 else None
-  c = (lambda x: x) if f32 else (lambda x: x.astype(compute_dtype))   # noqa: E731
-
   def mm(spec, a, b):
-    return jnp.einsum(spec, c(a), c(b), precision=hp, preferred_element_type=jnp.float32)
+    return layers.attn_matmul(spec, a, b, compute_dtype)
 
   n_ctx = kc.shape[0]
   scale = head_dim ** -0.5

@@ -213,19 +213,34 @@ def write_block_rows(cache: KVBuffer, start: jax.Array, rows: jax.Array) -> KVBu
   return cache
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-  """Softmax attention with GQA, float32.
+def attn_matmul(spec: str, a: jax.Array, b: jax.Array, compute_dtype=jnp.float32) -> jax.Array:
+  """One product of a training attention (`jnp.einsum(spec, a, b)`), float32 out. compute_dtype
+  (static): float32 runs it at HIGHEST precision (what decoding and the references run);
+  bfloat16 takes bf16 operands with float32 accumulation (flash attention's bf16 training form,
+  as the projections under `Runtime.compute_dtype` bfloat16)."""
+  if jnp.dtype(compute_dtype) == jnp.float32:
+    return jnp.einsum(spec, a, b, precision=jax.lax.Precision.HIGHEST,
+                      preferred_element_type=jnp.float32)
+  return jnp.einsum(spec, a.astype(compute_dtype), b.astype(compute_dtype),
+                    preferred_element_type=jnp.float32)
 
-  q: [T, H, Dh]; k: [S, Hkv, Dh]; v: [S, Hkv, Dv]; mask: [T, S] bool (True = visible).
-  Query head h reads KV head h // (H / Hkv). Scale Dh**-0.5. Returns [T, H, Dv].
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+              compute_dtype=jnp.float32) -> jax.Array:
+  """Softmax attention with GQA, float32 softmax.
+
+  q: [T, H, Dh]; k: [S, Hkv, Dh]; v: [S, Hkv, Dv]; mask: [T, S] bool (True = visible; a query
+  must see at least one key). Query head h reads KV head h // (H / Hkv). Scale Dh**-0.5.
+  compute_dtype (static): the two products' operands (`attn_matmul`: float32 at HIGHEST, or
+  bfloat16 with float32 accumulation for bf16 training). Returns [T, H, Dv] float32.
   """
   t, h, dh = q.shape
   hkv = k.shape[1]
   qg = q.reshape(t, hkv, h // hkv, dh)
-  s = jnp.einsum("tgrd,sgd->grts", qg, k, precision=jax.lax.Precision.HIGHEST) * (dh ** -0.5)
+  s = attn_matmul("tgrd,sgd->grts", qg, k, compute_dtype) * (dh ** -0.5)
   s = jnp.where(mask[None, None], s, -jnp.inf)
   p = jax.nn.softmax(s, axis=-1)
-  o = jnp.einsum("grts,sgd->tgrd", p, v, precision=jax.lax.Precision.HIGHEST)
+  o = attn_matmul("grts,sgd->tgrd", p, v, compute_dtype)
   return o.reshape(t, h, v.shape[-1])
 
 

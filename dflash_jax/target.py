@@ -313,6 +313,24 @@ def prefill(params: TargetParams, cfg: TargetConfig, tokens: jax.Array, start: j
   return Prefilled(hidden=h, feats=feats, cache=cache)
 
 
+def layer_period(params: TargetParams, cfg: TargetConfig) -> int:
+  """The smallest p dividing the layer count such that layer i and layer i + p have the same
+  kind (attention / Gated DeltaNet) and the same parameter tree, shapes and dtypes for every i:
+  1 for a dense llama / qwen3 target, the full-attention interval (4) for qwen35 with uniform
+  weights; the layer count when no shorter period exists (a Q4_K_M target mixing formats
+  across layers, weights="native"). The layers then run as a `lax.scan` over n / p groups of p
+  (`forward_packed`)."""
+  def sig(i):
+    p = params.layers[i]
+    return (cfg.recurrent[i], jax.tree.structure(p),
+            tuple((a.shape, a.dtype) for a in jax.tree.leaves(p)))
+
+  n = len(params.layers)
+  sigs = [sig(i) for i in range(n)]
+  return next(p for p in range(1, n + 1)
+              if n % p == 0 and all(sigs[i] == sigs[i % p] for i in range(n)))
+
+
 def forward_packed(params: TargetParams, cfg: TargetConfig, tokens: jax.Array,
                    positions: jax.Array, segments: jax.Array, rt: Runtime, *,
                    feature_layers: tuple[int, ...] = ()):
@@ -322,21 +340,56 @@ def forward_packed(params: TargetParams, cfg: TargetConfig, tokens: jax.Array,
   row's position inside its own sequence. Nothing is cached. Each sequence's rows equal its own
   `prefill` from position 0 up to float rounding (tests/test_train.py checks it).
 
+  The layers run as a `lax.scan` over groups of `layer_period` layers with the groups' weights
+  stacked (one traced and compiled copy of a group instead of one per layer: the SmolLM2
+  training step lowers ~3x faster; bench_out/train/README.md, session 60), the features
+  gathered into the loop's carry. Decoding keeps the unrolled layer loop (`_trunk`): on
+  XLA:CPU a scanned decode step copies each layer's weights out of the stack, and a few-row
+  step is bound by reading them (bench_out/ci/README.md, session 49). Attention is
+  `layers.attention` over the row's own keys with operands in rt.compute_dtype (bfloat16
+  training: bf16 products, float32 accumulation and softmax).
+
   tokens, positions, segments: [T] int32 (segments: which sequence a row belongs to; rows of one
   sequence are contiguous; padding rows get a segment of their own). feature_layers: static, as
   in `prefill`. Returns (hidden [T, D] float32, feats [T, F*D] float32 or None).
   """
   t = tokens.shape[0]
   mask = jnp.tril(jnp.ones((t, t), bool)) & (segments[:, None] == segments[None, :])
-  cache = init_cache(cfg, 1, rt)         # nothing committed: every key is this call's own row
+  n, period = len(params.layers), layer_period(params, cfg)
 
-  def mixer(x, p, ig, c):
-    return gdn.mixer_packed(x, p, cfg, positions, rt), c, None
+  def layer(x, p, recurrent):
+    if recurrent:
+      o = gdn.mixer_packed(x, p, cfg, positions, rt)
+    else:
+      q, k, v, gate = attn_qkv(x, p, cfg, positions, params.rope_freqs, rt)
+      o = attn_out(layers.attention(q, k, v, mask, rt.cdt), gate, p, rt)
+    x = x + o
+    return x + ffn(layers.rms_norm(x, p.ffn.norm, cfg.rms_eps), p.ffn, cfg, rt)
 
+  def group(carry, xs):
+    x, feats = carry
+    ps, slots = xs
+    for j, p in enumerate(ps):
+      x = layer(x, p, cfg.recurrent[j])
+      if feature_layers:               # slot -1: not a feature layer (the row is written back)
+        s = jnp.maximum(slots[j], 0)
+        feats = feats.at[s].set(jnp.where(slots[j] >= 0, x, feats[s]))
+    return (x, feats), None
+
+  uniq = sorted(set(feature_layers))
+  if uniq and not 0 <= uniq[0] <= uniq[-1] < n:
+    raise ValueError(f"forward_packed: feature layers {feature_layers} outside the target's "
+                     f"{n} layers")
+  slot = [uniq.index(i) if i in uniq else -1 for i in range(n)]
+  stacked = [jax.tree.map(lambda *a: jnp.stack(a), *params.layers[j::period])
+             for j in range(period)]
   x = take_rows(params.embed, tokens)
-  h, feats, _, _, _, _ = _trunk(params, cfg, x, cache, jnp.int32(0), positions, mask, mixer,
-                                feature_layers, rt)
-  return h, feats
+  feats = jnp.zeros((max(len(uniq), 1),) + x.shape, x.dtype)
+  (x, feats), _ = jax.lax.scan(
+      group, (x, feats), (stacked, jnp.asarray(slot, jnp.int32).reshape(n // period, period)))
+  feat = (jnp.concatenate([feats[uniq.index(i)] for i in feature_layers], axis=-1)
+          if feature_layers else None)
+  return x, feat
 
 
 def _verify_mask(tree: Tree):

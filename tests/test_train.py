@@ -19,6 +19,7 @@ import pytest
 import dflash_jax as dj
 from dflash_jax import draft as draft_lib
 from dflash_jax import draft_io, layers, train
+from dflash_jax import target as target_lib
 from dflash_jax.runtime import Runtime
 from dflash_jax.config import DraftConfig
 
@@ -360,7 +361,8 @@ def test_fused_head_loss_direct():
 def test_remat_attention_same_gradients(qwen_f32, tiny_data):
   """remat_attention (the draft's attention scores recomputed in the backward pass): the same
   loss and gradients as keeping them (every leaf within 1e-6 of its largest entry), DFlash-1
-  and DFlash-2, with less XLA temporary memory for the DFlash-1 step."""
+  and DFlash-2, with less XLA temporary memory for the DFlash-1 step (the target's features
+  passed in, so that the step holds the draft's work only)."""
   cfg = _tiny_cfg(qwen_f32, block_size=4)
   cfg2 = draft_io.dflash2_config(cfg, conv_kernel=3, conv_group=64, selector_rank=8,
                                  selector_top_k=4)
@@ -368,6 +370,7 @@ def test_remat_attention_same_gradients(qwen_f32, tiny_data):
                            n_anchors=24, mask_token_id=cfg.mask_token_id)
   tparams, lm = train.frozen_target_tensors(qwen_f32)
   w = jnp.asarray(train.loss_weights(4, 3.0))
+  targets = train.batch_targets(tparams, qwen_f32.config, batch, cfg.target_layer_ids)
   temp = {}
   for c in (cfg, cfg2):
     params = jax.tree.map(jnp.asarray, draft_io.init_params(jax.random.key(8), c, 256,
@@ -375,7 +378,8 @@ def test_remat_attention_same_gradients(qwen_f32, tiny_data):
     out = {}
     for remat in (False, True):
       f = lambda p: train.batch_loss(p, c, batch, tparams, qwen_f32.config, lm, w, 0.7,  # noqa: E731,B023
-                                     Runtime(), remat_attention=remat)[0]  # noqa: B023
+                                     Runtime(), targets=targets,  # noqa: B023
+                                     remat_attention=remat)[0]  # noqa: B023
       step = jax.jit(jax.value_and_grad(f))
       out[remat] = step(params)
       if c is cfg:
@@ -391,7 +395,6 @@ def test_vocab_index_and_head_logits(qwen_f32):
   outside it (hand-computed); head_logits over rows of the lm_head equals those columns of the
   target's own logits (`target.logits`, float32, 1e-5 relative max abs), and over all V rows the
   whole row."""
-  from dflash_jax import target as target_lib
   from dflash_jax.train import objective
   vocab = jnp.asarray([3, 7, 8, 20], jnp.int32)
   idx, ok = objective.vocab_index(vocab, jnp.asarray([[7, 3, 5], [20, 21, 0]], jnp.int32))
@@ -750,9 +753,11 @@ def test_packed_target_forward_equals_prefill(qwen_f32):
   """target.forward_packed over three sequences back to back (37 + 70 + 21 tokens and 12 rows
   of padding; the middle one spans the chunked rule's 64-row chunk boundary) gives, on each
   sequence's rows, the features and final hidden state of that sequence's own prefill from
-  position 0 (objective.target_pass), max |diff| <= 1e-4 x max |value|, on the hybrid tiny
-  target (attention layers: per-sequence causal mask and positions; Gated DeltaNet layers: conv
-  taps and SSM state restarted at each sequence start)."""
+  position 0 (`target.prefill`: the decode path, unrolled layers, chunked Gated DeltaNet into a
+  cache), max |diff| <= 1e-4 x max |value|, on the hybrid tiny target (attention layers:
+  per-sequence causal mask and positions; Gated DeltaNet layers: conv taps and SSM state
+  restarted at each sequence start); so does objective.target_pass of one padded sequence (the
+  unpacked training rows)."""
   cfg = qwen_f32.config
   assert any(cfg.recurrent) and not all(cfg.recurrent)
   rng = np.random.default_rng(7)
@@ -767,16 +772,21 @@ def test_packed_target_forward_equals_prefill(qwen_f32):
     at += t.size
   positions[at:] = np.arange(T - at)
   tparams = qwen_f32.params
-  layers_ = (1, 3, 5)
+  layers_ = (5, 1, 3)          # unsorted: features concatenate in the order asked
   feats, hidden = train.target_pass(tparams, cfg, jnp.asarray(tokens), jnp.int32(at), layers_,
                                     Runtime(), jnp.asarray(positions), jnp.asarray(segments))
   at = 0
   for t in seqs:
     pad = np.zeros(80, np.int32)
     pad[:t.size] = t
-    f1, h1 = train.target_pass(tparams, cfg, jnp.asarray(pad), jnp.int32(t.size), layers_,
+    pre = target_lib.prefill(tparams, cfg, jnp.asarray(pad), jnp.int32(0), jnp.int32(t.size),
+                             target_lib.init_cache(cfg, pad.size), Runtime(),
+                             feature_layers=layers_)
+    f1, h1 = pre.feats, pre.hidden
+    f2, h2 = train.target_pass(tparams, cfg, jnp.asarray(pad), jnp.int32(t.size), layers_,
                                Runtime())
-    for got, want in ((feats[at:at + t.size], f1[:t.size]), (hidden[at:at + t.size], h1[:t.size])):
+    for got, want in ((feats[at:at + t.size], f1[:t.size]), (hidden[at:at + t.size], h1[:t.size]),
+                      (f2[:t.size], f1[:t.size]), (h2[:t.size], h1[:t.size])):
       got, want = np.asarray(got), np.asarray(want)
       assert np.max(np.abs(got - want)) <= 1e-4 * np.max(np.abs(want)), np.max(np.abs(got - want))
     at += t.size
@@ -784,6 +794,65 @@ def test_packed_target_forward_equals_prefill(qwen_f32):
   f_one, _ = train.target_pass(tparams, cfg, jnp.asarray(tokens), jnp.int32(at), layers_,
                                Runtime())
   assert np.max(np.abs(np.asarray(f_one[40:100]) - np.asarray(feats[40:100]))) > 1e-2
+
+
+def test_target_attention_against_float64():
+  """`layers.attention` (the packed training forward's attention: GQA, causal within each
+  packed sequence) against a float64 numpy softmax attention: float32 (HIGHEST) within 1e-5
+  relative Frobenius, bfloat16 operands with float32 accumulation (bf16 training) within 1e-2
+  and not equal to float32 (the operands are rounded)."""
+  rng = np.random.default_rng(5)
+  T, H, Hkv, Dh = 24, 6, 2, 16
+  q = rng.normal(size=(T, H, Dh)).astype(np.float32)
+  k, v = (rng.normal(size=(T, Hkv, Dh)).astype(np.float32) for _ in range(2))
+  seg = np.repeat([0, 1, 2], [7, 11, 6])
+  mask = np.tril(np.ones((T, T), bool)) & (seg[:, None] == seg[None, :])
+  kk, vv = (np.repeat(a.astype(np.float64), H // Hkv, axis=1) for a in (k, v))
+  s = np.where(mask[None], np.einsum("thd,shd->hts", q.astype(np.float64), kk) / np.sqrt(Dh),
+               -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  ref = np.einsum("hts,shd->thd", p / p.sum(-1, keepdims=True), vv)
+  out = {dt: np.asarray(layers.attention(*map(jnp.asarray, (q, k, v, mask)), dt), np.float64)
+         for dt in (jnp.float32, jnp.bfloat16)}
+  err = {dt: np.linalg.norm(o - ref) / np.linalg.norm(ref) for dt, o in out.items()}
+  assert err[jnp.float32] < 1e-5 and err[jnp.bfloat16] < 1e-2, err
+  assert err[jnp.bfloat16] > 10 * err[jnp.float32], err
+
+
+def test_layer_period(qwen_f32, tmp_path_factory):
+  """`target.layer_period`, what the packed training forward scans over: the hybrid tiny
+  target's attention interval (4 of its 8 layers: 3 Gated DeltaNet + 1 attention), 1 for a dense
+  target (qwen2 tiny), and the whole layer count when one layer's weights differ in dtype (no
+  shorter period exists). forward_packed gives the same features and hidden state (within 1e-5
+  of the largest value) whether it scans two groups of 4 layers or runs one group of 8: the
+  same weights, layer 5's norm stored as float16 in one copy and as its float32 value in the
+  other. A feature layer outside the target is a ValueError."""
+  from conftest import tiny_gguf
+  cfg = qwen_f32.config
+  n = len(qwen_f32.params.layers)
+  assert cfg.recurrent[:4] == (True, True, True, False) and n == 8
+  assert target_lib.layer_period(qwen_f32.params, cfg) == 4
+  dense = dj.load_target(tiny_gguf("qwen2_tiny", tmp_path_factory))
+  assert target_lib.layer_period(dense.params, dense.config) == 1
+  half = list(qwen_f32.params.layers)
+  half[5] = dataclasses.replace(half[5], norm=half[5].norm.astype(jnp.float16))
+  rounded = list(qwen_f32.params.layers)
+  rounded[5] = dataclasses.replace(rounded[5], norm=half[5].norm.astype(jnp.float32))
+  half, rounded = (dataclasses.replace(qwen_f32.params, layers=tuple(ls)) for ls in (half, rounded))
+  assert target_lib.layer_period(half, cfg) == n and target_lib.layer_period(rounded, cfg) == 4
+  rng = np.random.default_rng(2)
+  tokens = jnp.asarray(rng.integers(0, cfg.n_vocab, 48), jnp.int32)
+  pos = jnp.asarray(np.r_[np.arange(30), np.arange(18)], jnp.int32)
+  seg = jnp.asarray(np.repeat([0, 1], [30, 18]), jnp.int32)
+  got, want = (target_lib.forward_packed(p, cfg, tokens, pos, seg, Runtime(),
+                                         feature_layers=(6, 1, 6)) for p in (half, rounded))
+  assert got[1].shape == (48, 3 * cfg.d_model)
+  for x, y in zip(got, want):
+    x, y = np.asarray(x), np.asarray(y)
+    assert np.max(np.abs(x - y)) <= 1e-5 * np.max(np.abs(y))
+  with pytest.raises(ValueError, match="feature layers"):
+    target_lib.forward_packed(qwen_f32.params, cfg, tokens, pos, seg, Runtime(),
+                              feature_layers=(n,))
 
 
 def _unpacked_like(packed, seqs, L, mask_token_id):

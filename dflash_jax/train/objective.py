@@ -227,18 +227,17 @@ def loss_weights(block_size: int, gamma: float, n_offsets: int = 0) -> np.ndarra
 
 def target_pass(tparams, tcfg: TargetConfig, tokens: jax.Array, length: jax.Array,
                 feature_layers: tuple[int, ...], rt: Runtime, positions=None, segments=None):
-  """The frozen target over one sequence (a prefill from position 0 into a fresh cache of T
-  rows), or over a packed row of several (positions / segments [T] int32 given:
-  `target.forward_packed`): (features [T, F*D] float32 at `feature_layers`, final hidden
-  [T, D] float32), no gradient. tokens: [T] int32 of which `length` are real."""
-  if positions is not None:
-    hidden, feats = target_lib.forward_packed(tparams, tcfg, tokens, positions, segments, rt,
-                                              feature_layers=feature_layers)
-    return jax.lax.stop_gradient(feats), jax.lax.stop_gradient(hidden)
-  cache = target_lib.init_cache(tcfg, tokens.shape[0], rt)
-  pre = target_lib.prefill(tparams, tcfg, tokens, jnp.int32(0), length, cache, rt,
-                           feature_layers=feature_layers)
-  return jax.lax.stop_gradient(pre.feats), jax.lax.stop_gradient(pre.hidden)
+  """The frozen target over one sequence (positions 0.., the rows from `length` on padding), or
+  over a packed row of several (positions / segments [T] int32 given), through
+  `target.forward_packed` (its layers a `lax.scan`; each sequence's rows equal its own `prefill`
+  from position 0 up to float rounding): (features [T, F*D] float32 at `feature_layers`, final
+  hidden [T, D] float32), no gradient. tokens: [T] int32 of which `length` are real."""
+  if positions is None:              # one sequence; the padding rows are a segment of their own
+    rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+    positions, segments = rows, (rows >= length).astype(jnp.int32)
+  hidden, feats = target_lib.forward_packed(tparams, tcfg, tokens, positions, segments, rt,
+                                            feature_layers=feature_layers)
+  return jax.lax.stop_gradient(feats), jax.lax.stop_gradient(hidden)
 
 
 def batch_targets(tparams, tcfg: TargetConfig, batch: Batch, feature_layers: tuple[int, ...],
