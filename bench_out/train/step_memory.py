@@ -36,23 +36,10 @@ VARIANTS = {"materialized": dict(head_chunk=0), "fused": dict(),
 def main(argv):
   del argv
   import jax
-  import dflash_jax as dj
-  from dflash_jax import cli, draft_io, train
+  from step_setup import Steps
 
-  target = dj.load_target(cli.default_target_path(), weights="f32")
-  cfg, p0 = draft_io.load("checkpoints/smollm2-135m-instruct-dflash", target.config)
-  arrays = draft_io.params_to_arrays(p0)
-  seqs = train.read_shards(["checkpoints/train_data/smollm2-135m-instruct"], target.config.n_vocab)
-  vocab = jax.numpy.asarray(train.data_vocab(seqs, target.config.n_vocab))
-  tp, lm = train.frozen_target_tensors(target)
-
-  def setup(rows, anchors, dtype, **kw):
-    tc = train.TrainConfig(steps=10_000, batch=rows, anchors=anchors, seq_len=1024, lr=1e-4,
-                           pack=True, restrict_vocab=True, compute_dtype=dtype, **kw)
-    params = jax.tree.map(jax.numpy.asarray,
-                          draft_io.params_from_arrays(arrays, cfg, weight_fmt="f32"))
-    st = train.init_state(params, train.make_optimizer(tc))
-    return tc, st, train.make_step(target, cfg, tc), train.step_batch(tc, cfg, seqs, 0)
+  steps = Steps()
+  tp, lm, vocab, setup = steps.tp, steps.lm, steps.vocab, steps.setup
 
   memory = []
   for rows in (int(r) for r in _MEM_ROWS.value):
