@@ -347,9 +347,9 @@ def forward_packed(params: TargetParams, cfg: TargetConfig, tokens: jax.Array,
   traced step (0.42 GB float32 for SmolLM2, ~0.3 ms of an H100's bandwidth; a target whose
   weights fill the device would want them stacked once at load instead). Decoding keeps the
   unrolled layer loop (`_trunk`): on XLA:CPU a scanned decode step copies each layer's weights
-  out of the stack, and a few-row step is bound by reading them (bench_out/ci/README.md, session 49). Attention is
-  `layers.attention` over the row's own keys with operands in rt.compute_dtype (bfloat16
-  training: bf16 products, float32 accumulation and softmax).
+  out of the stack, and a few-row step is bound by reading them (bench_out/ci/README.md,
+  session 49). Attention is `layers.attention` over the row's own keys with operands in
+  rt.compute_dtype (bfloat16 training: bf16 products, float32 accumulation and softmax).
 
   tokens, positions, segments: [T] int32 (segments: which sequence a row belongs to; rows of one
   sequence are contiguous; padding rows get a segment of their own). feature_layers: static, as
