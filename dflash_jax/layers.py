@@ -29,14 +29,15 @@ def linear(x: jax.Array, w: QuantWeight, rt: Runtime) -> jax.Array:
   uses HIGHEST precision); "pallas" runs pallas_kernels.dequant_matmul on the packed GGUF rows
   (operands in rt.compute_dtype: float32 means TF32 tensor cores on GPU) for the block formats
   and N it tiles, the reference otherwise; "pallas_interpret" is the same through the Pallas
-  interpreter (CPU tests). A `Q4KTiles` weight (rt.kernels "mosaic" / "mosaic_interpret", tiled
-  at load) runs `pallas_kernels.mgpu_matmul.q4k_matmul` (bf16 operands, float32 accumulation).
+  interpreter (CPU tests). A `Q4KTiles` / `Q6KTiles` weight (rt.kernels "mosaic" /
+  "mosaic_interpret", tiled at load) runs `pallas_kernels.mgpu_matmul.kquant_matmul` (bf16
+  operands, float32 accumulation).
   Under `jax.vmap` (the batched decode loop) a kernel call runs once on the rows of the whole
   batch, not once per row (`_rows_folded`).
   """
   lead = x.shape[:-1]
   x2 = x.reshape(-1, x.shape[-1])
-  if isinstance(w, mgpu.Q4KTiles) or (rt.pallas and dm.supports(w)):
+  if isinstance(w, mgpu.TILES) or (rt.pallas and dm.supports(w)):
     y = _rows_folded(rt)(x2, w)
   else:
     y = dm.dequant_matmul_reference(x2, w, rt.cdt)
@@ -45,7 +46,7 @@ def linear(x: jax.Array, w: QuantWeight, rt: Runtime) -> jax.Array:
 
 def _kernel_matmul(x2: jax.Array, w, rt: Runtime) -> jax.Array:
   """x2 [M, K] through the Pallas kernel that `linear` picks for w -> [M, N] float32."""
-  if isinstance(w, mgpu.Q4KTiles):               # tiled at load for rt.kernels "mosaic*"
+  if isinstance(w, mgpu.TILES):                  # tiled at load for rt.kernels "mosaic*"
     return _mosaic_matmul(x2, w, rt)
   return dm.dequant_matmul(x2, w, compute_dtype=rt.cdt, interpret=rt.interpret)
 
@@ -85,20 +86,20 @@ MOSAIC_INTERPRET_CONFIG = dict(kb=1, splits=1, stages=2, n_sm=1, a_operand="smem
 
 
 def mosaic_rows_multiple(rt: Runtime) -> int:
-  """The multiple of N a Q4_K weight needs to run the Mosaic GPU kernel as rt runs it (the
-  interpret configuration, or the GPU default `MgpuConfig`); `target_params.tile_q4k` tiles
+  """The multiple of N a Q4_K / Q6_K weight needs to run the Mosaic GPU kernel as rt runs it (the
+  interpret configuration, or the GPU default `MgpuConfig`); `target_params.tile_kquants` tiles
   only those."""
   return mgpu.rows_multiple(mgpu.MgpuConfig(**MOSAIC_INTERPRET_CONFIG) if rt.interpret
                             else mgpu.MgpuConfig())
 
 
 def _mosaic_matmul(x2: jax.Array, w, rt: Runtime) -> jax.Array:
-  """x2 [M, K] @ dequantize(w)^T through the Mosaic GPU Q4_K kernel -> [M, N] float32."""
+  """x2 [M, K] @ dequantize(w)^T through the Mosaic GPU K-quant kernel -> [M, N] float32."""
   if not rt.interpret:
-    return mgpu.q4k_matmul(x2, w)
+    return mgpu.kquant_matmul(x2, w)
   import jax.experimental.pallas.mosaic_gpu as plgpu
   with plgpu.force_gpu_interpret_mode():
-    return mgpu.q4k_matmul(x2, w, mgpu.MgpuConfig(**MOSAIC_INTERPRET_CONFIG))
+    return mgpu.kquant_matmul(x2, w, mgpu.MgpuConfig(**MOSAIC_INTERPRET_CONFIG))
 
 
 @jax.tree_util.register_dataclass

@@ -48,8 +48,8 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> TargetFlags:
       kernels=flags.DEFINE_enum(
           "kernels", "auto", ["auto", "pallas", "mosaic", "reference"],
           "Matmul / tree-GDN implementation: 'auto' = Pallas kernels on GPU, pure JAX elsewhere; "
-          "'mosaic' = 'pallas' with Q4_K layer weights tiled at load for the Mosaic GPU kernel "
-          "(Hopper).",
+          "'mosaic' = 'pallas' with Q4_K / Q6_K layer weights tiled at load for the Mosaic GPU "
+          "kernel (Hopper).",
           flag_values=flag_values),
       fuse_projections=flags.DEFINE_boolean(
           "fuse_projections", True, "Stack same-format projections of one input (q/k/v, "

@@ -324,15 +324,17 @@ def load_params(f: GGUFFile, cfg: TargetConfig, *, weights: str = "quantized",
   return params
 
 
-def tile_q4k(params: TargetParams, *, rows_multiple: int) -> TargetParams:
-  """Q4_K layer weights (every projection of every layer, fused groups included) in the Mosaic
-  GPU kernel's layout (`pallas_kernels.mgpu_matmul.Q4KTiles`: `repack.repack`, then `to_tiles`; a
-  permutation of the same bytes plus 4 per 256 weights), for rt.kernels "mosaic*"; weights of other
-  formats, a MoE FFN's routed experts (gathered per token), or weights whose N is not a multiple of
-  rows_multiple (`layers.mosaic_rows_multiple`: 64 x the kernel's compute warpgroups) or K of 256,
-  stay packed GGUF rows. The token embedding and the lm_head stay as
-  they are (row gathers; the lm_head of a Q4_K_M file is Q6_K). Host (numpy) work at load:
-  params as `load_params` returns them (weights="quantized")."""
+def tile_kquants(params: TargetParams, *, rows_multiple: int) -> TargetParams:
+  """Q4_K and Q6_K layer weights (every projection of every layer, fused groups included) in the
+  Mosaic GPU kernel's layouts (`pallas_kernels.mgpu_matmul.Q4KTiles` / `Q6KTiles`:
+  `repack.repack`, then `to_tiles`; a permutation of the same bytes, plus 4 per 256 weights for
+  Q4_K), for rt.kernels "mosaic*"; weights of other formats, a MoE FFN's routed experts
+  (gathered per token), or weights whose N is not a multiple of rows_multiple
+  (`layers.mosaic_rows_multiple`: 64 x the kernel's compute warpgroups) or K of 256, stay packed
+  GGUF rows. The token embedding and the lm_head stay as they are (the embedding is read by row
+  gathers, and the lm_head is also read whole by the training and EAGLE-3 code, which dequantize
+  GGUF rows). Host (numpy) work at load: params as `load_params` returns them
+  (weights="quantized")."""
   from pallas_kernels import mgpu_matmul, repack
 
   def tile(w):
@@ -341,10 +343,10 @@ def tile_q4k(params: TargetParams, *, rows_multiple: int) -> TargetParams:
         return w
       return dataclasses.replace(w, shared_gate_up=jax.tree.map(tile, w.shared_gate_up, is_leaf=leaf),
                                  shared_down=tile(w.shared_down))
-    if (not isinstance(w, QuantWeight) or w.fmt != "q4_k" or w.shape[0] % rows_multiple
-        or w.shape[1] % repack.QK_K):
+    if (not isinstance(w, QuantWeight) or w.fmt not in mgpu_matmul.TILE_FORMATS
+        or w.shape[0] % rows_multiple or w.shape[1] % repack.QK_K):
       return w
-    return mgpu_matmul.to_tiles(repack.repack(np.asarray(w.data), "q4_k", w.shape))
+    return mgpu_matmul.to_tiles(repack.repack(np.asarray(w.data), w.fmt, w.shape))
 
   def leaf(x):
     return isinstance(x, (QuantWeight, MoEParams))

@@ -47,8 +47,9 @@ _E2E_BATCHES = flags.DEFINE_list("e2e_batches", [], "Each --e2e variant also tim
                                   "(twice that while a step runs).")
 _TABLES = flags.DEFINE_list("tables", ["matmul", "tree_gdn"], "Kernel tables to run: matmul, "
                             "tree_gdn, tiles (a TileConfig sweep over --sweep), variants (kernel "
-                            "variants at default tiles over --sweep), mgpu (the Mosaic GPU Q4_K "
-                            "kernel vs the Triton kernel vs XLA, Q4_K shapes x --ms), moe (one "
+                            "variants at default tiles over --sweep), mgpu (the Mosaic GPU kernel "
+                            "vs the Triton kernel vs XLA, the Q4_K / Q6_K entries of --formats x "
+                            "the shapes x --ms), moe (one "
                             "Qwen3.5-35B-A3B-shaped MoE FFN, Q4_K experts, x --ms, both expert "
                             "paths, Pallas vs reference kernels).")
 _MGPU_STAGES = flags.DEFINE_list("mgpu_stages", [], "mgpu table: pipeline depths to time besides "
@@ -232,8 +233,8 @@ def _e2e(sz, copy_gbs, repeats, kernels, fuse=True, gdn_commit="states", attenti
   if mtp:
     from dflash_jax import mtp as mtp_lib
     mparams = jax.device_put(mtp_lib.load_params(f, cfg, fuse=fuse))
-  if rt.mosaic:                                    # Q4_K layer weights for the Mosaic GPU kernel
-    params = target_params.tile_q4k(params, rows_multiple=layers.mosaic_rows_multiple(rt))
+  if rt.mosaic:                               # Q4_K / Q6_K layer weights for the Mosaic GPU kernel
+    params = target_params.tile_kquants(params, rows_multiple=layers.mosaic_rows_multiple(rt))
   params = jax.device_put(params)
   del f
   ctx, n_tree = 512, 23
@@ -450,10 +451,10 @@ def _matmul_table(res, sz, rng, copy_gbs, reps):
 
 
 def _mgpu_table(res, sz, rng, copy_gbs, reps):
-  """pallas_kernels.mgpu_matmul (Mosaic GPU, Q4KTiles) vs the Triton kernel and XLA's dequantize
-  + dot on the same Q4_K weights, the size set's shapes x --ms, weight copies rotated as in the
-  matmul table. With --interpret: GPU interpret mode on the CPU (a_operand="smem",
-  compute_wgs=1), a smoke run of this table, not a timing."""
+  """pallas_kernels.mgpu_matmul (Mosaic GPU, Q4KTiles / Q6KTiles) vs the Triton kernel and XLA's
+  dequantize + dot on the same weights, for the Q4_K / Q6_K entries of --formats, the size set's
+  shapes x --ms, weight copies rotated as in the matmul table. With --interpret: GPU interpret
+  mode on the CPU (a_operand="smem", compute_wgs=1), a smoke run of this table, not a timing."""
   import contextlib
   import dataclasses
   import jax
@@ -467,15 +468,15 @@ def _mgpu_table(res, sz, rng, copy_gbs, reps):
   kw = dict(a_operand="smem", compute_wgs=1) if interp else {}
   ctx = plgpu.force_gpu_interpret_mode if interp else contextlib.nullcontext
   rows = []
-  for name, n, k in sz["shapes"]:
-    if n % 128 or "fused" in name:
-      continue
-    _, ws = _weight_copies(rng, "q4_k", n, k)
-    ts = [jax.tree.map(jnp.asarray, mm.to_tiles(repack.repack(np.asarray(w.data), "q4_k", (n, k))))
+  shapes = [(fmt, name, n, k) for fmt in _FORMATS.value if fmt in mm.TILE_FORMATS
+            for name, n, k in sz["shapes"] if n % 128 == 0 and "fused" not in name]
+  for fmt, name, n, k in shapes:
+    _, ws = _weight_copies(rng, fmt, n, k)
+    ts = [jax.tree.map(jnp.asarray, mm.to_tiles(repack.repack(np.asarray(w.data), fmt, (n, k))))
           for w in ws]
     r_w, n_x = len(ws), 2
     for m in (int(v) for v in _MS.value):
-      base = mm.default_config(m, n, k, dm.device_sm_count(), **kw)
+      base = mm.default_config(m, n, k, dm.device_sm_count(), fmt, **kw)
       cfgs = [base] + [dataclasses.replace(base, stages=int(st)) for st in _MGPU_STAGES.value
                        if int(st) != base.stages]
       xs = [jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16) for _ in range(n_x)]
@@ -487,21 +488,21 @@ def _mgpu_table(res, sz, rng, copy_gbs, reps):
       ms_xla = _median_ms(xla, xs, ws, repeats=reps) / (r_w * n_x)
       y_ref = np.asarray(xla(xs[:1], ws[:1])[0], np.float64)
       for cfg in cfgs:
-        if mm.smem_bytes(cfg, m) > mm.SMEM_LIMIT:
+        if mm.smem_bytes(cfg, m, fmt) > mm.SMEM_LIMIT:
           continue
         with ctx():
-          kern = jax.jit(lambda xs, ts, cfg=cfg: [mm.q4k_matmul(x, t, cfg) for x in xs for t in ts])
+          kern = jax.jit(lambda xs, ts, cfg=cfg: [mm.kquant_matmul(x, t, cfg) for x in xs for t in ts])
           ms = _median_ms(kern, xs, ts, repeats=reps) / (r_w * n_x)
           y = np.asarray(kern(xs[:1], ts[:1])[0], np.float64)
         err = float(np.linalg.norm(y - y_ref) / np.linalg.norm(y_ref))
         gbs = ts[0].nbytes / (ms * 1e-3) / 1e9
-        rows.append({"matrix": name, "N": n, "K": k, "M": m, "config": str(cfg),
+        rows.append({"fmt": fmt, "matrix": name, "N": n, "K": k, "M": m, "config": str(cfg),
                      "weight_copies": r_w, "mgpu_ms": ms, "mgpu_gbs": gbs,
                      "fraction_of_copy": gbs / copy_gbs, "triton_ms": ms_tri, "xla_ms": ms_xla,
                      "speedup_vs_triton": ms_tri / ms, "speedup_vs_xla": ms_xla / ms,
                      "rel_err_vs_xla": err})
         _dump(res | {"mgpu": rows})
-        _log(f"mgpu {name} M={m} stages={cfg.stages}: {ms:.4f} ms {gbs:.0f} GB/s "
+        _log(f"mgpu {fmt} {name} M={m} stages={cfg.stages}: {ms:.4f} ms {gbs:.0f} GB/s "
              f"({gbs / copy_gbs:.2f} of copy), Triton {ms_tri:.4f} ms, XLA {ms_xla:.4f} ms, "
              f"rel err {err:.1e}")
     del ws, ts
@@ -583,11 +584,11 @@ def _print_tables(res):
           f"{r['kernel_gbs']:7.0f} {r['fraction_of_copy']:8.2f} {r['xla_ms']:8.3f} "
           f"{r['speedup_vs_xla']:6.2f} {r['rel_err_vs_xla']:8.1e}")
   if res.get("mgpu"):
-    print(f"\n{'matrix':12} {'N':>7} {'K':>6} {'M':>3} {'mgpu ms':>9} {'of copy':>8} "
+    print(f"\n{'fmt':5} {'matrix':12} {'N':>7} {'K':>6} {'M':>3} {'mgpu ms':>9} {'of copy':>8} "
           f"{'Triton ms':>10} {'XLA ms':>8} {'x Triton':>9} {'rel err':>8}  config")
   for r in res.get("mgpu", []):
-    print(f"{r['matrix']:12} {r['N']:7d} {r['K']:6d} {r['M']:3d} {r['mgpu_ms']:9.4f} "
-          f"{r['fraction_of_copy']:8.2f} {r['triton_ms']:10.4f} {r['xla_ms']:8.4f} "
+    print(f"{r.get('fmt', 'q4_k'):5} {r['matrix']:12} {r['N']:7d} {r['K']:6d} {r['M']:3d} "
+          f"{r['mgpu_ms']:9.4f} {r['fraction_of_copy']:8.2f} {r['triton_ms']:10.4f} {r['xla_ms']:8.4f} "
           f"{r['speedup_vs_triton']:9.2f} {r['rel_err_vs_xla']:8.1e}  {r['config']}")
   if res.get("moe"):
     print(f"\nMoE FFN {res['moe'][0]['shape']}\n{'T':>3} {'kernels':16} {'path':6} {'ms':>8} "
