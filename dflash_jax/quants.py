@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import gguf_blocks
 from pallas_kernels.gguf_blocks import (BLOCK_FORMATS, FLOAT_FORMATS, QK_K, SUPPORTED_FORMATS,  # noqa: F401
-                                         dequantize, dequantize_blocks)
+                                         dequantize_blocks)
 
 
 def _static(**kw):
@@ -46,6 +47,17 @@ class QuantWeight:
   @property
   def nbytes(self) -> int:
     return int(self.data.size * self.data.dtype.itemsize)
+
+
+def dequantize(w, dtype=jnp.float32) -> jax.Array:
+  """A weight -> its [N, K] values in `dtype`, bit-identical (in float32) to
+  `gguf.quants.dequantize` of its GGUF bytes. w: a QuantWeight, or a K-quant weight in the Mosaic
+  GPU kernel's tile layout (`pallas_kernels.mgpu_matmul.Q4KTiles` / `Q6KTiles`, what
+  `--kernels mosaic` loads Q4_K / Q6_K matrices as). Raises ValueError for an unknown format."""
+  from pallas_kernels import mgpu_matmul, repack
+  if isinstance(w, mgpu_matmul.TILES):
+    return repack.dequantize_planes(mgpu_matmul.to_planes(w), dtype)
+  return gguf_blocks.dequantize(w, dtype)
 
 
 def take_rows(w: QuantWeight, ids: jax.Array, dtype=jnp.float32) -> jax.Array:

@@ -325,16 +325,16 @@ def load_params(f: GGUFFile, cfg: TargetConfig, *, weights: str = "quantized",
 
 
 def tile_kquants(params: TargetParams, *, rows_multiple: int) -> TargetParams:
-  """Q4_K and Q6_K layer weights (every projection of every layer, fused groups included) in the
-  Mosaic GPU kernel's layouts (`pallas_kernels.mgpu_matmul.Q4KTiles` / `Q6KTiles`:
-  `repack.repack`, then `to_tiles`; a permutation of the same bytes, plus 4 per 256 weights for
-  Q4_K), for rt.kernels "mosaic*"; weights of other formats, a MoE FFN's routed experts
-  (gathered per token), or weights whose N is not a multiple of rows_multiple
+  """Q4_K and Q6_K weights (every projection of every layer, fused groups included, and the
+  lm_head) in the Mosaic GPU kernel's layouts (`pallas_kernels.mgpu_matmul.Q4KTiles` /
+  `Q6KTiles`: `repack.repack`, then `to_tiles`; a permutation of the same bytes, plus 4 per 256
+  weights for Q4_K), for rt.kernels "mosaic*"; weights of other formats, a MoE FFN's routed
+  experts (gathered per token), or weights whose N is not a multiple of rows_multiple
   (`layers.mosaic_rows_multiple`: 64 x the kernel's compute warpgroups) or K of 256, stay packed
-  GGUF rows. The token embedding and the lm_head stay as they are (the embedding is read by row
-  gathers, and the lm_head is also read whole by the training and EAGLE-3 code, which dequantize
-  GGUF rows). Host (numpy) work at load: params as `load_params` returns them
-  (weights="quantized")."""
+  GGUF rows. The token embedding stays GGUF rows (read by row gathers), and so does an lm_head
+  tied to it. Whatever reads the lm_head whole (the EAGLE-3 draft-vocabulary head, the training
+  loss) goes through `quants.dequantize`, which reads tiles too. Host (numpy) work at load:
+  params as `load_params` returns them (weights="quantized")."""
   from pallas_kernels import mgpu_matmul, repack
 
   def tile(w):
@@ -352,5 +352,6 @@ def tile_kquants(params: TargetParams, *, rows_multiple: int) -> TargetParams:
     return isinstance(x, (QuantWeight, MoEParams))
 
   layers_ = jax.tree.map(tile, params.layers, is_leaf=leaf)
-  return dataclasses.replace(params, layers=layers_)
+  lm_head = params.lm_head if params.lm_head is params.embed else tile(params.lm_head)
+  return dataclasses.replace(params, layers=layers_, lm_head=lm_head)
 

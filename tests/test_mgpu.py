@@ -12,9 +12,11 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import gguf
 import pytest
 from jax import export
 
+from dflash_jax import quants
 from pallas_kernels import mgpu_matmul as mm
 from pallas_kernels import repack
 from test_quants import _random_blocks
@@ -40,6 +42,10 @@ def test_tiles_are_an_exact_permutation_of_the_planes(fmt, block_bytes):
   assert np.array_equal(t.codes[3, 5], codes[5, 3])         # tile g = 3 of row 5
   if fmt == "q6_k":                                          # high parts: [N, K/128, 32]
     assert np.array_equal(t.high[1, 6], np.asarray(p.high).reshape(8, 4, 32)[6, 1])
+  raw = repack.to_gguf(p)                                     # the weight's GGUF bytes
+  ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[fmt.upper()])
+  got = np.asarray(quants.dequantize(jax.tree.map(jnp.asarray, t)))
+  assert np.array_equal(got.view(np.uint32), ref.astype(np.float32).view(np.uint32))
   spec = mm.tile_specs(8, 512, fmt)
   assert jax.tree.map(lambda a: (a.shape, a.dtype), spec) == \
       jax.tree.map(lambda a: (a.shape, a.dtype), t)
@@ -177,17 +183,18 @@ def test_on_gpu_matches_bf16_operand_reference(m, n, k, a_operand, fmt):
 
 
 def test_model_wiring_of_the_mosaic_kernel(monkeypatch):
-  """kernels="mosaic*" on the tiny Qwen3.5 hybrid (Q4_K_M): the Q4_K and Q6_K layer weights are
-  tiled at load (`target_params.tile_kquants`: the fused gate|up and qkv groups, the GDN and FFN
-  projections whose N and K tile, the Q6_K attn_qkv / attn_v / ffn_down; the embedding, lm_head
-  and other formats untouched) and `layers.linear` sends exactly those to the Mosaic GPU kernel.
+  """kernels="mosaic*" on the tiny Qwen3.5 hybrid (Q4_K_M): the Q4_K and Q6_K weights are tiled at
+  load (`target_params.tile_kquants`: the fused gate|up and qkv groups, the GDN and FFN projections
+  whose N and K tile, the Q6_K attn_qkv / attn_v / ffn_down and lm_head; the embedding, an lm_head
+  tied to it and other formats untouched) and `layers.linear` sends exactly those to the Mosaic GPU
+  kernel.
   Checked three ways, since a whole model in GPU interpret mode deadlocks XLA's CPU pool
   (concurrent kernels, each needing its simulated warpgroups' threads): (1) with the kernel call replaced by the float32 planes reference, the
   logits of a 9-token forward equal the reference target's (relative L2 <= 1e-5: tiling, group
   splitting and dispatch are exact); (2) one real interpret-mode call of `linear` on a tiled
   model weight of each format against the bf16-operand float64 product (<= 1e-5); (3) the whole
-  prefill and the logits with kernels="mosaic" lower for an H100 without a GPU (the layers' Mosaic
-  GPU kernels and the lm_head's Triton kernel in one module). Float weights are refused."""
+  prefill and the logits with kernels="mosaic" lower for an H100 without a GPU. Float weights are
+  refused."""
   import dflash_jax as dj
   from dflash_jax import layers, target as target_lib, target_params
   from dflash_jax.gguf_io import read_gguf
@@ -204,7 +211,7 @@ def test_model_wiring_of_the_mosaic_kernel(monkeypatch):
   assert len(tiles) >= 8 and len(q6) >= 3 and not any(
       x.fmt in ("q4_k", "q6_k") and x.shape[0] % 64 == 0
       for x in leaves if isinstance(x, QuantWeight))
-  assert isinstance(mos.params.embed, QuantWeight) and isinstance(mos.params.lm_head, QuantWeight)
+  assert isinstance(mos.params.embed, QuantWeight) and isinstance(mos.params.lm_head, mm.Q6KTiles)
   ids = [1, 5, 9, 33, 100, 7, 2, 64, 80]
   calls = []
 
@@ -229,7 +236,7 @@ def test_model_wiring_of_the_mosaic_kernel(monkeypatch):
   spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), tiled)
   cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                        target_lib.init_cache(mos.config, 64, rt))
-  fn = lambda p, c, toks: target_lib.logits(      # the Q6_K lm_head: the Triton kernel
+  fn = lambda p, c, toks: target_lib.logits(      # the Q6_K lm_head too
       p, mos.config, target_lib.prefill(p, mos.config, toks, jnp.int32(0), jnp.int32(9), c,
                                         rt).hidden, rt)
   from test_kernels import H100
@@ -238,6 +245,10 @@ def test_model_wiring_of_the_mosaic_kernel(monkeypatch):
   with jax.sharding.use_abstract_mesh(mesh):      # Triton's lowering asks for a GPU model
     txt = jax.jit(fn).trace(spec, cache, jax.ShapeDtypeStruct((9,), jnp.int32)).lower(
         lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in txt and "__gpu$xla.gpu.triton" in txt
+  assert "mosaic_gpu" in txt
+  # an lm_head tied to the embedding (read by row gathers) stays GGUF rows
+  tied = target_params.tile_kquants(dataclasses.replace(host, lm_head=host.embed),
+                                    rows_multiple=64)
+  assert tied.lm_head is tied.embed and isinstance(tied.lm_head, QuantWeight)
   with pytest.raises(ValueError, match="weights='quantized'"):
     dj.load_target(path, kernels="mosaic_interpret", weights="f32")
