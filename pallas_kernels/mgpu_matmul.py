@@ -58,9 +58,21 @@ _WG_ROWS = 64            # weight rows per compute warpgroup (WGMMA's M)
 _GROUP = 32              # weights per WGMMA (K = 32): one Q4_K sub-block, two Q6_K ones
 
 
+class _Tiles:
+  """What both tile layouts share: `fmt` (class attribute) and the bytes of their planes."""
+
+  fmt = ""
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of all planes (what the device holds)."""
+    return arrays_nbytes(*(getattr(self, f.name) for f in dataclasses.fields(self)
+                           if f.name != "shape"))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Q4KTiles:
+class Q4KTiles(_Tiles):
   """A Q4_K weight laid out for `kquant_matmul` (module docstring). Exact: a permutation of
   `repack.Planes`' bytes (`to_planes` inverts it).
 
@@ -73,18 +85,12 @@ class Q4KTiles:
   d: jax.Array
   dmin: jax.Array
   shape: tuple = dataclasses.field(default=(0, 0), metadata=dict(static=True))
-
   fmt = "q4_k"
-
-  @property
-  def nbytes(self) -> int:
-    """Bytes of all planes (what the device holds)."""
-    return arrays_nbytes(self.codes, self.scales, self.mins, self.d, self.dmin)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Q6KTiles:
+class Q6KTiles(_Tiles):
   """A Q6_K weight laid out for `kquant_matmul` (module docstring). Exact: a permutation of
   `repack.Planes`' bytes (`to_planes` inverts it), 210 bytes per 256 weights as in GGUF.
 
@@ -96,13 +102,7 @@ class Q6KTiles:
   scales: jax.Array
   d: jax.Array
   shape: tuple = dataclasses.field(default=(0, 0), metadata=dict(static=True))
-
   fmt = "q6_k"
-
-  @property
-  def nbytes(self) -> int:
-    """Bytes of all planes (what the device holds)."""
-    return arrays_nbytes(self.codes, self.high, self.scales, self.d)
 
 
 TILES = (Q4KTiles, Q6KTiles)       # the weight types `kquant_matmul` takes (isinstance checks)
