@@ -141,7 +141,7 @@ def load_target(gguf_path: str, *, weights: str = "auto", compute_dtype: str = "
     kv_dtype in float32 / bfloat16 / float16 / q8_0 / q4_0, for the draft's context cache too;
     kv_dtype_v the values' format when it differs, "" = kv_dtype); kernels "auto"
     = Pallas kernels on GPU, the pure-JAX reference elsewhere; "mosaic" (Hopper) also tiles the
-    Q4_K / Q6_K layer weights for the Mosaic GPU kernel (`target_params.tile_kquants`). The Pallas
+    Q4_K / Q5_K / Q6_K weights for the Mosaic GPU kernel (`target_params.tile_kquants`). The Pallas
     dequantizing matmul needs weights="quantized" (float weights always use XLA's dot; "mosaic"
     refuses them).
   tokenizer: build the tokenizer from the GGUF vocabulary (errors if unsupported).
@@ -176,7 +176,7 @@ def load_target(gguf_path: str, *, weights: str = "auto", compute_dtype: str = "
     raise ValueError(f"kernels={kernels!r} multiplies packed Q4_K blocks: it needs "
                      f"weights='quantized' (or 'auto'), not {weights!r}")
   params = target_params.load_params(f, cfg, weights=weights, fuse=fuse_projections)
-  if rt.mosaic:                     # Q4_K / Q6_K layer weights in the Mosaic GPU kernel's tiles
+  if rt.mosaic:                     # K-quant weights in the Mosaic GPU kernel's tiles
     params = target_params.tile_kquants(params, rows_multiple=layers.mosaic_rows_multiple(rt))
   params = jax.device_put(params)
   tok = GGUFTokenizer(f.meta, path=f.path) if tokenizer else None

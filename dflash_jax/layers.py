@@ -29,7 +29,7 @@ def linear(x: jax.Array, w: QuantWeight, rt: Runtime) -> jax.Array:
   uses HIGHEST precision); "pallas" runs pallas_kernels.dequant_matmul on the packed GGUF rows
   (operands in rt.compute_dtype: float32 means TF32 tensor cores on GPU) for the block formats
   and N it tiles, the reference otherwise; "pallas_interpret" is the same through the Pallas
-  interpreter (CPU tests). A `Q4KTiles` / `Q6KTiles` weight (rt.kernels "mosaic" /
+  interpreter (CPU tests). A `Q4KTiles` / `Q5KTiles` / `Q6KTiles` weight (rt.kernels "mosaic" /
   "mosaic_interpret", tiled at load) runs `pallas_kernels.mgpu_matmul.kquant_matmul` (bf16
   operands, float32 accumulation).
   Under `jax.vmap` (the batched decode loop) a kernel call runs once on the rows of the whole
@@ -86,7 +86,7 @@ MOSAIC_INTERPRET_CONFIG = dict(kb=1, splits=1, stages=2, n_sm=1, a_operand="smem
 
 
 def mosaic_rows_multiple(rt: Runtime) -> int:
-  """The multiple of N a Q4_K / Q6_K weight needs to run the Mosaic GPU kernel as rt runs it (the
+  """The multiple of N a K-quant weight needs to run the Mosaic GPU kernel as rt runs it (the
   interpret configuration, or the GPU default `MgpuConfig`); `target_params.tile_kquants` tiles
   only those."""
   return mgpu.rows_multiple(mgpu.MgpuConfig(**MOSAIC_INTERPRET_CONFIG) if rt.interpret

@@ -52,8 +52,8 @@ class QuantWeight:
 def dequantize(w, dtype=jnp.float32) -> jax.Array:
   """A weight -> its [N, K] values in `dtype`, bit-identical (in float32) to
   `gguf.quants.dequantize` of its GGUF bytes. w: a QuantWeight, or a K-quant weight in the Mosaic
-  GPU kernel's tile layout (`pallas_kernels.mgpu_matmul.Q4KTiles` / `Q6KTiles`, what
-  `--kernels mosaic` loads Q4_K / Q6_K matrices as). Raises ValueError for an unknown format."""
+  GPU kernel's tile layout (`pallas_kernels.mgpu_matmul.TILES`, what `--kernels mosaic` loads
+  Q4_K / Q5_K / Q6_K matrices as). Raises ValueError for an unknown format."""
   from pallas_kernels import mgpu_matmul, repack
   if isinstance(w, mgpu_matmul.TILES):
     return repack.dequantize_planes(mgpu_matmul.to_planes(w), dtype)

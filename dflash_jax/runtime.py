@@ -32,9 +32,10 @@ class Runtime:
       inside the traced function + one XLA dot), "pallas" (pallas_kernels on GPU, the reference
       for weights or shapes a kernel does not cover) or "pallas_interpret" (the same kernels
       through the Pallas interpreter; CPU tests); "mosaic" / "mosaic_interpret": as "pallas" /
-      "pallas_interpret", except that Q4_K and Q6_K layer weights are tiled at load
-      (`Q4KTiles` / `Q6KTiles`, `target_params.tile_kquants`) and multiplied by the Mosaic GPU
-      kernel (`pallas_kernels.mgpu_matmul`, Hopper; bf16 operands whatever compute_dtype).
+      "pallas_interpret", except that Q4_K, Q5_K and Q6_K weights are tiled at load
+      (`Q4KTiles` / `Q5KTiles` / `Q6KTiles`, `target_params.tile_kquants`) and multiplied by
+      the Mosaic GPU kernel (`pallas_kernels.mgpu_matmul`, Hopper; bf16 operands whatever
+      compute_dtype).
     compute_dtype: activation / matmul operand dtype, "float32" (what the references are
       compared in) or "bfloat16"; accumulation and norms stay float32.
     kv_dtype: KV cache storage format of the target's attention layers and the draft's context
@@ -104,7 +105,7 @@ class Runtime:
 
   @property
   def mosaic(self) -> bool:
-    """True when Q4_K / Q6_K layer weights run the Mosaic GPU kernel (compiled or interpreted)."""
+    """True when Q4_K / Q5_K / Q6_K weights run the Mosaic GPU kernel (compiled or interpreted)."""
     return self.kernels.startswith("mosaic")
 
   @property

@@ -48,7 +48,7 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> TargetFlags:
       kernels=flags.DEFINE_enum(
           "kernels", "auto", ["auto", "pallas", "mosaic", "reference"],
           "Matmul / tree-GDN implementation: 'auto' = Pallas kernels on GPU, pure JAX elsewhere; "
-          "'mosaic' = 'pallas' with Q4_K / Q6_K layer weights tiled at load for the Mosaic GPU "
+          "'mosaic' = 'pallas' with Q4_K / Q5_K / Q6_K weights tiled at load for the Mosaic GPU "
           "kernel (Hopper).",
           flag_values=flag_values),
       fuse_projections=flags.DEFINE_boolean(

@@ -325,10 +325,10 @@ def load_params(f: GGUFFile, cfg: TargetConfig, *, weights: str = "quantized",
 
 
 def tile_kquants(params: TargetParams, *, rows_multiple: int) -> TargetParams:
-  """Q4_K and Q6_K weights (every projection of every layer, fused groups included, and the
+  """Q4_K, Q5_K and Q6_K weights (every projection of every layer, fused groups included, and the
   lm_head) in the Mosaic GPU kernel's layouts (`pallas_kernels.mgpu_matmul.Q4KTiles` /
-  `Q6KTiles`: `repack.repack`, then `to_tiles`; a permutation of the same bytes, plus 4 per 256
-  weights for Q4_K), for rt.kernels "mosaic*"; weights of other formats, a MoE FFN's routed
+  `Q5KTiles` / `Q6KTiles`: `repack.repack`, then `to_tiles`; a permutation of the same bytes, plus 4 per 256
+  weights for Q4_K and Q5_K), for rt.kernels "mosaic*"; weights of other formats, a MoE FFN's routed
   experts (gathered per token), or weights whose N is not a multiple of rows_multiple
   (`layers.mosaic_rows_multiple`: 64 x the kernel's compute warpgroups) or K of 256, stay packed
   GGUF rows. The token embedding stays GGUF rows (read by row gathers), and so does an lm_head

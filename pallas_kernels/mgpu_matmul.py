@@ -1,10 +1,12 @@
-"""Q4_K / Q6_K dequantizing matmul for Hopper in Mosaic GPU (`pallas.mosaic_gpu`).
+"""Q4_K / Q5_K / Q6_K dequantizing matmul for Hopper in Mosaic GPU (`pallas.mosaic_gpu`).
 
 Contract: y[M, N] = x[M, K] @ dequantize(W)[N, K]^T, float32 out, for M tokens (decode, chain /
 tree verify, batched decode; one kernel call per 64 tokens) and W a K-quant weight in a tile
 layout made at load from `repack.Planes` (same bytes): `Q4KTiles` (148 bytes per 256 weights,
-GGUF's 144 + 2.8 %) or `Q6KTiles` (210, as GGUF). The two formats share the kernel; only the
-planes a pipeline step loads and the dequantization of one 32-weight group differ.
+GGUF's 144 + 2.8 %), `Q5KTiles` (180, GGUF 176: Q4_K's planes plus the fifth bits, which older
+llama.cpp and unsloth Q4_K_M files use for Qwen3.5's attn_qkv) or `Q6KTiles` (210, as GGUF). The
+formats share the kernel; only the planes a pipeline step loads and the dequantization of one
+32-weight group differ.
 
 Design (issue 30; ideas taken from JAX's `ops/gpu/hopper_mixed_type_matmul_mgpu.py`: a
 warp-specialized TMA pipeline (`plgpu.emit_pipeline_warp_specialized`, one memory warpgroup,
@@ -21,10 +23,12 @@ and fed to WGMMA as the register operand, a persistent grid walking the work ite
     in-block order). Q6_K: the low 4 bits, plane 2h + t of 128-weight half h holding weights
     128h+32t+i (low nibble) and 128h+64+32t+i (high nibble); its 2-bit high parts travel as a
     [K/128, N, 32] plane (byte i of plane h, bits 2s..2s+1: weight 128h+32s+i), GGUF's qh order.
+    Q5_K: Q4_K's code plane, and its fifth bits as a [K/256, N, 32] plane (byte i of block b, bit
+    g: weight 256b+32g+i).
   * scales folded before the MMA: per 32-weight group the register tile is, in float32,
-    (d * sc) * q - (dmin * m) for Q4_K (one 6-bit scale and min a group) and (d * sc) * (q - 32)
-    for Q6_K (two int8 scales a group, one per 16 weights: selected per column), rounded once to
-    bfloat16 (gguf-py's operation order: `k_quant_values`, `q6_k_values`), then one K = 32 WGMMA
+    (d * sc) * q - (dmin * m) for Q4_K / Q5_K (one 6-bit scale and min a group) and
+    (d * sc) * (q - 32) for Q6_K (two int8 scales a group, one per 16 weights: selected per
+    column), rounded once to bfloat16 (gguf-py's operation order: `k_quant_values`, `q6_k_values`), then one K = 32 WGMMA
     against the matching 32 rows of x^T in SMEM. The scale planes (6-bit scales / mins [K/32, N]
     uint8, Q6_K scales [K/16, N] int8, block scales [K/256, N] float16) travel transposed so
     each group's 64 row scales are one contiguous SMEM row.
@@ -90,6 +94,26 @@ class Q4KTiles(_Tiles):
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class Q5KTiles(_Tiles):
+  """A Q5_K weight laid out for `kquant_matmul`: Q4_K's planes for the low 4 bits, scales and
+  mins, plus the fifth bits (module docstring). A permutation of `repack.Planes`' bytes, 180 per
+  256 weights (GGUF: 176).
+
+  codes: [K/64, N, 32] uint8; high: [K/256, N, 32] uint8; scales, mins: [K/32, N] uint8; d, dmin:
+  [K/256, N] float16; shape: logical (N, K) (static)."""
+
+  codes: jax.Array
+  high: jax.Array
+  scales: jax.Array
+  mins: jax.Array
+  d: jax.Array
+  dmin: jax.Array
+  shape: tuple = dataclasses.field(default=(0, 0), metadata=dict(static=True))
+  fmt = "q5_k"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class Q6KTiles(_Tiles):
   """A Q6_K weight laid out for `kquant_matmul` (module docstring). Exact: a permutation of
   `repack.Planes`' bytes (`to_planes` inverts it), 210 bytes per 256 weights as in GGUF.
@@ -105,8 +129,8 @@ class Q6KTiles(_Tiles):
   fmt = "q6_k"
 
 
-TILES = (Q4KTiles, Q6KTiles)       # the weight types `kquant_matmul` takes (isinstance checks)
-TILE_FORMATS = ("q4_k", "q6_k")
+TILES = (Q4KTiles, Q5KTiles, Q6KTiles)   # the weight types `kquant_matmul` takes
+TILE_FORMATS = ("q4_k", "q5_k", "q6_k")
 
 
 def _planes_3d(a, xp):
@@ -115,16 +139,19 @@ def _planes_3d(a, xp):
 
 
 def to_tiles(p: Planes):
-  """repack.Planes (Q4_K or Q6_K) -> Q4KTiles / Q6KTiles (transposes only; numpy or jax arrays
-  in, same kind out). Raises ValueError for another format."""
+  """repack.Planes (Q4_K, Q5_K or Q6_K) -> Q4KTiles / Q5KTiles / Q6KTiles (transposes only;
+  numpy or jax arrays in, same kind out). Raises ValueError for another format."""
   if p.fmt not in TILE_FORMATS:
-    raise ValueError(f"kquant_matmul: Q4_K or Q6_K planes only, got {p.fmt!r}")
+    raise ValueError(f"kquant_matmul: Q4_K, Q5_K or Q6_K planes only, got {p.fmt!r}")
   n, k = p.shape
   xp = jnp if isinstance(p.codes, jax.Array) else np
   codes = _planes_3d(p.codes, xp)
   if p.fmt == "q4_k":
     return Q4KTiles(codes=codes, scales=p.scales.T, mins=p.mins.T, d=p.d.T, dmin=p.dmin.T,
                     shape=(n, k))
+  if p.fmt == "q5_k":
+    return Q5KTiles(codes=codes, high=_planes_3d(p.high, xp), scales=p.scales.T, mins=p.mins.T,
+                    d=p.d.T, dmin=p.dmin.T, shape=(n, k))
   return Q6KTiles(codes=codes, high=_planes_3d(p.high, xp), scales=p.scales.T, d=p.d.T,
                   shape=(n, k))
 
@@ -137,6 +164,9 @@ def to_planes(t) -> Planes:
   if isinstance(t, Q4KTiles):
     return Planes(codes=flat(t.codes), scales=t.scales.T, mins=t.mins.T, d=t.d.T, dmin=t.dmin.T,
                   fmt="q4_k", shape=(n, k))
+  if isinstance(t, Q5KTiles):
+    return Planes(codes=flat(t.codes), high=flat(t.high), scales=t.scales.T, mins=t.mins.T,
+                  d=t.d.T, dmin=t.dmin.T, fmt="q5_k", shape=(n, k))
   return Planes(codes=flat(t.codes), high=flat(t.high), scales=t.scales.T, d=t.d.T, fmt="q6_k",
                 shape=(n, k))
 
@@ -148,18 +178,22 @@ def _fields(fmt: str):
     return (("codes", 64, (32,), jnp.uint8), ("scales", 32, (), jnp.uint8),
             ("mins", 32, (), jnp.uint8), ("d", QK_K, (), jnp.float16),
             ("dmin", QK_K, (), jnp.float16))
+  if fmt == "q5_k":
+    return (("codes", 64, (32,), jnp.uint8), ("high", QK_K, (32,), jnp.uint8),
+            ("scales", 32, (), jnp.uint8), ("mins", 32, (), jnp.uint8),
+            ("d", QK_K, (), jnp.float16), ("dmin", QK_K, (), jnp.float16))
   if fmt == "q6_k":
     return (("codes", 64, (32,), jnp.uint8), ("high", 128, (32,), jnp.uint8),
             ("scales", 16, (), jnp.int8), ("d", QK_K, (), jnp.float16))
-  raise ValueError(f"kquant_matmul: Q4_K or Q6_K only, got {fmt!r}")
+  raise ValueError(f"kquant_matmul: Q4_K, Q5_K or Q6_K only, got {fmt!r}")
 
 
-def tile_specs(n: int, k: int, fmt: str) -> Q4KTiles | Q6KTiles:
+def tile_specs(n: int, k: int, fmt: str):
   """ShapeDtypeStructs of a weight of logical shape (N, K) in fmt's tile layout (for lowering
   without data)."""
   s = jax.ShapeDtypeStruct
   arrays = {name: s((k // per, n, *rest), dtype) for name, per, rest, dtype in _fields(fmt)}
-  return (Q4KTiles if fmt == "q4_k" else Q6KTiles)(**arrays, shape=(n, k))
+  return dict(zip(TILE_FORMATS, TILES))[fmt](**arrays, shape=(n, k))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,11 +285,14 @@ def check_shapes(m: int, t, cfg: MgpuConfig) -> None:
 
 
 def _q4k_group(j: int, planes: dict, rows):
-  """Q4_K: the [64, 32] float32 weights of 32-weight group j of a pipeline step, rows `rows` of
-  the CTA tile: (d * sc) * q - dmin * m (gguf-py's order)."""
-  b = j // (QK_K // _GROUP)
+  """Q4_K (and Q5_K, whose planes add "high"): the [64, 32] float32 weights of 32-weight group j
+  of a pipeline step, rows `rows` of the CTA tile: (d * sc) * q - dmin * m (gguf-py's order)."""
+  b, g = divmod(j, QK_K // _GROUP)
   q = planes["codes"][j // 2, rows, :].astype(jnp.int32)   # no 8-bit shifts in registers
   q = (q & 15) if j % 2 == 0 else (q >> 4)
+  if "high" in planes:               # Q5_K: bit g of the block's high byte i is weight 32g + i's
+    hi = planes["high"][b, rows, :].astype(jnp.int32)
+    q = q | ((((hi >> g) if g else hi) & 1) << 4)
   scale = planes["d"][b, rows].astype(jnp.float32) * planes["scales"][j, rows].astype(jnp.float32)
   mins = planes["dmin"][b, rows].astype(jnp.float32) * planes["mins"][j, rows].astype(jnp.float32)
   return scale[:, None] * q.astype(jnp.float32) - mins[:, None]
@@ -279,19 +316,20 @@ def _q6k_group(j: int, planes: dict, rows):
   return jnp.where(first_half, s0, s1) * q
 
 
-_GROUP_WEIGHTS = {"q4_k": _q4k_group, "q6_k": _q6k_group}
+_GROUP_WEIGHTS = {"q4_k": _q4k_group, "q5_k": _q4k_group, "q6_k": _q6k_group}
 
 
 def kquant_matmul(x: jax.Array, t, cfg: MgpuConfig | None = None) -> jax.Array:
-  """x: [M, K] float, t: Q4KTiles | Q6KTiles of logical shape (N, K) -> [M, N] float32 =
-  x @ dequantize(W)^T (module docstring). Runs on a Hopper GPU, or on the CPU under
+  """x: [M, K] float, t: Q4KTiles | Q5KTiles | Q6KTiles of logical shape (N, K) -> [M, N]
+  float32 = x @ dequantize(W)^T (module docstring). Runs on a Hopper GPU, or on the CPU under
   `plgpu.force_gpu_interpret_mode()`. Raises ValueError for shapes `check_shapes` refuses or
   another weight type."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
   if not isinstance(t, TILES):
-    raise ValueError(f"kquant_matmul: a Q4KTiles or Q6KTiles weight, got {type(t).__name__}")
+    raise ValueError(f"kquant_matmul: a Q4KTiles, Q5KTiles or Q6KTiles weight, got "
+                     f"{type(t).__name__}")
   m, k = x.shape
   n = t.shape[0]
   if k != t.shape[1]:

@@ -1,7 +1,7 @@
-"""Kernel-friendly planes for the K-quant weights of a Q4_K_M file (Q4_K, Q6_K), made at load.
+"""Kernel-friendly planes for the K-quant weights of a Q4_K_M file (Q4_K, Q5_K, Q6_K), made at load.
 
 A GGUF row interleaves, every 256 weights, a header (f16 scales, packed 6-bit sub-block scales)
-with the codes (144-byte Q4_K blocks, 210-byte Q6_K blocks: not even word-aligned). A GPU
+with the codes (144-byte Q4_K, 176-byte Q5_K, 210-byte Q6_K blocks: Q6_K's not even word-aligned). A GPU
 kernel that streams the codes with wide (TMA) loads wants each field as its own plane, one
 row of the weight per plane row, so that a K tile of the weight is one contiguous byte range
 of every plane:
@@ -12,6 +12,10 @@ of every plane:
           scales, mins [N, K/32] uint8 (the 6-bit sub-block scale and min, unpacked)
           d, dmin [N, K/256] float16
           bytes: 148 per 256 weights (GGUF: 144, +2.8 %)
+  Q5_K -> as Q4_K (codes = the low 4 bits), plus
+          high [N, K/8] uint8 (the fifth bits: byte 32b+i, bit g holds weight 256b+32g+i: GGUF's
+                                qh, block after block)
+          bytes: 180 per 256 weights (GGUF: 176, +2.3 %)
   Q6_K -> codes [N, K/2] uint8  (low 4 bits; byte 64h+i holds weights 128h+i and 128h+64+i)
           high [N, K/4] uint8   (high 2 bits; byte 32h+i, bits 2s..2s+1 hold weight 128h+32s+i)
           scales [N, K/16] int8, d [N, K/256] float16
@@ -19,9 +23,9 @@ of every plane:
 
 Nothing is rounded: `to_gguf` rebuilds the file's bytes exactly, and `dequantize_planes`
 computes the same float32 operations, in the same order, as gguf-py's
-`gguf.quants.dequantize` (`Q4_K.dequantize_blocks`, `Q6_K.dequantize_blocks`), so it is
+`gguf.quants.dequantize` (`Q4_K.dequantize_blocks`, `Q5_K...`, `Q6_K...`), so it is
 bit-identical to it (tests/test_repack.py). Block layouts: ggml/src/ggml-common.h (block_q4_K,
-block_q6_K).
+block_q5_K, block_q6_K).
 
 The arithmetic is gguf_blocks' (`k_quant_values`, `q6_k_values`), shared with the GGUF-block
 reference; this package imports nothing from dflash_jax.
@@ -39,7 +43,7 @@ import numpy as np
 from pallas_kernels.gguf_blocks import (BLOCK_FORMATS, QK_K, k_quant_values, q4_k_codes,
                                         q6_k_values, unpack_scale_min_k4)
 
-REPACK_FORMATS = ("q4_k", "q6_k")
+REPACK_FORMATS = ("q4_k", "q5_k", "q6_k")
 _TYPE_SIZE = {f: BLOCK_FORMATS[f][1] for f in REPACK_FORMATS}
 
 
@@ -48,10 +52,10 @@ _TYPE_SIZE = {f: BLOCK_FORMATS[f][1] for f in REPACK_FORMATS}
 class Planes:
   """One K-quant weight as planes (see the module docstring for each plane's layout).
 
-  fmt: "q4_k" | "q6_k" (static); shape: logical (N, K) (static); codes: [N, K/2] uint8;
-  scales: [N, K/32] uint8 (Q4_K) or [N, K/16] int8 (Q6_K); d: [N, K/256] float16;
-  mins: [N, K/32] uint8 and dmin: [N, K/256] float16 (Q4_K, else None);
-  high: [N, K/4] uint8 (Q6_K, else None).
+  fmt: "q4_k" | "q5_k" | "q6_k" (static); shape: logical (N, K) (static); codes: [N, K/2] uint8;
+  scales: [N, K/32] uint8 (Q4_K, Q5_K) or [N, K/16] int8 (Q6_K); d: [N, K/256] float16;
+  mins: [N, K/32] uint8 and dmin: [N, K/256] float16 (Q4_K, Q5_K, else None);
+  high: [N, K/8] uint8 (Q5_K), [N, K/4] uint8 (Q6_K), else None.
   """
 
   codes: jax.Array
@@ -93,18 +97,21 @@ def _blocks(raw: np.ndarray, fmt: str, shape, name: str) -> np.ndarray:
 def repack(raw: np.ndarray, fmt: str, shape, name: str = "weight") -> Planes:
   """GGUF rows -> Planes (numpy arrays; host work at load time, no float arithmetic).
 
-  raw: [N, K/256 * type_size] uint8, the tensor's bytes as in the file; fmt: "q4_k" | "q6_k";
+  raw: [N, K/256 * type_size] uint8, the tensor's bytes as in the file; fmt: REPACK_FORMATS;
   shape: logical (N, K). Raises ValueError naming `name` for another format, K not a multiple
   of 256, or data of the wrong size.
   """
   b = _blocks(raw, fmt, shape, name)
   n, nb, _ = b.shape
-  if fmt == "q4_k":
+  if fmt in ("q4_k", "q5_k"):
     d = b[..., 0:2].copy().view(np.float16)[..., 0]
     dmin = b[..., 2:4].copy().view(np.float16)[..., 0]
     sc, mn = unpack_scale_min_k4(b[..., 4:16], xp=np)
-    return Planes(codes=b[..., 16:144].reshape(n, nb * 128), scales=sc.reshape(n, nb * 8),
-                  d=d, mins=mn.reshape(n, nb * 8), dmin=dmin, fmt=fmt, shape=(n, nb * QK_K))
+    codes, high = (b[..., 16:144], None) if fmt == "q4_k" else (b[..., 48:176], b[..., 16:48])
+    return Planes(codes=codes.reshape(n, nb * 128), scales=sc.reshape(n, nb * 8), d=d,
+                  mins=mn.reshape(n, nb * 8), dmin=dmin,
+                  high=None if high is None else high.reshape(n, nb * 32), fmt=fmt,
+                  shape=(n, nb * QK_K))
   d = b[..., 208:210].copy().view(np.float16)[..., 0]
   return Planes(codes=b[..., 0:128].reshape(n, nb * 128), high=b[..., 128:192].reshape(n, nb * 64),
                 scales=b[..., 192:208].copy().view(np.int8).reshape(n, nb * 16), d=d, fmt=fmt,
@@ -116,15 +123,17 @@ def to_gguf(p: Planes) -> np.ndarray:
   of `repack`: the 6-bit scales are packed back into their 12 bytes)."""
   n, k = p.shape
   nb = k // QK_K
-  if p.fmt == "q4_k":
+  if p.fmt in ("q4_k", "q5_k"):
     sc = np.asarray(p.scales).reshape(n, nb, 8)
     mn = np.asarray(p.mins).reshape(n, nb, 8)
     lo = (sc[..., :4] & 0x3F) | ((sc[..., 4:] >> 4) << 6)
     hi = (mn[..., :4] & 0x3F) | ((mn[..., 4:] >> 4) << 6)
     md = (sc[..., 4:] & 0x0F) | ((mn[..., 4:] & 0x0F) << 4)
     parts = [np.asarray(p.d, np.float16)[..., None].view(np.uint8),
-             np.asarray(p.dmin, np.float16)[..., None].view(np.uint8), lo, hi, md,
-             np.asarray(p.codes).reshape(n, nb, 128)]
+             np.asarray(p.dmin, np.float16)[..., None].view(np.uint8), lo, hi, md]
+    if p.fmt == "q5_k":
+      parts.append(np.asarray(p.high).reshape(n, nb, 32))
+    parts.append(np.asarray(p.codes).reshape(n, nb, 128))
   elif p.fmt == "q6_k":
     parts = [np.asarray(p.codes).reshape(n, nb, 128), np.asarray(p.high).reshape(n, nb, 64),
              np.asarray(p.scales).reshape(n, nb, 16).view(np.uint8),
@@ -137,16 +146,19 @@ def to_gguf(p: Planes) -> np.ndarray:
 
 def dequantize_planes(p: Planes, dtype=jnp.float32) -> jax.Array:
   """Planes -> [N, K] array of `dtype`; in float32 bit-identical to gguf.quants.dequantize of
-  the GGUF bytes (same operations in the same order: (d * sc) * q - dmin * m for Q4_K,
+  the GGUF bytes (same operations in the same order: (d * sc) * q - dmin * m for Q4_K / Q5_K,
   (d * scale) * (q - 32) for Q6_K, all float32). Raises ValueError for an unknown format."""
   n, k = p.shape
   nb = k // QK_K
   d = p.d.astype(jnp.float32)
-  if p.fmt == "q4_k":
+  if p.fmt in ("q4_k", "q5_k"):
+    q = q4_k_codes(p.codes.reshape(n, nb, 128))
+    if p.fmt == "q5_k":                  # bit g of high byte i: weight 32g + i of the block
+      qh = p.high.reshape(n, nb, 1, 32)
+      q = q | (((qh >> jnp.arange(8, dtype=jnp.uint8)[:, None]) & 1) << 4)
     w = k_quant_values(d, p.dmin.astype(jnp.float32),
                        p.scales.reshape(n, nb, 8).astype(jnp.float32),
-                       p.mins.reshape(n, nb, 8).astype(jnp.float32),
-                       q4_k_codes(p.codes.reshape(n, nb, 128)))
+                       p.mins.reshape(n, nb, 8).astype(jnp.float32), q)
   elif p.fmt == "q6_k":
     w = q6_k_values(d, p.scales.reshape(n, nb, 16).astype(jnp.float32),
                     p.codes.reshape(n, nb, 128), p.high.reshape(n, nb, 64))

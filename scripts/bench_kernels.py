@@ -48,7 +48,7 @@ _E2E_BATCHES = flags.DEFINE_list("e2e_batches", [], "Each --e2e variant also tim
 _TABLES = flags.DEFINE_list("tables", ["matmul", "tree_gdn"], "Kernel tables to run: matmul, "
                             "tree_gdn, tiles (a TileConfig sweep over --sweep), variants (kernel "
                             "variants at default tiles over --sweep), mgpu (the Mosaic GPU kernel "
-                            "vs the Triton kernel vs XLA, the Q4_K / Q6_K entries of --formats x "
+                            "vs the Triton kernel vs XLA, the K-quant entries of --formats x "
                             "the shapes x --ms), moe (one "
                             "Qwen3.5-35B-A3B-shaped MoE FFN, Q4_K experts, x --ms, both expert "
                             "paths, Pallas vs reference kernels).")
@@ -233,7 +233,7 @@ def _e2e(sz, copy_gbs, repeats, kernels, fuse=True, gdn_commit="states", attenti
   if mtp:
     from dflash_jax import mtp as mtp_lib
     mparams = jax.device_put(mtp_lib.load_params(f, cfg, fuse=fuse))
-  if rt.mosaic:                               # Q4_K / Q6_K layer weights for the Mosaic GPU kernel
+  if rt.mosaic:                                    # K-quant weights for the Mosaic GPU kernel
     params = target_params.tile_kquants(params, rows_multiple=layers.mosaic_rows_multiple(rt))
   params = jax.device_put(params)
   del f
@@ -451,8 +451,8 @@ def _matmul_table(res, sz, rng, copy_gbs, reps):
 
 
 def _mgpu_table(res, sz, rng, copy_gbs, reps):
-  """pallas_kernels.mgpu_matmul (Mosaic GPU, Q4KTiles / Q6KTiles) vs the Triton kernel and XLA's
-  dequantize + dot on the same weights, for the Q4_K / Q6_K entries of --formats, the size set's
+  """pallas_kernels.mgpu_matmul (Mosaic GPU, K-quant tiles) vs the Triton kernel and XLA's
+  dequantize + dot on the same weights, for the Q4_K / Q5_K / Q6_K entries of --formats, the size set's
   shapes x --ms, weight copies rotated as in the matmul table. With --interpret: GPU interpret
   mode on the CPU (a_operand="smem", compute_wgs=1), a smoke run of this table, not a timing."""
   import contextlib

@@ -29,19 +29,20 @@ def _weight(rng, n, k, fmt="q4_k"):
   return repack.repack(raw, fmt, (n, k))
 
 
-@pytest.mark.parametrize("fmt,block_bytes", [("q4_k", 148), ("q6_k", 210)])
+@pytest.mark.parametrize("fmt,block_bytes", [("q4_k", 148), ("q5_k", 180), ("q6_k", 210)])
 def test_tiles_are_an_exact_permutation_of_the_planes(fmt, block_bytes):
   rng = np.random.default_rng(0)
   p = _weight(rng, 8, 512, fmt)
   t = mm.to_tiles(p)
-  assert isinstance(t, mm.Q4KTiles if fmt == "q4_k" else mm.Q6KTiles) and t.fmt == fmt
+  assert isinstance(t, dict(zip(mm.TILE_FORMATS, mm.TILES))[fmt]) and t.fmt == fmt
   back = mm.to_planes(t)
   assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(p)))
   assert t.nbytes == p.nbytes == 8 * 2 * block_bytes
   codes = np.asarray(p.codes).reshape(8, 8, 32)             # [N, K/64, 32]
   assert np.array_equal(t.codes[3, 5], codes[5, 3])         # tile g = 3 of row 5
-  if fmt == "q6_k":                                          # high parts: [N, K/128, 32]
-    assert np.array_equal(t.high[1, 6], np.asarray(p.high).reshape(8, 4, 32)[6, 1])
+  if fmt != "q4_k":               # high parts: [N, K/128, 32] (Q6_K), [N, K/256, 32] (Q5_K)
+    per = 128 if fmt == "q6_k" else 256
+    assert np.array_equal(t.high[1, 6], np.asarray(p.high).reshape(8, 512 // per, 32)[6, 1])
   raw = repack.to_gguf(p)                                     # the weight's GGUF bytes
   ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[fmt.upper()])
   got = np.asarray(quants.dequantize(jax.tree.map(jnp.asarray, t)))
@@ -51,8 +52,8 @@ def test_tiles_are_an_exact_permutation_of_the_planes(fmt, block_bytes):
       jax.tree.map(lambda a: (a.shape, a.dtype), t)
   tj = mm.to_tiles(jax.tree.map(jnp.asarray, p))            # jax arrays in, jax arrays out
   assert isinstance(tj.codes, jax.Array) and np.array_equal(tj.codes, t.codes)
-  with pytest.raises(ValueError, match="Q4_K or Q6_K"):
-    mm.to_tiles(dataclasses.replace(p, fmt="q5_k"))
+  with pytest.raises(ValueError, match="Q4_K, Q5_K or Q6_K"):
+    mm.to_tiles(dataclasses.replace(p, fmt="q3_k"))
 
 
 def _bf16_reference(x, p):
@@ -69,7 +70,8 @@ def _bf16_reference(x, p):
 CASES = [(3, 128, 512, 1, 2, 1, "q4_k"), (17, 64, 512, 2, 1, 1, "q4_k"),
          (40, 64, 768, 1, 3, 2, "q4_k"), (70, 64, 256, 1, 1, 1, "q4_k"),
          (3, 128, 512, 1, 2, 1, "q6_k"), (17, 64, 1024, 2, 1, 2, "q6_k"),
-         (70, 64, 256, 1, 1, 1, "q6_k")]
+         (70, 64, 256, 1, 1, 1, "q6_k"), (3, 128, 512, 1, 2, 1, "q5_k"),
+         (40, 64, 768, 1, 3, 2, "q5_k")]
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="GPU interpret mode runs its 2 simulated "
@@ -123,10 +125,12 @@ _spec = functools.partial(mm.tile_specs, fmt="q4_k")
 
 # Qwen3.5-27B: FFN gate/up [17408, 5120], down [5120, 17408], attention / DeltaNet projections
 # [6144, 5120], output [248320, 5120] (Q6_K in a Q4_K_M file, as are some layers' ffn_down and
-# attn_v); M = 1 (decode), 16, 23 (DDTree budget 22 + root), 32, 64 (batched decode).
+# attn_v), Gated DeltaNet attn_qkv [10240, 5120] (Q5_K in older llama.cpp and unsloth Q4_K_M
+# files); M = 1 (decode), 16, 23 (DDTree budget 22 + root), 32, 64 (batched decode).
 LOWER_CASES = [(17408, 5120, 1, "q4_k"), (17408, 5120, 23, "q4_k"), (5120, 17408, 16, "q4_k"),
                (5120, 17408, 32, "q4_k"), (6144, 5120, 64, "q4_k"), (5120, 17408, 1, "q6_k"),
-               (17408, 5120, 23, "q6_k"), (248320, 5120, 64, "q6_k")]
+               (17408, 5120, 23, "q6_k"), (248320, 5120, 64, "q6_k"), (10240, 5120, 1, "q5_k"),
+               (10240, 5120, 23, "q5_k")]
 
 
 @pytest.mark.parametrize("n,k,m,fmt", LOWER_CASES)
@@ -152,7 +156,7 @@ def test_shape_errors_name_the_problem():
     mm.kquant_matmul(jnp.zeros((64, 512)), _spec(128, 512), mm.MgpuConfig(n_sm=1, kb=2, stages=8))
   with pytest.raises(ValueError, match="a_operand"):
     mm.MgpuConfig(a_operand="tmem")
-  with pytest.raises(ValueError, match="Q4KTiles or Q6KTiles"):
+  with pytest.raises(ValueError, match="Q4KTiles, Q5KTiles or Q6KTiles"):
     mm.kquant_matmul(x, repack.repack(_random_blocks(np.random.default_rng(0), "q6_k", 2, 2),
                                       "q6_k", (2, 512)))
 
@@ -163,7 +167,7 @@ def _on_hopper():
 
 
 @pytest.mark.skipif(not _on_hopper(), reason="needs a Hopper GPU (H100 / H200)")
-@pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k"])
 @pytest.mark.parametrize("a_operand", ["registers", "smem"])
 @pytest.mark.parametrize("m,n,k", [(1, 512, 1024), (23, 1024, 512), (64, 256, 2048),
                                    (70, 256, 512), (23, 17408, 5120)])
@@ -186,15 +190,14 @@ def test_model_wiring_of_the_mosaic_kernel(monkeypatch):
   """kernels="mosaic*" on the tiny Qwen3.5 hybrid (Q4_K_M): the Q4_K and Q6_K weights are tiled at
   load (`target_params.tile_kquants`: the fused gate|up and qkv groups, the GDN and FFN projections
   whose N and K tile, the Q6_K attn_qkv / attn_v / ffn_down and lm_head; the embedding, an lm_head
-  tied to it and other formats untouched) and `layers.linear` sends exactly those to the Mosaic GPU
-  kernel.
-  Checked three ways, since a whole model in GPU interpret mode deadlocks XLA's CPU pool
-  (concurrent kernels, each needing its simulated warpgroups' threads): (1) with the kernel call replaced by the float32 planes reference, the
-  logits of a 9-token forward equal the reference target's (relative L2 <= 1e-5: tiling, group
-  splitting and dispatch are exact); (2) one real interpret-mode call of `linear` on a tiled
-  model weight of each format against the bf16-operand float64 product (<= 1e-5); (3) the whole
-  prefill and the logits with kernels="mosaic" lower for an H100 without a GPU. Float weights are
-  refused."""
+  tied to it and other formats untouched; the file has no Q5_K) and `layers.linear` sends exactly
+  those to the Mosaic GPU kernel. Checked three ways, since a whole model in GPU interpret mode
+  deadlocks XLA's CPU pool (concurrent kernels, each needing its simulated warpgroups' threads):
+  (1) with the kernel call replaced by the float32 planes reference, the logits of a 9-token
+  forward equal the reference target's (relative L2 <= 1e-5: tiling, group splitting and dispatch
+  are exact); (2) one real interpret-mode call of `linear` on a tiled model weight of each format
+  against the bf16-operand float64 product (<= 1e-5); (3) the whole prefill and the logits with
+  kernels="mosaic" lower for an H100 without a GPU. Float weights are refused."""
   import dflash_jax as dj
   from dflash_jax import layers, target as target_lib, target_params
   from dflash_jax.gguf_io import read_gguf
@@ -223,7 +226,8 @@ def test_model_wiring_of_the_mosaic_kernel(monkeypatch):
     mp.setattr(layers, "_mosaic_matmul", planes_ref)
     lm = np.asarray(dj.forward_logits(mos, ids), np.float64)
   lr = np.asarray(dj.forward_logits(ref, ids), np.float64)
-  assert set(calls) == set(mm.TILES) and np.linalg.norm(lm - lr) / np.linalg.norm(lr) <= 1e-5
+  assert set(calls) == {mm.Q4KTiles, mm.Q6KTiles}
+  assert np.linalg.norm(lm - lr) / np.linalg.norm(lr) <= 1e-5
   for t in (next(x for x in tiles if isinstance(x, mm.Q4KTiles)), q6[0]):
     x = np.random.default_rng(0).standard_normal((5, t.shape[1])).astype(np.float32)
     got = np.asarray(layers.linear(jnp.asarray(x), t, mos.runtime), np.float64)

@@ -1,5 +1,5 @@
-"""Kernel-friendly planes of Q4_K / Q6_K weights (pallas_kernels.repack) vs gguf-py: the planes
-rebuild the file's bytes exactly, and their dequantization is bit-identical to
+"""Kernel-friendly planes of Q4_K / Q5_K / Q6_K weights (pallas_kernels.repack) vs gguf-py: the
+planes rebuild the file's bytes exactly, and their dequantization is bit-identical to
 `gguf.quants.dequantize`; device bytes within 12 % of the GGUF bytes (issue 30's bound)."""
 
 import os
@@ -24,6 +24,7 @@ def test_random_blocks_round_trip_and_bit_exact(fmt):
   raw = _random_blocks(rng, fmt, n, nb)
   p = repack.repack(raw, fmt, (n, nb * 256))
   assert np.array_equal(repack.to_gguf(p), raw)
+  assert raw.nbytes <= p.nbytes <= 1.12 * raw.nbytes
   got = jax.jit(repack.dequantize_planes)(jax.tree.map(jnp.asarray, p))
   _assert_bit_equal(got, gq.dequantize(raw, QT[fmt.upper()]))
 
