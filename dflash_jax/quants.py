@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import gguf_blocks
+from pallas_kernels import gguf_blocks, mgpu_matmul, repack
 from pallas_kernels.gguf_blocks import (BLOCK_FORMATS, FLOAT_FORMATS, QK_K, SUPPORTED_FORMATS,  # noqa: F401
                                          dequantize_blocks)
 
@@ -54,7 +54,6 @@ def dequantize(w, dtype=jnp.float32) -> jax.Array:
   `gguf.quants.dequantize` of its GGUF bytes. w: a QuantWeight, or a K-quant weight in the Mosaic
   GPU kernel's tile layout (`pallas_kernels.mgpu_matmul.TILES`, what `--kernels mosaic` loads
   Q4_K / Q5_K / Q6_K matrices as). Raises ValueError for an unknown format."""
-  from pallas_kernels import mgpu_matmul, repack
   if isinstance(w, mgpu_matmul.TILES):
     return repack.dequantize_planes(mgpu_matmul.to_planes(w), dtype)
   return gguf_blocks.dequantize(w, dtype)

@@ -88,6 +88,13 @@ def q4_k_codes(qs: jax.Array) -> jax.Array:
   return jnp.concatenate([qs & 0x0F, qs >> 4], axis=-2).reshape(*lead, 8, 32)
 
 
+def q5_k_codes(qs: jax.Array, qh: jax.Array) -> jax.Array:
+  """Q5_K codes: qs [..., 128] uint8 low nibbles (Q4_K's order), qh [..., 32] uint8 fifth bits
+  (bit g of byte i: weight 32g + i) -> [..., 8, 32] uint8 in weight order."""
+  hb = (qh[..., None, :] >> jnp.arange(8, dtype=jnp.uint8)[:, None]) & 1   # [..., 8, 32]
+  return q4_k_codes(qs) | (hb << 4)
+
+
 def q6_k_values(d: jax.Array, scales: jax.Array, ql: jax.Array, qh: jax.Array) -> jax.Array:
   """Q6_K weights from their fields: d [...] float32; scales [..., 16] float32; ql [..., 128]
   uint8 low nibbles; qh [..., 64] uint8 2-bit high parts. Returns [..., 256] float32,
@@ -130,15 +137,11 @@ def dequantize_blocks(b: jax.Array, fmt: str) -> jax.Array:
       return d * (q.astype(jnp.int8) - jnp.int8(16)).astype(jnp.float32)
     return d * q.astype(jnp.float32) + _f16(b[..., 2], b[..., 3])[..., None]
   if fmt in ("q4_k", "q5_k"):
-    lead = b.shape[:-1]
     sc, mn = _scale_min_k4(b[..., 4:16])
     if fmt == "q4_k":
       q = q4_k_codes(b[..., 16:144])
     else:
-      qh = b[..., 16:48].reshape(*lead, 1, 32)
-      ql = q4_k_codes(b[..., 48:176])
-      hb = (qh >> jnp.arange(8, dtype=jnp.uint8)[:, None]) & 1  # [..., 8, 32]
-      q = ql | (hb << 4)
+      q = q5_k_codes(b[..., 48:176], b[..., 16:48])
     return k_quant_values(_f16(b[..., 0], b[..., 1]), _f16(b[..., 2], b[..., 3]), sc, mn, q)
   if fmt == "q6_k":
     return q6_k_values(_f16(b[..., 208], b[..., 209]),

@@ -130,45 +130,13 @@ class Q6KTiles(_Tiles):
 
 
 TILES = (Q4KTiles, Q5KTiles, Q6KTiles)   # the weight types `kquant_matmul` takes
-TILE_FORMATS = ("q4_k", "q5_k", "q6_k")
+TILE_FORMATS = tuple(c.fmt for c in TILES)
+_TILE_CLASS = dict(zip(TILE_FORMATS, TILES))
 
 
 def _planes_3d(a, xp):
   """A byte plane [N, B] -> [B/32, N, 32]: byte 32g + i of a row to [g, row, i]."""
   return xp.transpose(a.reshape(a.shape[0], a.shape[1] // 32, 32), (1, 0, 2))
-
-
-def to_tiles(p: Planes):
-  """repack.Planes (Q4_K, Q5_K or Q6_K) -> Q4KTiles / Q5KTiles / Q6KTiles (transposes only;
-  numpy or jax arrays in, same kind out). Raises ValueError for another format."""
-  if p.fmt not in TILE_FORMATS:
-    raise ValueError(f"kquant_matmul: Q4_K, Q5_K or Q6_K planes only, got {p.fmt!r}")
-  n, k = p.shape
-  xp = jnp if isinstance(p.codes, jax.Array) else np
-  codes = _planes_3d(p.codes, xp)
-  if p.fmt == "q4_k":
-    return Q4KTiles(codes=codes, scales=p.scales.T, mins=p.mins.T, d=p.d.T, dmin=p.dmin.T,
-                    shape=(n, k))
-  if p.fmt == "q5_k":
-    return Q5KTiles(codes=codes, high=_planes_3d(p.high, xp), scales=p.scales.T, mins=p.mins.T,
-                    d=p.d.T, dmin=p.dmin.T, shape=(n, k))
-  return Q6KTiles(codes=codes, high=_planes_3d(p.high, xp), scales=p.scales.T, d=p.d.T,
-                  shape=(n, k))
-
-
-def to_planes(t) -> Planes:
-  """Inverse of `to_tiles`."""
-  n, k = t.shape
-  xp = jnp if isinstance(t.codes, jax.Array) else np
-  flat = lambda a: xp.transpose(a, (1, 0, 2)).reshape(n, -1)   # noqa: E731
-  if isinstance(t, Q4KTiles):
-    return Planes(codes=flat(t.codes), scales=t.scales.T, mins=t.mins.T, d=t.d.T, dmin=t.dmin.T,
-                  fmt="q4_k", shape=(n, k))
-  if isinstance(t, Q5KTiles):
-    return Planes(codes=flat(t.codes), high=flat(t.high), scales=t.scales.T, mins=t.mins.T,
-                  d=t.d.T, dmin=t.dmin.T, fmt="q5_k", shape=(n, k))
-  return Planes(codes=flat(t.codes), high=flat(t.high), scales=t.scales.T, d=t.d.T, fmt="q6_k",
-                shape=(n, k))
 
 
 def _fields(fmt: str):
@@ -188,12 +156,33 @@ def _fields(fmt: str):
   raise ValueError(f"kquant_matmul: Q4_K, Q5_K or Q6_K only, got {fmt!r}")
 
 
+def to_tiles(p: Planes):
+  """repack.Planes (Q4_K, Q5_K or Q6_K) -> Q4KTiles / Q5KTiles / Q6KTiles (transposes only;
+  numpy or jax arrays in, same kind out). Raises ValueError for another format."""
+  if p.fmt not in TILE_FORMATS:
+    raise ValueError(f"kquant_matmul: Q4_K, Q5_K or Q6_K planes only, got {p.fmt!r}")
+  xp = jnp if isinstance(p.codes, jax.Array) else np
+  arrays = {name: _planes_3d(getattr(p, name), xp) if rest else getattr(p, name).T
+            for name, _, rest, _ in _fields(p.fmt)}
+  return _TILE_CLASS[p.fmt](**arrays, shape=tuple(p.shape))
+
+
+def to_planes(t) -> Planes:
+  """Inverse of `to_tiles`."""
+  n = t.shape[0]
+  xp = jnp if isinstance(t.codes, jax.Array) else np
+  flat = lambda a: xp.transpose(a, (1, 0, 2)).reshape(n, -1)   # noqa: E731
+  arrays = {name: flat(getattr(t, name)) if rest else getattr(t, name).T
+            for name, _, rest, _ in _fields(t.fmt)}
+  return Planes(**arrays, fmt=t.fmt, shape=t.shape)
+
+
 def tile_specs(n: int, k: int, fmt: str):
   """ShapeDtypeStructs of a weight of logical shape (N, K) in fmt's tile layout (for lowering
   without data)."""
   s = jax.ShapeDtypeStruct
   arrays = {name: s((k // per, n, *rest), dtype) for name, per, rest, dtype in _fields(fmt)}
-  return dict(zip(TILE_FORMATS, TILES))[fmt](**arrays, shape=(n, k))
+  return _TILE_CLASS[fmt](**arrays, shape=(n, k))
 
 
 @dataclasses.dataclass(frozen=True)

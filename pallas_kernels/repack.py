@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.gguf_blocks import (BLOCK_FORMATS, QK_K, k_quant_values, q4_k_codes,
-                                        q6_k_values, unpack_scale_min_k4)
+                                        q5_k_codes, q6_k_values, unpack_scale_min_k4)
 
 REPACK_FORMATS = ("q4_k", "q5_k", "q6_k")
 _TYPE_SIZE = {f: BLOCK_FORMATS[f][1] for f in REPACK_FORMATS}
@@ -152,10 +152,8 @@ def dequantize_planes(p: Planes, dtype=jnp.float32) -> jax.Array:
   nb = k // QK_K
   d = p.d.astype(jnp.float32)
   if p.fmt in ("q4_k", "q5_k"):
-    q = q4_k_codes(p.codes.reshape(n, nb, 128))
-    if p.fmt == "q5_k":                  # bit g of high byte i: weight 32g + i of the block
-      qh = p.high.reshape(n, nb, 1, 32)
-      q = q | (((qh >> jnp.arange(8, dtype=jnp.uint8)[:, None]) & 1) << 4)
+    codes = p.codes.reshape(n, nb, 128)
+    q = q4_k_codes(codes) if p.fmt == "q4_k" else q5_k_codes(codes, p.high.reshape(n, nb, 32))
     w = k_quant_values(d, p.dmin.astype(jnp.float32),
                        p.scales.reshape(n, nb, 8).astype(jnp.float32),
                        p.mins.reshape(n, nb, 8).astype(jnp.float32), q)
