@@ -256,3 +256,49 @@ def test_model_wiring_of_the_mosaic_kernel(monkeypatch):
   assert tied.lm_head is tied.embed and isinstance(tied.lm_head, QuantWeight)
   with pytest.raises(ValueError, match="weights='quantized'"):
     dj.load_target(path, kernels="mosaic_interpret", weights="f32")
+
+
+@pytest.mark.skipif(not _on_hopper(), reason="needs a Hopper GPU (H100 / H200)")
+def test_model_with_mosaic_kernels_on_gpu(monkeypatch):
+  """The tiny Qwen3.5 hybrid (Q4_K_M) with kernels="mosaic" on the device, the real kernel in the
+  model's own shapes (prefill M = 9, AR M = 1, chain / DDTree verifies, two batched rows):
+  (1) logits of a 9-token forward vs the same tiled model with the kernel call replaced by XLA's
+  dot of the same bf16-rounded operands (f32 accumulation), relative L2 <= 2e-3 (a misplaced tile
+  or scale gives O(1); bf16 rounding flips of x between the two paths give ~1e-4), and vs the
+  float32 reference model <= 3e-2 (the bf16 operands' own error); (2) chain and DDTree output
+  token-identical to AR with the same kernels; (3) two rows in one batched loop (the rows folded
+  into each kernel call) give each row's tokens alone."""
+  import dflash_jax as dj
+  from dflash_jax import layers
+  from conftest import QWEN, DRAFT
+  path = os.path.join(QWEN, "model-q4_k_m.gguf")
+  ref = dj.load_target(path, kernels="reference")
+  mos = dj.load_target(path, kernels="mosaic")
+  ids = [1, 5, 9, 33, 100, 7, 2, 64, 80]
+  lm = np.asarray(dj.forward_logits(mos, ids), np.float64)
+  calls = []
+
+  def xla_bf16(x2, w, rt):
+    calls.append(type(w))
+    wb = repack.dequantize_planes(mm.to_planes(w)).astype(jnp.bfloat16)
+    return jnp.dot(x2.astype(jnp.bfloat16), wb.T, preferred_element_type=jnp.float32)
+
+  jax.clear_caches()                   # the forward's compiled program holds the kernel call
+  with monkeypatch.context() as mp:
+    mp.setattr(layers, "_mosaic_matmul", xla_bf16)
+    lx = np.asarray(dj.forward_logits(mos, ids), np.float64)
+  jax.clear_caches()
+  assert set(calls) == {mm.Q4KTiles, mm.Q6KTiles}
+  lr = np.asarray(dj.forward_logits(ref, ids), np.float64)
+  assert np.linalg.norm(lm - lx) / np.linalg.norm(lx) <= 2e-3
+  assert np.linalg.norm(lm - lr) / np.linalg.norm(lr) <= 3e-2
+  draft = dj.load_draft(DRAFT, mos)
+  ar = dj.generate(mos, None, ids, max_new_tokens=12, mode="ar", max_ctx=64).tokens
+  for mode in ("chain", "ddtree"):
+    got = dj.generate(mos, draft, ids, max_new_tokens=12, mode=mode, budget=6, max_ctx=64)
+    assert got.tokens == ar, mode
+  prompts = [ids, [3, 14, 15, 92, 65]]
+  rows = dj.generate_batch(mos, draft, prompts, max_new_tokens=8, mode="chain", max_ctx=64,
+                           batch_size=2)
+  for p, r in zip(prompts, rows):
+    assert r.tokens == dj.generate(mos, None, p, max_new_tokens=8, mode="ar", max_ctx=64).tokens

@@ -13,7 +13,9 @@
 #   1. host round trips per decode round (session 39): SmolLM2 + the shipped draft (or /tmp/ck if the
 #      training run left a checkpoint there) on 4 chat prompts x 96 tokens, AR / chain / DDTree@22, with
 #      --attention live / dense and --rounds 0 / 8, and XLA's WHILE / CONDITIONAL command buffers;
-#   2. the Mosaic GPU Q4_K / Q5_K / Q6_K kernel: on-device tests, then its table at M = 1..64 (sessions 31, 61);
+#   2. the Mosaic GPU Q4_K / Q5_K / Q6_K kernel: on-device tests (the kernel alone at 5 shapes x 2 WGMMA
+#      operand placements x 3 formats, and in the tiny hybrid model: session 62; the interpret-mode cases
+#      CI runs are left out), then its table at M = 1..64 (sessions 31, 61);
 #   3. the outputs-only tree Gated DeltaNet kernel: tests, then the 27B-shaped e2e with replay (session 32);
 #   4. the 27B-shaped random model end to end: pallas vs pallas_dense vs mosaic (sessions 32, 39);
 #   4b. the 27B-shaped random model's batched AR step, B = 1 / 4 / 16 / 64 rows, Pallas vs reference
@@ -74,7 +76,7 @@ needs "$DRAFT/model.safetensors" syncs_live_r0 90 "$B --json_out $OUT/syncs_live
 needs "$DRAFT/model.safetensors" syncs_dense_r8 90 "$B --attention dense --rounds 8 --json_out $OUT/syncs_dense_r8.json"
 needs "$DRAFT/model.safetensors" syncs_live_r0_cmdbuf 90 "XLA_FLAGS=$CMDBUF $B --json_out $OUT/syncs_live_r0_cmdbuf.json"
 needs "$DRAFT/model.safetensors" syncs_dense_r0 90 "$B --attention dense --json_out $OUT/syncs_dense_r0.json"
-needs tests/data/dflash_tiny pytest_mgpu 120 "python3 -m pytest -q tests/test_mgpu.py -k gpu"
+needs tests/data/dflash_tiny pytest_mgpu 120 "python3 -m pytest -q tests/test_mgpu.py -k 'on_gpu or lowers_for_cuda'"
 run mgpu_table 150 "python3 scripts/bench_kernels.py --tables=mgpu --formats=q4_k,q6_k,q5_k --ms=1,16,23,32,64 \
 --mgpu_stages=2,3,4 --e2e= --repeats 10 --json_out $OUT/mgpu.json"
 needs tests/data/dflash_tiny pytest_tree_replay 120 "python3 -m pytest -q tests/test_kernels.py -k 'tree_gdn or model_with_pallas or folds'"
