@@ -62,7 +62,8 @@ if [ "$GEN_MIN" != -1 ]; then
   echo "$(cat .gpu/smol.sha256)  /tmp/smol.gguf" | sha256sum -c || exit 1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   rm -rf /tmp/repo /tmp/data /tmp/ck /tmp/gen.done /tmp/train.done && mkdir /tmp/repo
-  cp -r dflash_jax pallas_kernels scripts checkpoints .gpu/prompts.npz /tmp/repo/
+  cp -r dflash_jax pallas_kernels scripts checkpoints /tmp/repo/
+  [ -f .gpu/prompts.npz ] && cp .gpu/prompts.npz /tmp/repo/     # carried only with generation
   cp -r checkpoints/train_data/smollm2-135m-instruct /tmp/data
   [ -f .gpu/jcache.tgz ] && tar xzf .gpu/jcache.tgz -C /tmp     # a carried compilation cache
   SEED=$(( $(date +%s) % 100000 ))      # the batch order; recorded in train_log.json
