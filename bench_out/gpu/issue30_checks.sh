@@ -23,7 +23,9 @@
 #   5. a Qwen3.5-35B-A3B-shaped MoE FFN (session 41): tests/test_moe.py, then its table (both expert
 #      paths, Pallas vs reference kernels, T = 1 .. 64);
 #   6. the MTP draft (session 42): the 27B-shaped random model with an MTP block: 3 block steps + a chain-4 verify against an AR step (the break-even
-#      acceptance length of `--draft mtp` on this GPU).
+#      acceptance length of `--draft mtp` on this GPU);
+#   7. mode="auto"'s table for this GPU kind (session 62): SmolLM2 + the draft at B = 1 and 8, every
+#      mode, written as an auto-mode table to ship (without one, auto decodes AR on a GPU).
 set -u
 BUDGET=${1:?BUDGET_S}
 DRY=${2:-}
@@ -89,4 +91,21 @@ run moe_35b 90 "python3 scripts/bench_kernels.py --tables=moe --ms=1,16,23,64 --
 --json_out $OUT/moe_35b.json"
 run e2e_mtp 200 "python3 scripts/bench_kernels.py --tables= --e2e=pallas_mtp --repeats 10 \
 --json_out $OUT/e2e_mtp.json"
+# 7. mode="auto"'s table for this GPU kind (session 62): auto looks the mode up by platform:device kind,
+#    target file name and draft directory name, and without an entry it decodes AR, so on a GPU it never
+#    uses the draft until a table is shipped. The names the key needs are given by links. Merge
+#    $OUT/auto_modes_gpu.json into dflash_jax/auto_modes.json only if the measured draft is the shipped one
+#    (auto_table.json's "draft"; DRAFT is /tmp/ck after a training run).
+TBL=""
+[ -f checkpoints/train_data/smollm2-135m-instruct/manifest.json ] &&
+  TBL="--lookup_table checkpoints/train_data/smollm2-135m-instruct --table_expects 2"
+if [ -z "$DRY" ]; then
+  ln -sf /tmp/smol.gguf /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
+  mkdir -p /tmp/auto && ln -sfn "$(realpath "$DRAFT")" /tmp/auto/smollm2-135m-instruct-dflash
+fi
+needs "$DRAFT/model.safetensors" auto_table 300 "python3 scripts/bench.py \
+--target /tmp/SmolLM2-135M-Instruct.Q4_1.gguf --draft /tmp/auto/smollm2-135m-instruct-dflash \
+--dataset chat --n_prompts 16 --n_gen 64 --repeats 1 --batch_sizes 1,8 --modes ar,lookup,chain,ddtree \
+--budgets 8,22 --lookups 4 $TBL --nollama_cpp --auto_table $OUT/auto_modes_gpu.json \
+--json_out $OUT/auto_table.json"
 [ -z "$DRY" ] && ls -l "$OUT"
