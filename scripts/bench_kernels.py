@@ -54,6 +54,10 @@ _TABLES = flags.DEFINE_list("tables", ["matmul", "tree_gdn"], "Kernel tables to 
                             "paths, Pallas vs reference kernels).")
 _MGPU_STAGES = flags.DEFINE_list("mgpu_stages", [], "mgpu table: pipeline depths to time besides "
                                  "the default (each a row).")
+_MGPU_OPERANDS = flags.DEFINE_list("mgpu_operands", ["registers"], "mgpu table: WGMMA operand "
+                                   "placements of the dequantized weight tile (registers, smem), "
+                                   "each a row at the default depth; --mgpu_stages vary the first. "
+                                   "--interpret runs smem only.")
 _SWEEP = flags.DEFINE_list("sweep", ["q4_k:17408:5120", "q6_k:5120:17408"],
                            "fmt:N:K matrices for the tiles table.")
 _SWEEP_MS = flags.DEFINE_list("sweep_ms", ["1", "23"], "Rows of x for the tiles table.")
@@ -454,7 +458,9 @@ def _mgpu_table(res, sz, rng, copy_gbs, reps):
   """pallas_kernels.mgpu_matmul (Mosaic GPU, K-quant tiles) vs the Triton kernel and XLA's
   dequantize + dot on the same weights, for the Q4_K / Q5_K / Q6_K entries of --formats, the size set's
   shapes x --ms, weight copies rotated as in the matmul table. With --interpret: GPU interpret
-  mode on the CPU (a_operand="smem", compute_wgs=1), a smoke run of this table, not a timing."""
+  mode on the CPU (a_operand="smem", compute_wgs=1), a smoke run of this table, not a timing.
+  A configuration that fails to compile or run is a row with its error (the table goes on: one
+  device call should not lose the other rows to one bad configuration)."""
   import contextlib
   import dataclasses
   import jax
@@ -477,8 +483,11 @@ def _mgpu_table(res, sz, rng, copy_gbs, reps):
     r_w, n_x = len(ws), 2
     for m in (int(v) for v in _MS.value):
       base = mm.default_config(m, n, k, dm.device_sm_count(), fmt, **kw)
-      cfgs = [base] + [dataclasses.replace(base, stages=int(st)) for st in _MGPU_STAGES.value
-                       if int(st) != base.stages]
+      operands = ["smem"] if interp else _MGPU_OPERANDS.value
+      cfgs = ([dataclasses.replace(base, a_operand=operands[0])]
+              + [dataclasses.replace(base, a_operand=operands[0], stages=int(st))
+                 for st in _MGPU_STAGES.value if int(st) != base.stages]
+              + [dataclasses.replace(base, a_operand=op) for op in operands[1:]])
       xs = [jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16) for _ in range(n_x)]
       tri = jax.jit(lambda xs, ws: [dm.dequant_matmul(x, w, compute_dtype=jnp.bfloat16,
                                                       interpret=interp) for x in xs for w in ws])
@@ -490,10 +499,18 @@ def _mgpu_table(res, sz, rng, copy_gbs, reps):
       for cfg in cfgs:
         if mm.smem_bytes(cfg, m, fmt) > mm.SMEM_LIMIT:
           continue
-        with ctx():
-          kern = jax.jit(lambda xs, ts, cfg=cfg: [mm.kquant_matmul(x, t, cfg) for x in xs for t in ts])
-          ms = _median_ms(kern, xs, ts, repeats=reps) / (r_w * n_x)
-          y = np.asarray(kern(xs[:1], ts[:1])[0], np.float64)
+        try:
+          with ctx():
+            kern = jax.jit(lambda xs, ts, cfg=cfg: [mm.kquant_matmul(x, t, cfg)
+                                                    for x in xs for t in ts])
+            ms = _median_ms(kern, xs, ts, repeats=reps) / (r_w * n_x)
+            y = np.asarray(kern(xs[:1], ts[:1])[0], np.float64)
+        except Exception as e:                     # noqa: BLE001 (recorded, the table goes on)
+          rows.append({"fmt": fmt, "matrix": name, "N": n, "K": k, "M": m, "config": str(cfg),
+                       "error": f"{type(e).__name__}: {e}"[:2000]})
+          _dump(res | {"mgpu": rows})
+          _log(f"mgpu {fmt} {name} M={m} {cfg}: FAILED {type(e).__name__}: {str(e)[:300]}")
+          continue
         err = float(np.linalg.norm(y - y_ref) / np.linalg.norm(y_ref))
         gbs = ts[0].nbytes / (ms * 1e-3) / 1e9
         rows.append({"fmt": fmt, "matrix": name, "N": n, "K": k, "M": m, "config": str(cfg),
@@ -502,7 +519,7 @@ def _mgpu_table(res, sz, rng, copy_gbs, reps):
                      "speedup_vs_triton": ms_tri / ms, "speedup_vs_xla": ms_xla / ms,
                      "rel_err_vs_xla": err})
         _dump(res | {"mgpu": rows})
-        _log(f"mgpu {fmt} {name} M={m} stages={cfg.stages}: {ms:.4f} ms {gbs:.0f} GB/s "
+        _log(f"mgpu {fmt} {name} M={m} stages={cfg.stages} {cfg.a_operand}: {ms:.4f} ms {gbs:.0f} GB/s "
              f"({gbs / copy_gbs:.2f} of copy), Triton {ms_tri:.4f} ms, XLA {ms_xla:.4f} ms, "
              f"rel err {err:.1e}")
     del ws, ts
@@ -587,6 +604,10 @@ def _print_tables(res):
     print(f"\n{'fmt':5} {'matrix':12} {'N':>7} {'K':>6} {'M':>3} {'mgpu ms':>9} {'of copy':>8} "
           f"{'Triton ms':>10} {'XLA ms':>8} {'x Triton':>9} {'rel err':>8}  config")
   for r in res.get("mgpu", []):
+    if "error" in r:
+      print(f"{r['fmt']:5} {r['matrix']:12} {r['N']:7d} {r['K']:6d} {r['M']:3d} FAILED  "
+            f"{r['config']}: {r['error'][:200]}")
+      continue
     print(f"{r.get('fmt', 'q4_k'):5} {r['matrix']:12} {r['N']:7d} {r['K']:6d} {r['M']:3d} "
           f"{r['mgpu_ms']:9.4f} {r['fraction_of_copy']:8.2f} {r['triton_ms']:10.4f} {r['xla_ms']:8.4f} "
           f"{r['speedup_vs_triton']:9.2f} {r['rel_err_vs_xla']:8.1e}  {r['config']}")

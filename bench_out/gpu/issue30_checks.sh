@@ -80,7 +80,7 @@ needs "$DRAFT/model.safetensors" syncs_live_r0_cmdbuf 90 "XLA_FLAGS=$CMDBUF $B -
 needs "$DRAFT/model.safetensors" syncs_dense_r0 90 "$B --attention dense --json_out $OUT/syncs_dense_r0.json"
 needs tests/data/dflash_tiny pytest_mgpu 120 "python3 -m pytest -q tests/test_mgpu.py -k 'on_gpu or lowers_for_cuda'"
 run mgpu_table 150 "python3 scripts/bench_kernels.py --tables=mgpu --formats=q4_k,q6_k,q5_k --ms=1,16,23,32,64 \
---mgpu_stages=2,3,4 --e2e= --repeats 10 --json_out $OUT/mgpu.json"
+--mgpu_stages=2,3,4 --mgpu_operands=registers,smem --e2e= --repeats 10 --json_out $OUT/mgpu.json"
 needs tests/data/dflash_tiny pytest_tree_replay 120 "python3 -m pytest -q tests/test_kernels.py -k 'tree_gdn or model_with_pallas or folds'"
 run e2e_27b 240 "python3 scripts/bench_kernels.py --tables=tree_gdn \
 --e2e=pallas,pallas_dense,pallas_replay,mosaic --repeats 10 --json_out $OUT/e2e_27b.json"
