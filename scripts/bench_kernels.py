@@ -472,6 +472,7 @@ def _mgpu_table(res, sz, rng, copy_gbs, reps):
   from pallas_kernels import repack
   interp = _INTERPRET.value
   kw = dict(a_operand="smem", compute_wgs=1) if interp else {}
+  operands = ["smem"] if interp else _MGPU_OPERANDS.value
   ctx = plgpu.force_gpu_interpret_mode if interp else contextlib.nullcontext
   rows = []
   shapes = [(fmt, name, n, k) for fmt in _FORMATS.value if fmt in mm.TILE_FORMATS
@@ -483,7 +484,6 @@ def _mgpu_table(res, sz, rng, copy_gbs, reps):
     r_w, n_x = len(ws), 2
     for m in (int(v) for v in _MS.value):
       base = mm.default_config(m, n, k, dm.device_sm_count(), fmt, **kw)
-      operands = ["smem"] if interp else _MGPU_OPERANDS.value
       cfgs = ([dataclasses.replace(base, a_operand=operands[0])]
               + [dataclasses.replace(base, a_operand=operands[0], stages=int(st))
                  for st in _MGPU_STAGES.value if int(st) != base.stages]

@@ -269,7 +269,7 @@ def test_model_with_mosaic_kernels_on_gpu(monkeypatch):
   token-identical to AR with the same kernels; (3) two rows in one batched loop (the rows folded
   into each kernel call) give each row's tokens alone."""
   import dflash_jax as dj
-  from dflash_jax import layers
+  from dflash_jax import layers, quants
   from conftest import QWEN, DRAFT
   path = os.path.join(QWEN, "model-q4_k_m.gguf")
   ref = dj.load_target(path, kernels="reference")
@@ -280,7 +280,7 @@ def test_model_with_mosaic_kernels_on_gpu(monkeypatch):
 
   def xla_bf16(x2, w, rt):
     calls.append(type(w))
-    wb = repack.dequantize_planes(mm.to_planes(w)).astype(jnp.bfloat16)
+    wb = quants.dequantize(w, jnp.bfloat16)      # tiles -> planes -> gguf-py's values, rounded
     return jnp.dot(x2.astype(jnp.bfloat16), wb.T, preferred_element_type=jnp.float32)
 
   jax.clear_caches()                   # the forward's compiled program holds the kernel call
