@@ -33,7 +33,6 @@ _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the record here.")
 
 def main(argv):
   del argv
-  import jax
   import numpy as np
   import dflash_jax as dj
   from dflash_jax import cli, draft_io, train
@@ -54,8 +53,7 @@ def main(argv):
                          lr=_LR.value, warmup=10, kl_weight=0.5, gamma=7.0, seed=0)
   st = train.init_state(params, train.make_optimizer(tc))
   lm = objective.frozen_target_tensors(target)[1]
-  mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-  step_fn = train.make_step(target, cfg, tc, mesh)
+  step_fn = train.make_step(target, cfg, tc)
   record = {"draft": _DRAFT.value, "n_fit": n, "seq_len": seq_len, "train_config": {
       "steps": tc.steps, "batch": tc.batch, "anchors": tc.anchors, "lr": tc.lr},
             "fit_response_tokens": int(sum(s.response.size for s in fit)), "evals": []}
@@ -76,7 +74,7 @@ def main(argv):
   evaluate()
   while st.step < tc.steps:
     st = train.train(target, cfg, fit, tc, st, until=min(tc.steps, st.step + _EVERY.value),
-                     mesh=mesh, step_fn=step_fn,
+                     step_fn=step_fn,
                      on_metrics=lambda s, m: metrics.append(m))
     evaluate()
   record["wall_s"] = round(time.perf_counter() - t0, 1)
