@@ -45,7 +45,7 @@ def main(argv):
     for e in evals:
       points.append({"run": label, **e})
       print(json.dumps(points[-1]))
-  ax.set_xlabel("training tokens seen (millions; real tokens; online1 (session 13): sequences x seq_len)")
+  ax.set_xlabel("training tokens seen (millions; real tokens; the first CPU run: sequences x seq_len)")
   ax.set_ylabel("held-out mean acceptance length (chain)")
   ax.grid(alpha=0.3)
   ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
