@@ -110,7 +110,7 @@ def grammar_compiler(target: Target) -> grammar_lib.GrammarCompiler:
 def _resolve_weights(weights: str, f, rt: Runtime) -> str:
   """weights="auto": "quantized" for the Pallas kernels (they read packed GGUF blocks) and on
   accelerators; on CPU "f32" when the dequantized weights take at most half the available
-  memory, else "quantized". Measured on XLA:CPU (SmolLM2 Q4_1, AR, bench_out/cpu_profile): the
+  memory, else "quantized". Measured on XLA:CPU (SmolLM2 Q4_1, AR; docs/benchmarks.md): the
   dot over f32 weights streams them at ~20 GB/s, while packed weights are dequantized inside
   every device call (XLA hoists it out of the decode loop): 30 vs 35 ms/token at 32 steps per
   call, 30 vs 69 ms/token at 4 (streaming)."""

@@ -641,8 +641,8 @@ class DecodeConfig:
       first position, max(0, pos - draft_window): the block always sits at positions <=
       draft_window + L, as in training on draft_window-token sequences; keys are stored
       unrotated and rotated as each chunk is read). RoPE scores depend only on key-query
-      offsets, so the two agree up to float rounding (measured: `bench_out/README.md`, "Long
-      context"). Without a ring buffer they are the same computation.
+      offsets, so the two agree up to float rounding (measured: docs/benchmarks.md, "KV cache
+      formats"). Without a ring buffer they are the same computation.
     invariant_rows: 0 (off), or R >= the mode's `verify_len`: batch-invariant decoding. Every
       decode forward (an autoregressive step, a chain or DDTree verify) runs R rows rounded up
       to a multiple of 32 (`target.invariant_slots`; the tree padded with nodes nothing

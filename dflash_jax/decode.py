@@ -54,7 +54,7 @@ AR_CONFIGS = (mtp_lib.MTPConfig, eagle3_lib.Eagle3Config)
 # prompt's repeats, e.g. code being edited, are found up to this far back; llama.cpp's lookup
 # searches the whole context) and the penalties (the last sampling.PENALTY_WINDOW of them).
 # The search and the window's update cost the same few microseconds from 256 to 2048 tokens
-# on the CPU (session 58); 8 KB a row.
+# on the CPU; 8 KB a row.
 RECENT_WINDOW = 2048
 
 

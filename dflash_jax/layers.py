@@ -253,7 +253,7 @@ def live_chunk(capacity: int, n_queries: int = 1) -> int:
   when the step is small: on the 2-core CPU, SmolLM2 at 64K live rows, 2048-row chunks take an
   AR step from 569 to 337 ms (float32 cache) and a 16-token verify from 1697 to 1150 ms; a
   512-query prefill chunk at 16K live rows is slower with them (11.2 s at 128 rows, 15.3 s at
-  512) (bench_out/kv_cpu/attention_chunk.json)."""
+  512)."""
   if n_queries > 32:
     return 128
   return int(min(2048, max(128, 1 << max(capacity // 32, 1).bit_length() - 1)))

@@ -122,9 +122,8 @@ def from_shards(data_dir: str, vocab: int, *, greedy_only: bool = True, **kw) ->
 
   greedy_only: count only the shards generated at temperature 0 (the manifest's "temperature";
     an entry without one counts as greedy), when the directory has any: the table proposes what
-    greedy decoding writes, and sampled answers lower the shares of its entries (session 56,
-    `bench_out/ngram_cpu/README.md`: decoded acceptance 1.668 -> 1.678 chat, 1.900 -> 1.911
-    HumanEval without them). A directory of sampled shards only is counted whole.
+    greedy decoding writes, and sampled answers lower the shares of its entries (decoded
+    acceptance 1.668 -> 1.678 chat, 1.900 -> 1.911 HumanEval without them). A directory of sampled shards only is counted whole.
   kw: `build`'s options. Raises ValueError for a directory without shards."""
   from dflash_jax.train import shards
   greedy = greedy_only and any(map(_greedy, shards.read_manifest(data_dir)["shards"]))
@@ -328,7 +327,6 @@ def mix_rows(table: NgramTable, dlogits: jax.Array, history: jax.Array, n_valid:
   takes the table's token where p_k(t) + w s >= p_k's top probability, and DDTree's best-first
   tree is built over the q's. A DFlash draft's rows do not depend on the tokens chosen before
   them (one forward over [bonus, MASK...]), so the mixture needs no further draft pass.
-  Measured on held-out greedy text (bench_out/train/fusion_study.py).
 
   dlogits: [D, V] float32 draft logits for offsets 1..D; history: [H] int32 the row's tokens
   with the bonus token last, the last n_valid real; weight: w >= 0 (0 returns log p).

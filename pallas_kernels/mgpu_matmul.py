@@ -8,7 +8,7 @@ llama.cpp and unsloth Q4_K_M files use for Qwen3.5's attn_qkv) or `Q6KTiles` (21
 formats share the kernel; only the planes a pipeline step loads and the dequantization of one
 32-weight group differ.
 
-Design (issue 30; ideas taken from JAX's `ops/gpu/hopper_mixed_type_matmul_mgpu.py`: a
+Design (ideas taken from JAX's `ops/gpu/hopper_mixed_type_matmul_mgpu.py`: a
 warp-specialized TMA pipeline (`plgpu.emit_pipeline_warp_specialized`, one memory warpgroup,
 two compute warpgroups), the quantized operand loaded from SMEM into registers, converted there
 and fed to WGMMA as the register operand, a persistent grid walking the work items with

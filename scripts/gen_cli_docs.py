@@ -3,8 +3,8 @@
   python scripts/gen_cli_docs.py            # rewrite the generated part of docs/cli.md
   python scripts/gen_cli_docs.py --check    # exit 1 when docs/cli.md differs from the definitions
 
-Each program is imported in its own process (the scripts define flags of the same names in absl's
-global registry) and its flags are listed with their type, default and help text: the flags the
+The programs are imported one after another in one child process (each program's flags are removed
+from absl's registry before the next is imported: the scripts define flags of the same names) and its flags are listed with their type, default and help text: the flags the
 program's own module defines and those of the `dflash_jax` modules it defines flags through
 (`target_flags`, `decode_flags`). The generated part of docs/cli.md lies between the two marker lines
 below; the text around it is written by hand.
@@ -51,32 +51,43 @@ PROGRAMS = (
 _CHILD = r"""
 import importlib.util, json, sys
 from absl import flags
-path = sys.argv[1]
-name = "_cli_doc_program"
-spec = importlib.util.spec_from_file_location(name, path)
-mod = importlib.util.module_from_spec(spec)
-sys.modules[name] = mod
-spec.loader.exec_module(mod)
-rows = []
-for module, fl in sorted(flags.FLAGS.flags_by_module_dict().items()):
-  if module != name and not module.startswith("dflash_jax"):
-    continue
-  for f in fl:
-    rows.append({"name": f.name, "type": f.flag_type(), "default": f.default_as_str,
-                 "help": f.help, "boolean": bool(f.boolean)})
-json.dump(sorted({r["name"]: r for r in rows}.values(), key=lambda r: r["name"]), sys.stdout)
+FLAGS = flags.FLAGS
+base = set(FLAGS)
+out = []
+for i, path in enumerate(sys.argv[1:]):
+  for name in set(FLAGS) - base:     # the previous program's flags: scripts reuse names
+    delattr(FLAGS, name)
+  name = f"_cli_doc_program_{i}"
+  spec = importlib.util.spec_from_file_location(name, path)
+  mod = importlib.util.module_from_spec(spec)
+  sys.modules[name] = mod
+  spec.loader.exec_module(mod)
+  rows = {}
+  for module, fl in FLAGS.flags_by_module_dict().items():
+    if module != name and not module.startswith("dflash_jax"):
+      continue
+    for f in fl:
+      if f.name not in FLAGS or FLAGS[f.name] is not f:
+        continue                     # a removed flag of an earlier program
+      d = f.default
+      d = "" if d is None else ",".join(map(str, d)) if isinstance(d, list) else (
+          str(d).lower() if isinstance(d, bool) else str(d))
+      rows[f.name] = {"name": f.name, "type": f.flag_type(), "default": d, "help": f.help,
+                      "boolean": bool(f.boolean)}
+  out.append([rows[k] for k in sorted(rows)])
+json.dump(out, sys.stdout)
 """
 
 
-def program_flags(path: str) -> list[dict]:
-  """The flags `path` (a script or module file, relative to the repository root) defines, as dicts
-  of name / type / default / help, by importing it in a child process. Raises RuntimeError naming
-  the file when the import fails."""
+def programs_flags(paths: list[str]) -> list[list[dict]]:
+  """The flags each of `paths` (script or module files, relative to the repository root) defines,
+  as lists of dicts of name / type / default / help, imported one after another in one child
+  process. Raises RuntimeError when an import fails."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  p = subprocess.run([sys.executable, "-c", _CHILD, os.path.join(ROOT, path)], cwd=ROOT,
-                     capture_output=True, text=True, env=env)
+  p = subprocess.run([sys.executable, "-c", _CHILD, *[os.path.join(ROOT, x) for x in paths]],
+                     cwd=ROOT, capture_output=True, text=True, env=env)
   if p.returncode:
-    raise RuntimeError(f"importing {path} failed:\n{p.stderr[-2000:]}")
+    raise RuntimeError(f"importing {paths} failed:\n{p.stderr[-2000:]}")
   return json.loads(p.stdout)
 
 
@@ -101,7 +112,8 @@ def render_tables(per_program: list[tuple[str, str, list[dict]]]) -> str:
 
 def render() -> str:
   """The generated part of docs/cli.md, from the programs' flag definitions."""
-  return render_tables([(c, what, program_flags(p)) for c, p, what in PROGRAMS])
+  per = programs_flags([p for _, p, _ in PROGRAMS])
+  return render_tables([(c, what, fl) for (c, _, what), fl in zip(PROGRAMS, per)])
 
 
 def splice(doc: str, tables: str) -> str:

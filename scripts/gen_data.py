@@ -45,7 +45,7 @@ _MAX_TOKENS = flags.DEFINE_integer("max_response_tokens", None, "Stop once the d
 _PROMPTS_FILE = flags.DEFINE_string(
     "prompts_file", None, "Answer the encoded prompts in this file (written by --export_prompts) "
     "in place of building the corpus here: the corpus is built from the installed standard "
-    "library and packages, so another machine (e.g. a lent GPU) answers the same prompts only "
+    "library and packages, so another machine (e.g. a GPU machine) answers the same prompts only "
     "through such a file.")
 _EXPORT = flags.DEFINE_string("export_prompts", None, "Write the encoded corpus prompts from "
                               "--start_prompt on (at most --export_count) to this file and exit.")

@@ -1,4 +1,4 @@
-"""A decode round without host round trips (issue 30, step overheads): `Runtime.attention`
+"""A decode round without host round trips (the step's overheads on a GPU): `Runtime.attention`
 "dense" and `Runtime.rounds`, counted by `host_syncs`, and lossless under both."""
 
 import dataclasses

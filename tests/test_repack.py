@@ -1,6 +1,6 @@
 """Kernel-friendly planes of Q4_K / Q5_K / Q6_K weights (pallas_kernels.repack) vs gguf-py: the
 planes rebuild the file's bytes exactly, and their dequantization is bit-identical to
-`gguf.quants.dequantize`; device bytes within 12 % of the GGUF bytes (issue 30's bound)."""
+`gguf.quants.dequantize`; device bytes within 12 % of the GGUF bytes (the bound the Mosaic GPU kernel is planned for)."""
 
 import os
 

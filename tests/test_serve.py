@@ -564,7 +564,7 @@ def test_api_key_file(tmp_path):
     serve.read_api_key_file(str(tmp_path / "missing"))
 
 
-# --- the surface real clients expect (issue 27): message shapes, choices, seeds, endpoints,
+# --- the surface real clients expect: message shapes, choices, seeds, endpoints,
 # CORS, Prometheus metrics, timings, the Anthropic Messages API ------------------------------
 
 

@@ -4,7 +4,7 @@ LLMs with Nothing", arXiv:2406.08464).
 
 An instruction-tuned target, given its chat template up to where a user turn's text begins, writes
 a user turn: sampling that prefix (`pre_query_ids`) gives queries from the distribution the target
-was tuned on, far more varied than `corpus`'s templates (session 51: the shipped draft accepts 2.50
+was tuned on, far more varied than `corpus`'s templates (the shipped draft accepts 2.50
 on held-out answers to the corpus's chat prompts but 1.69 on the benchmark's). An optional opener
 ("Write a Python function that") steers a share of the queries to code. Queries that sampling did
 not end (no end-of-turn token within the budget), too short or too long, repeated, or sharing a

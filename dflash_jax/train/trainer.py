@@ -37,7 +37,7 @@ class TrainConfig:
   restrict_vocab: the loss's softmaxes over the token ids that occur in the training sequences
   (`objective.data_vocab`: every label is one) instead of the whole vocabulary; DFlash-1 only.
   For SmolLM2's 22 shards that is 17,191 of 49,152 ids, and the lm_head matmuls dominate a small
-  draft's step (bench_out/train/README.md). Decoding always uses the whole lm_head.
+  draft's step. Decoding always uses the whole lm_head.
   loss_offsets: K, the block offsets 1..K that carry the loss (0: all L-1). The draft still runs
   the whole block; only K rows per block go through the lm_head and the softmaxes. At an
   acceptance length of ~1.5, offsets past ~5 add nothing to decoding, so K ~ 6 puts the step's
@@ -52,7 +52,7 @@ class TrainConfig:
   0: the materialized form. remat_attention: recompute the draft's attention scores in the
   backward pass instead of keeping them. Both change memory, not the loss or its gradient
   (XLA's estimate for 24 packed rows of 1024 x 245 anchors over a 29k-id loss vocabulary in
-  bfloat16: 101 GB materialized, 54 GB fused, 28 GB with both; bench_out/train/README.md).
+  bfloat16: 101 GB materialized, 54 GB fused, 28 GB with both).
   """
 
   steps: int = 1000
