@@ -998,16 +998,26 @@ def _too_large_exception(limit: int):
   return HTTPException(413, _too_large(limit).message, headers={"Connection": "close"})
 
 
+def _key_matches(headers: dict, key: bytes) -> bool:
+  """Whether the request presents `key`: as `Authorization: Bearer <key>` (the scheme matched
+  case-insensitively, RFC 9110 11.1) or as Anthropic's `x-api-key: <key>`. Each candidate is
+  compared with hmac.compare_digest."""
+  scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+  ok = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
+  return hmac.compare_digest(headers.get(b"x-api-key", b""), key) or ok
+
+
 class Guard:
   """Pure ASGI middleware in front of the app (not Starlette's BaseHTTPMiddleware, which hides
   client disconnects from the routes): checks the Host header against `allowed_hosts` (400
-  invalid_host), the API key on every route but /health (401; hmac.compare_digest), and the
+  invalid_host), the API key on every route but /health (401; `Authorization: Bearer` with
+  the scheme in any case, or `x-api-key`; hmac.compare_digest), and the
   request body size (413 request_too_large from Content-Length at once, or as soon as a body
   without one grows past the limit). max_body_bytes(): the limit now (it follows the engine)."""
 
   def __init__(self, app, *, api_key: Optional[str], allowed_hosts, max_body_bytes: Callable[[], int]):
     self.app, self.max_body_bytes = app, max_body_bytes
-    self.key = f"Bearer {api_key}".encode() if api_key else None
+    self.key = api_key.encode() if api_key else None
     self.hosts = None if allowed_hosts is None else frozenset(h.lower() for h in allowed_hosts)
 
   async def __call__(self, scope, receive, send):
@@ -1020,8 +1030,7 @@ class Guard:
       return await _json_error(ApiError(400, f"Host header {host[:100]!r} is not allowed (allowed: "
                                         f"{', '.join(sorted(self.hosts))}; --allowed_hosts)",
                                         code="invalid_host"), anthropic=anthropic)(scope, receive, send)
-    if self.key is not None and scope["path"] != "/health" and not hmac.compare_digest(
-        headers.get(b"authorization", b""), self.key):
+    if self.key is not None and scope["path"] != "/health" and not _key_matches(headers, self.key):
       return await _json_error(ApiError(401, "invalid or missing API key", type_="authentication_error",
                                         code="invalid_api_key"), anthropic=anthropic)(scope, receive, send)
     limit = self.max_body_bytes()
@@ -1138,7 +1147,8 @@ def create_app(engine, api_key: Optional[str] = None, *, allowed_hosts=None,
   None while it is still loading (then /health answers 503 {"status": "loading"} and the other
   routes a 503 error).
 
-  api_key: required as a Bearer token on every route but /health (docs and /metrics included).
+  api_key: required on every route but /health (docs and /metrics included), as a Bearer token
+    (`Authorization: Bearer <key>`, the scheme in any case) or Anthropic's `x-api-key` header.
   allowed_hosts: Host header names accepted (None: any; see default_allowed_hosts).
   max_body_bytes: request body limit (default Engine.max_body_bytes(), 1 MiB while loading).
   cors_origins: origins a browser page may call the API from (CORS, starlette's CORSMiddleware:

@@ -53,6 +53,43 @@ def server(smol):
   yield from _serving(smol, dj.load_draft(cli.find_draft_dir(smol), smol), MAX_CTX, 64)
 
 
+def test_api_key_headers_and_scheme_case():
+  """The key is accepted as `Authorization: Bearer <key>` with the scheme in any case (RFC 9110)
+  and as Anthropic's `x-api-key`; a wrong key, another scheme, or the key without a scheme is
+  401. Checked on the ASGI middleware alone (no model)."""
+  import asyncio
+
+  async def app(scope, receive, send):
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+  guard = serve.Guard(app, api_key="s3cret", allowed_hosts=None, max_body_bytes=lambda: 1 << 20)
+
+  def status(path, **headers):
+    sent = []
+
+    async def receive():
+      return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(msg):
+      sent.append(msg)
+
+    scope = {"type": "http", "path": path, "method": "GET",
+             "headers": [(k.replace("_", "-").encode(), v.encode()) for k, v in headers.items()]}
+    asyncio.run(guard(scope, receive, send))
+    return next(m["status"] for m in sent if m["type"] == "http.response.start")
+
+  for ok in ({"authorization": "Bearer s3cret"}, {"authorization": "bearer s3cret"},
+             {"authorization": "BEARER s3cret"}, {"x_api_key": "s3cret"},
+             {"authorization": "Basic abc", "x_api_key": "s3cret"}):
+    assert status("/v1/messages", **ok) == 200, ok
+  for bad in ({}, {"authorization": "Bearer s3cre"}, {"authorization": "s3cret"},
+              {"authorization": "Basic s3cret"}, {"x_api_key": "nope"},
+              {"authorization": "Bearer nope", "x_api_key": "wrong"}):
+    assert status("/v1/models", **bad) == 401, bad
+  assert status("/health") == 200
+
+
 def test_api_key(server):
   base, srv, th = _start(server[1], api_key="k")
   try:
