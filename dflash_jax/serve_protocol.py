@@ -193,9 +193,13 @@ def content_text(content, where: str) -> str:
   texts = []
   for j, part in enumerate(content):
     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-    if kind != "text" or not isinstance(part.get("text"), str):
+    if kind != "text":
       raise ApiError(400, f"{where}[{j}]: content parts of type {kind!r} are not supported "
                      "(this model reads text parts only)", param=f"{where}[{j}]")
+    if not isinstance(part.get("text"), str):
+      got = "missing" if "text" not in part else f"a {type(part['text']).__name__}"
+      raise ApiError(400, f"{where}[{j}].text must be a string (a text part is {{type: 'text', "
+                     f"text: str}}); it is {got}", param=f"{where}[{j}].text")
     texts.append(part["text"])
   return "\n".join(texts)
 
@@ -240,8 +244,9 @@ def chat_messages(messages, chat_template: Optional[str]) -> list[dict]:
     if role not in ("system", "developer", "user", "assistant", "tool"):
       raise ApiError(400, f"{where} needs a role (system, developer, user, assistant, tool); got "
                      f"{role!r}", param=where)
-    if "content" not in m and not (role == "assistant" and m.get("tool_calls")):
-      raise ApiError(400, f"{where} has no content", param=f"{where}.content")
+    if m.get("content") is None and not (role == "assistant" and m.get("tool_calls")):
+      raise ApiError(400, f"{where} has no content (a string or a list of text parts; null only "
+                     "in an assistant turn with tool_calls)", param=f"{where}.content")
     msg = {"role": "system" if role == "developer" else role,
            "content": content_text(m.get("content"), f"{where}.content")}
     if role == "assistant" and m.get("tool_calls"):

@@ -90,6 +90,35 @@ def test_api_key_headers_and_scheme_case():
   assert status("/health") == 200
 
 
+@pytest.mark.parametrize("messages,param,words", [
+    ([{"role": "user", "content": None}], "messages[0].content", "has no content"),
+    ([{"role": "user"}], "messages[0].content", "has no content"),
+    ([{"role": "system", "content": "s"}, {"role": "user", "content": None}],
+     "messages[1].content", "null only in an assistant turn with tool_calls"),
+    ([{"role": "assistant", "content": None}], "messages[0].content", "has no content"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text",
+     "must be a string .* it is missing"),
+    ([{"role": "user", "content": [{"type": "text", "text": 3}]}], "messages[0].content[0].text",
+     "it is a int"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     "messages[0].content[0]", "type 'image_url' are not supported"),
+])
+def test_chat_message_content_errors_name_the_param(messages, param, words):
+  """Null content (outside an assistant turn with tool calls) and a malformed text part are 400s
+  naming the exact param; an assistant turn holding only tool calls is accepted."""
+  import re
+
+  from dflash_jax import serve_protocol
+  with pytest.raises(serve_protocol.ApiError) as e:
+    serve_protocol.chat_messages(messages, None)
+  assert e.value.status == 400 and e.value.param == param and re.search(words, e.value.message)
+  call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+  ok = serve_protocol.chat_messages([{"role": "user", "content": "hi"},
+                                     {"role": "assistant", "content": None, "tool_calls": [call]}],
+                                    None)
+  assert ok[1]["role"] == "assistant" and "<tool_call>" in ok[1]["content"]
+
+
 def test_api_key(server):
   base, srv, th = _start(server[1], api_key="k")
   try:
