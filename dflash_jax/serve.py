@@ -255,6 +255,9 @@ class Engine:
         out.append(self.target.tokenizer.encode(check_text(q), parse_special=self.parse_special))
       except ValueError as e:
         raise ApiError(400, f"{where}: {e}", param=where) from None
+      if not out[-1]:
+        raise ApiError(400, f"{where}: the prompt is empty (it encodes to no tokens)",
+                       param=where)
     return out
 
   def sampling(self, req):
@@ -303,8 +306,9 @@ class Engine:
   def check(self, req, ids: list[int], *, n_prompts: int = 1) -> tuple[int, list[str]]:
     """(max new tokens, stop strings) of a request (ids: its longest prompt). Raises ApiError
     (400), also for a field this server does not implement (`UNSUPPORTED`) given with a value
-    other than its no-op default: nothing a client asks for is silently dropped; 503 when its
-    n x prompts choices would overflow the queue."""
+    other than its no-op default: nothing a client asks for is silently dropped; 400 when its
+    n x prompts choices exceed the whole queue (they could never be queued), 503 when they do
+    not fit the queue now."""
     from dflash_jax.tokenizer import check_text
     anthropic = isinstance(req, AnthropicRequest)
     refuse_unsupported(req.model_extra, ANTHROPIC_UNSUPPORTED if anthropic else
@@ -313,6 +317,11 @@ class Engine:
     if not 1 <= n <= self.MAX_CHOICES:
       raise ApiError(400, f"n={n}: the number of choices must be in [1, {self.MAX_CHOICES}]",
                      param="n")
+    if n * n_prompts > self.max_queue:     # could never be queued: a client error, not a retry
+      raise ApiError(400, f"{n} choice(s) x {n_prompts} prompt(s) = {n * n_prompts} sequences "
+                     f"exceed this server's queue of {self.max_queue} (--max_queue); send fewer "
+                     "prompts or choices", param="prompt" if n_prompts > 1 else "n",
+                     code="queue_exceeded")
     if self.waiting + n * n_prompts > self.max_queue:
       raise ApiError(503, f"the server is busy: {n * n_prompts} choices do not fit the queue "
                      f"({self.waiting} of {self.max_queue} waiting); retry later",

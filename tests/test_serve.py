@@ -119,6 +119,30 @@ def test_chat_message_content_errors_name_the_param(messages, param, words):
   assert ok[1]["role"] == "assistant" and "<tool_call>" in ok[1]["content"]
 
 
+def test_never_fitting_and_empty_requests_are_400s(server):
+  """A request whose choices could never fit the queue (more prompts x n than --max_queue) is a
+  400 naming the limit, without Retry-After (SDKs retry 503s forever); an empty prompt is a 400
+  naming `prompt`; a request that fits the queue still runs."""
+  base, engine = server[0], server[1]
+  q = engine.max_queue
+  status, r, headers = _http(base, "POST", "/v1/completions",
+                             {"prompt": ["a"] * (q + 1), "max_tokens": 1}, full=True)
+  assert status == 400 and r["error"]["param"] == "prompt", r
+  assert str(q) in r["error"]["message"] and "retry-after" not in headers
+  status, r = _http(base, "POST", "/v1/completions",
+                    {"prompt": ["a"] * 8, "n": q // 8 + 1, "max_tokens": 1})   # 8 x 9 > 64
+  assert status == 400 and r["error"]["param"] == "prompt", r
+  status, r = _http(base, "POST", "/v1/chat/completions",
+                    {"messages": [{"role": "user", "content": "hi"}], "n": 16, "max_tokens": 1})
+  assert status == (400 if 16 > q else 200), r
+  for p in ("", [""], ["a", ""]):
+    status, r = _http(base, "POST", "/v1/completions", {"prompt": p, "max_tokens": 1})
+    assert status == 400 and r["error"]["param"] in ("prompt", "prompt[0]", "prompt[1]"), (p, r)
+    assert "empty" in r["error"]["message"] or "non-empty" in r["error"]["message"], (p, r)
+  status, r = _http(base, "POST", "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 1})
+  assert status == 200 and len(r["choices"]) == 2, r
+
+
 def test_api_key(server):
   base, srv, th = _start(server[1], api_key="k")
   try:
