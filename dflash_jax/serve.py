@@ -51,7 +51,8 @@ from dflash_jax import serve_format
 from dflash_jax.serve_protocol import (ANTHROPIC_UNSUPPORTED, COMPLETION_UNSUPPORTED,
                                        UNSUPPORTED, AnthropicRequest,
                                        ApiError, ChatRequest, CompletionRequest,
-                                       CountTokensRequest, anthropic_message, anthropic_messages,
+                                       CountTokensRequest, anthropic_input_usage, anthropic_message,
+                                       anthropic_messages,
                                        chat_logprobs, chat_messages, completion_logprobs,
                                        logprobs_wanted, refuse_unsupported, sse, validation_error)
 
@@ -914,7 +915,8 @@ async def _anthropic_events(engine: Engine, job: _Job, rid: str, n_prompt: int):
     yield sse("content_block_stop", {"type": "content_block_stop", "index": 0})
     yield sse("message_delta", {"type": "message_delta",
                                 "delta": {"stop_reason": reason, "stop_sequence": seq},
-                                "usage": {"output_tokens": out.completion_tokens},
+                                "usage": {**anthropic_input_usage(n_prompt, out.stats),
+                                          "output_tokens": out.completion_tokens},
                                 "dflash": out.stats})
     yield sse("message_stop", {"type": "message_stop"})
   finally:

@@ -289,13 +289,21 @@ def anthropic_messages(system, messages) -> list[dict]:
 
 def anthropic_message(rid: str, model: str, text: str, stop_reason: str,
                       stop_sequence: Optional[str], n_prompt: int, n_out: int, stats: dict) -> dict:
-  """A non-streamed Anthropic `message` object."""
+  """A non-streamed Anthropic `message` object. Its usage counts the prompt as Anthropic does:
+  `input_tokens` are the prompt tokens prefilled, `cache_read_input_tokens` those restored from
+  the prompt cache (together the prompt's length)."""
   return {"id": rid, "type": "message", "role": "assistant", "model": model,
           "content": [{"type": "text", "text": text}], "stop_reason": stop_reason,
-          "stop_sequence": stop_sequence,
-          "usage": {"input_tokens": n_prompt, "output_tokens": n_out,
-                    "cache_read_input_tokens": int(stats.get("prompt_tokens_reused", 0))},
+          "stop_sequence": stop_sequence, "usage": {**anthropic_input_usage(n_prompt, stats),
+                                                    "output_tokens": n_out},
           "dflash": stats}
+
+
+def anthropic_input_usage(n_prompt: int, stats: dict) -> dict:
+  """{"input_tokens", "cache_read_input_tokens"} of a prompt of n_prompt tokens of which
+  stats["prompt_tokens_reused"] came from the prompt cache."""
+  reused = int(stats.get("prompt_tokens_reused", 0))
+  return {"input_tokens": n_prompt - reused, "cache_read_input_tokens": reused}
 
 
 def sse(event: Optional[str], data: dict) -> str:

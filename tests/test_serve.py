@@ -813,14 +813,21 @@ def test_anthropic_messages_api(server, smol):
   kw = dict(model="smol", max_tokens=12, system="You are terse.",      # the server: greedy
             messages=[{"role": "user", "content": [{"type": "text", "text": PROMPTS[0]}]}])
   m = c.messages.create(**kw)
-  assert m.content[0].text == want and m.usage.input_tokens == len(ids)
+  # Anthropic's usage: input_tokens are the prompt tokens not read from the cache
+  assert m.content[0].text == want
+  assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == len(ids)
   assert m.stop_reason == ("end_turn" if ref.stop_reason == "eog" else "max_tokens")
   assert m.usage.output_tokens == len(ref.tokens)
+  again = c.messages.create(**kw)                 # the same prompt: restored from the prompt cache
+  assert again.usage.cache_read_input_tokens > 0, again.usage
+  assert again.usage.input_tokens == len(ids) - again.usage.cache_read_input_tokens
   with c.messages.stream(**kw) as s:
     text = "".join(s.text_stream)
     final = s.get_final_message()
   assert text == want and final.stop_reason == m.stop_reason
   assert final.usage.output_tokens == len(ref.tokens)
+  assert final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0) == len(ids)
+  assert final.usage.cache_read_input_tokens > 0, final.usage
   stop = want[3:6]
   m = c.messages.create(**dict(kw, stop_sequences=[stop]))
   assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
