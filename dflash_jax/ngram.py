@@ -123,7 +123,8 @@ def from_shards(data_dir: str, vocab: int, *, greedy_only: bool = True, **kw) ->
   greedy_only: count only the shards generated at temperature 0 (the manifest's "temperature";
     an entry without one counts as greedy), when the directory has any: the table proposes what
     greedy decoding writes, and sampled answers lower the shares of its entries (decoded
-    acceptance 1.668 -> 1.678 chat, 1.900 -> 1.911 HumanEval without them). A directory of sampled shards only is counted whole.
+    acceptance 1.668 -> 1.678 chat, 1.900 -> 1.911 HumanEval without them). A directory of
+    sampled shards only is counted whole.
   kw: `build`'s options. Raises ValueError for a directory without shards."""
   from dflash_jax.train import shards
   greedy = greedy_only and any(map(_greedy, shards.read_manifest(data_dir)["shards"]))

@@ -110,9 +110,10 @@ def render_tables(per_program: list[tuple[str, str, list[dict]]]) -> str:
   return "\n".join(out) + "\n"
 
 
-def render() -> str:
-  """The generated part of docs/cli.md, from the programs' flag definitions."""
-  per = programs_flags([p for _, p, _ in PROGRAMS])
+def render(per: list[list[dict]] | None = None) -> str:
+  """The generated part of docs/cli.md: from `per` (each program's flags, in PROGRAMS order, as
+  `programs_flags` returns them), by default read from the programs' flag definitions."""
+  per = programs_flags([p for _, p, _ in PROGRAMS]) if per is None else per
   return render_tables([(c, what, fl) for (c, _, what), fl in zip(PROGRAMS, per)])
 
 

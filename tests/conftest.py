@@ -214,19 +214,19 @@ def smol_prompts():
     return [json.loads(l) for l in fh if l.strip()]
 
 
-# Test files from the longest to the shortest (seconds summed over their tests in a full run,
-# docs/benchmarks.md "The test suite's time"): with `-n 2 --dist loadfile` each idle worker takes
-# the next file in collection order, so the long files start first and the short ones fill the
-# end of the run instead of one long file running alone on one worker. Files not listed go last,
-# in their usual order.
+# Test files from the longest to the shortest (seconds summed over their tests in a full run:
+# bench_out/ci/durations_before.txt, docs/benchmarks.md "The test suite's time"): with
+# `-n 2 --dist loadfile` each idle worker takes the next file in collection order, so the long
+# files start first and the short ones fill the end of the run instead of one long file running
+# alone on one worker. Files not listed go last, in their usual order.
 LONGEST_FIRST = (
-    "test_batching.py", "test_sampling.py", "test_train.py", "test_serve.py", "test_eagle3.py",
-    "test_dflash2.py", "test_kv_cache.py", "test_mtp.py", "test_smollm2.py", "test_ngram.py",
-    "test_tree.py", "test_invariant.py", "test_lookup.py", "test_kernels.py", "test_host_syncs.py",
-    "test_grammar.py", "test_draft_and_decode.py", "test_dspark.py", "test_prompt_cache.py",
-    "test_moe.py", "test_eagle3_train.py", "test_target.py", "test_mgpu.py",
-    "test_compile_cache.py", "test_quants.py", "test_qwen3next.py", "test_datagen.py",
-    "test_auto_mode.py", "test_qwen2.py", "test_tokenizer_vocabs.py", "test_gguf_fuzz.py",
+    "test_train.py", "test_serve.py", "test_batching.py", "test_sampling.py", "test_lookup.py",
+    "test_kernels.py", "test_kv_cache.py", "test_mtp.py", "test_smollm2.py", "test_grammar.py",
+    "test_invariant.py", "test_ngram.py", "test_eagle3.py", "test_dflash2.py", "test_moe.py",
+    "test_tree.py", "test_draft_and_decode.py", "test_host_syncs.py", "test_prompt_cache.py",
+    "test_target.py", "test_dspark.py", "test_mgpu.py", "test_eagle3_train.py",
+    "test_compile_cache.py", "test_datagen.py", "test_auto_mode.py", "test_qwen3next.py",
+    "test_qwen2.py", "test_tokenizer_vocabs.py", "test_quants.py", "test_gguf_fuzz.py",
     "test_hostile.py", "test_repack.py", "test_docs.py", "test_kv_quant.py", "test_errors.py")
 
 

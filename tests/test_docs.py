@@ -2,6 +2,7 @@
 README whose set-up commands are the ones CI runs, results (not code) in bench_out/, and a flag page
 generated from the flag definitions (scripts/gen_cli_docs.py) that fails when it drifts."""
 
+import functools
 import importlib.util
 import os
 import re
@@ -27,14 +28,22 @@ def devlog_references(text: str) -> list[str]:
   return [m.group(0) for m in DEVLOG.finditer(text)]
 
 
-def tracked_files() -> list[str]:
-  """Paths (relative to the repository root) of the files git tracks; skips the test when the
-  checkout is not a git work tree."""
+@functools.cache
+def _git_ls_files() -> tuple[str, ...] | None:
   try:
     out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
   except (OSError, subprocess.CalledProcessError):
+    return None
+  return tuple(p for p in out.decode().split("\0") if p)
+
+
+def tracked_files() -> tuple[str, ...]:
+  """Paths (relative to the repository root) of the files git tracks (listed once a process);
+  skips the test when the checkout is not a git work tree."""
+  files = _git_ls_files()
+  if files is None:
     pytest.skip("not a git work tree")
-  return [p for p in out.decode().split("\0") if p]
+  return files
 
 
 def _text(path: str) -> str | None:
@@ -150,8 +159,7 @@ def cli_docs():
 
 def test_flag_page_matches_the_flag_definitions(cli_docs):
   gen, doc, per = cli_docs
-  tables = gen.render_tables([(c, what, fl) for (c, _, what), fl in zip(gen.PROGRAMS, per)])
-  assert gen.splice(doc, tables) == doc, (
+  assert gen.splice(doc, gen.render(per)) == doc, (
       "docs/cli.md is out of date with the flag definitions: run python scripts/gen_cli_docs.py")
 
 
@@ -160,8 +168,7 @@ def test_flag_page_check_fails_on_an_added_flag(cli_docs):
   planted = [list(fl) for fl in per]
   planted[0].append({"name": "a_new_flag", "type": "int", "default": "1", "help": "Planted.",
                      "boolean": False})
-  tables = gen.render_tables([(c, what, fl) for (c, _, what), fl in zip(gen.PROGRAMS, planted)])
-  assert gen.splice(doc, tables) != doc
+  assert gen.splice(doc, gen.render(planted)) != doc
 
 
 def test_every_flag_of_generate_is_documented(cli_docs):
