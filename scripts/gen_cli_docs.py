@@ -4,7 +4,8 @@
   python scripts/gen_cli_docs.py --check    # exit 1 when docs/cli.md differs from the definitions
 
 The programs are imported one after another in one child process (each program's flags are removed
-from absl's registry before the next is imported: the scripts define flags of the same names) and its flags are listed with their type, default and help text: the flags the
+from absl's registry before the next is imported: the scripts define flags of the same names) and its flags are listed with their type, default (a path inside the checkout relative
+to its root, so the page does not depend on where the repository lies) and help text: the flags the
 program's own module defines and those of the `dflash_jax` modules it defines flags through
 (`target_flags`, `decode_flags`). The generated part of docs/cli.md lies between the two marker lines
 below; the text around it is written by hand.
@@ -49,12 +50,13 @@ PROGRAMS = (
 )
 
 _CHILD = r"""
-import importlib.util, json, sys
+import importlib.util, json, os, sys
+root = sys.argv[1]
 from absl import flags
 FLAGS = flags.FLAGS
 base = set(FLAGS)
 out = []
-for i, path in enumerate(sys.argv[1:]):
+for i, path in enumerate(sys.argv[2:]):
   for name in set(FLAGS) - base:     # the previous program's flags: scripts reuse names
     delattr(FLAGS, name)
   name = f"_cli_doc_program_{i}"
@@ -72,6 +74,8 @@ for i, path in enumerate(sys.argv[1:]):
       d = f.default
       d = "" if d is None else ",".join(map(str, d)) if isinstance(d, list) else (
           str(d).lower() if isinstance(d, bool) else str(d))
+      if d.startswith(root + os.sep):      # a path inside the checkout: shown relative to it
+        d = os.path.relpath(d, root)
       rows[f.name] = {"name": f.name, "type": f.flag_type(), "default": d, "help": f.help,
                       "boolean": bool(f.boolean)}
   out.append([rows[k] for k in sorted(rows)])
@@ -84,7 +88,7 @@ def programs_flags(paths: list[str]) -> list[list[dict]]:
   as lists of dicts of name / type / default / help, imported one after another in one child
   process. Raises RuntimeError when an import fails."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  p = subprocess.run([sys.executable, "-c", _CHILD, *[os.path.join(ROOT, x) for x in paths]],
+  p = subprocess.run([sys.executable, "-c", _CHILD, ROOT, *[os.path.join(ROOT, x) for x in paths]],
                      cwd=ROOT, capture_output=True, text=True, env=env)
   if p.returncode:
     raise RuntimeError(f"importing {paths} failed:\n{p.stderr[-2000:]}")

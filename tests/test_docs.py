@@ -177,3 +177,13 @@ def test_every_flag_of_generate_is_documented(cli_docs):
   assert {"target", "draft", "mode", "max_new_tokens", "budget", "kv_dtype"} <= set(names)
   for n in names:
     assert f"`--{n}`" in doc, n
+
+
+def test_flag_page_does_not_depend_on_the_checkout_location(cli_docs):
+  """Defaults that are paths inside the repository are shown relative to its root: the page must
+  read the same in a checkout anywhere (CI checks out elsewhere than a developer)."""
+  gen, doc, per = cli_docs
+  defaults = [f["default"] for fl in per for f in fl]
+  assert "tests/data/qwen35_tiny/model-q4_k_m.gguf" in defaults
+  assert not [d for d in defaults if ROOT in d]
+  assert ROOT not in doc
