@@ -54,7 +54,8 @@ from dflash_jax.serve_protocol import (ANTHROPIC_UNSUPPORTED, COMPLETION_UNSUPPO
                                        CountTokensRequest, anthropic_input_usage, anthropic_message,
                                        anthropic_messages,
                                        chat_logprobs, chat_messages, completion_logprobs,
-                                       logprobs_wanted, refuse_unsupported, sse, validation_error)
+                                       logprobs_wanted, refuse_unknown, refuse_unsupported, sse,
+                                       validation_error)
 
 
 @dataclasses.dataclass
@@ -197,10 +198,13 @@ class Engine:
                      f"{self.dec.max_ctx} tokens can hold", param=param,
                      code="context_length_exceeded")
 
-  def messages_ids(self, messages: list[dict], param: str = "messages", **template) -> list[int]:
+  def messages_ids(self, messages: list[dict], param: str = "messages", *,
+                   continue_final: bool = False, **template) -> list[int]:
     """Token ids of normalized chat messages (`serve_protocol.chat_messages`) through the chat
-    template (special-token text in content stays text unless parse_special). Raises ApiError
-    400 for a lone surrogate or a template failure."""
+    template (special-token text in content stays text unless parse_special), ending with the
+    generation prompt, or with continue_final the last (assistant) message's content left open
+    for the model to continue (Anthropic's prefill). Raises ApiError 400 for a lone surrogate or
+    a template failure."""
     from dflash_jax.tokenizer import check_text
     for i, m in enumerate(messages):
       try:
@@ -208,8 +212,9 @@ class Engine:
       except ValueError as e:
         raise ApiError(400, f"{param}[{i}].content: {e}", param=f"{param}[{i}].content") from None
     try:
-      return self.target.tokenizer.encode_chat(messages, add_generation_prompt=True,
-                                               parse_special=self.parse_special, **template)
+      return self.target.tokenizer.encode_chat(
+          messages, add_generation_prompt=not continue_final, continue_final_message=continue_final,
+          parse_special=self.parse_special, **template)
     except (ValueError, NotImplementedError) as e:
       raise ApiError(400, f"cannot apply the chat template: {e}", param=param) from None
 
@@ -930,7 +935,8 @@ async def _anthropic(engine: Engine, req: AnthropicRequest, request: fastapi.Req
   engine.check_size(req)
   refuse_unsupported(req.model_extra, ANTHROPIC_UNSUPPORTED)
   msgs = anthropic_messages(req.system, req.messages)
-  ids = await asyncio.to_thread(engine.messages_ids, msgs)
+  ids = await asyncio.to_thread(engine.messages_ids, msgs,
+                                continue_final=msgs[-1]["role"] == "assistant")
   max_new, stops = engine.check(req, ids)
   samp = engine.sampling(req)
   rid = f"msg_{uuid.uuid4().hex[:24]}"
@@ -1119,6 +1125,7 @@ def _is_anthropic(path: str) -> bool:
 
 
 class TokenizeRequest(pydantic.BaseModel):
+  model_config = pydantic.ConfigDict(strict=True)
   content: str
   add_special: bool = False
   parse_special: bool = True
@@ -1126,11 +1133,12 @@ class TokenizeRequest(pydantic.BaseModel):
 
 
 class DetokenizeRequest(pydantic.BaseModel):
+  model_config = pydantic.ConfigDict(strict=True)
   tokens: list[int]
 
 
 class ApplyTemplateRequest(pydantic.BaseModel):
-  model_config = pydantic.ConfigDict(extra="allow")
+  model_config = pydantic.ConfigDict(extra="allow", strict=True)
   messages: list[dict[str, Any]]
 
 
@@ -1153,7 +1161,8 @@ def _props(e: Engine) -> dict:
 
 
 def create_app(engine, api_key: Optional[str] = None, *, allowed_hosts=None,
-               max_body_bytes: Optional[int] = None, cors_origins: Optional[list[str]] = None):
+               max_body_bytes: Optional[int] = None, cors_origins: Optional[list[str]] = None,
+               allow_unknown_fields: bool = False):
   """The ASGI application around `engine`: an Engine, or a function returning the Engine or
   None while it is still loading (then /health answers 503 {"status": "loading"} and the other
   routes a 503 error).
@@ -1165,6 +1174,8 @@ def create_app(engine, api_key: Optional[str] = None, *, allowed_hosts=None,
   cors_origins: origins a browser page may call the API from (CORS, starlette's CORSMiddleware:
   preflights answered, Access-Control-Allow-Origin on responses); None / empty: CORS off (a
   page on another origin cannot read responses), ["*"]: any origin.
+  allow_unknown_fields: accept and ignore request fields the API does not define (default: 400
+  `unknown_parameter` naming the field; serve_protocol.refuse_unknown).
   Every error, routing ones included, has OpenAI's shape {"error": {message, type, param, code}}
   (Anthropic's {"type": "error", "error": {type, message}} under /v1/messages); 503s carry
   Retry-After.
@@ -1179,6 +1190,10 @@ def create_app(engine, api_key: Optional[str] = None, *, allowed_hosts=None,
   from starlette.exceptions import HTTPException
 
   get = engine if callable(engine) else (lambda: engine)
+
+  def _refuse(req, unsupported: dict):
+    refuse_unknown(req, unsupported, allow_unknown_fields)
+    refuse_unsupported(req.model_extra, unsupported)
 
   def ready() -> Engine:
     e = get()
@@ -1228,22 +1243,28 @@ def create_app(engine, api_key: Optional[str] = None, *, allowed_hosts=None,
 
   @api.post("/v1/chat/completions")
   async def chat(req: ChatRequest, request: fastapi.Request):
+    _refuse(req, UNSUPPORTED)
     return await _complete(ready(), "chat", req, request)
 
   @api.post("/v1/completions")
   async def completions(req: CompletionRequest, request: fastapi.Request):
+    _refuse(req, COMPLETION_UNSUPPORTED)
     return await _complete(ready(), "completion", req, request)
 
   @api.post("/v1/messages")
   async def messages(req: AnthropicRequest, request: fastapi.Request):
+    _refuse(req, ANTHROPIC_UNSUPPORTED)
     return await _anthropic(ready(), req, request)
 
   @api.post("/v1/messages/count_tokens")
   async def count_tokens(req: CountTokensRequest):
+    _refuse(req, ANTHROPIC_UNSUPPORTED)
     e = ready()
     e.check_size(req)
     msgs = anthropic_messages(req.system, req.messages)
-    return {"input_tokens": len(await asyncio.to_thread(e.messages_ids, msgs))}
+    ids = await asyncio.to_thread(e.messages_ids, msgs,
+                                  continue_final=msgs[-1]["role"] == "assistant")
+    return {"input_tokens": len(ids)}
 
   @api.post("/tokenize")
   async def tokenize(req: TokenizeRequest):

@@ -61,6 +61,10 @@ _CORS = flags.DEFINE_list("cors_origins", None, "Origins a browser page may call
                           "(CORS: preflights answered, Access-Control-Allow-Origin sent), e.g. "
                           "http://localhost:3000; '*': any. Default: off (no cross-origin "
                           "reads). The API key still applies.")
+_ALLOW_UNKNOWN = flags.DEFINE_boolean("allow_unknown_fields", False, "Accept and ignore request "
+                                      "fields the OpenAI / Anthropic APIs do not define (default: "
+                                      "400 unknown_parameter naming the field, so a typo such as "
+                                      "max_token is not silently dropped).")
 _MODEL_NAME = flags.DEFINE_string("model_name", None, "Model id in the API (default: the GGUF "
                                   "file name).")
 
@@ -160,7 +164,8 @@ def main(argv):
   threading.Thread(target=load, name="dflash-load", daemon=True).start()
   _raise_fd_limit()
   app_ = serve.create_app(lambda: holder.get("engine"), key, allowed_hosts=hosts,
-                          max_body_bytes=_MAX_BODY.value, cors_origins=_CORS.value)
+                          max_body_bytes=_MAX_BODY.value, cors_origins=_CORS.value,
+                          allow_unknown_fields=_ALLOW_UNKNOWN.value)
   uvicorn.run(app_, host=_HOST.value, port=_PORT.value, log_level="warning",
               http=serve.header_timeout_protocol(_HEADER_TIMEOUT.value),
               limit_concurrency=_MAX_CONNECTIONS.value, timeout_keep_alive=_KEEP_ALIVE.value,

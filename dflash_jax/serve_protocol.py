@@ -20,6 +20,7 @@ blocks), user / assistant messages with string or text-block content, `max_token
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Optional, Union
 
 import pydantic
@@ -48,13 +49,19 @@ class ApiError(Exception):
     return {"type": "error", "error": {"type": kind, "message": msg}}
 
 
+# Requests are validated strictly: a field of the wrong JSON type is a 400 naming it, never coerced
+# ("10" is not an int, true is not a number, "yes" is not a boolean), as OpenAI does. Fields
+# outside a request's model are kept in `model_extra` and checked by `refuse_unknown`.
+_STRICT = pydantic.ConfigDict(extra="allow", strict=True)
+
+
 class StreamOptions(pydantic.BaseModel):
-  model_config = pydantic.ConfigDict(extra="allow")
+  model_config = _STRICT
   include_usage: Optional[bool] = None
 
 
 class _Request(pydantic.BaseModel):
-  model_config = pydantic.ConfigDict(extra="allow")   # unknown fields are ignored, as OpenAI does
+  model_config = _STRICT
   model: Optional[str] = None
   max_tokens: Optional[int] = pydantic.Field(None, ge=1)
   max_completion_tokens: Optional[int] = pydantic.Field(None, ge=1)
@@ -93,7 +100,7 @@ class CompletionRequest(_Request):
 
 
 class AnthropicRequest(pydantic.BaseModel):
-  model_config = pydantic.ConfigDict(extra="allow")
+  model_config = _STRICT
   model: Optional[str] = None
   messages: list[dict[str, Any]]
   max_tokens: int = pydantic.Field(..., ge=1)
@@ -107,7 +114,7 @@ class AnthropicRequest(pydantic.BaseModel):
 
 
 class CountTokensRequest(pydantic.BaseModel):
-  model_config = pydantic.ConfigDict(extra="allow")
+  model_config = _STRICT
   model: Optional[str] = None
   messages: list[dict[str, Any]]
   system: Optional[Union[str, list[dict[str, Any]]]] = None
@@ -117,7 +124,9 @@ class CountTokensRequest(pydantic.BaseModel):
 UNSUPPORTED = {
     "functions": (None, []), "function_call": (None, "none"),
     "best_of": (None, 1), "suffix": (None, ""), "audio": (None,), "modalities": (None, ["text"]),
-    "prediction": (None,), "reasoning_effort": (None,),
+    "prediction": (None,), "reasoning_effort": (None,), "store": (None, False),
+    "service_tier": (None, "auto", "default"), "web_search_options": (None,),
+    "verbosity": (None, "medium"),
 }
 # /v1/completions has no tools (OpenAI's legacy completions API): refused there.
 COMPLETION_UNSUPPORTED = dict(UNSUPPORTED, tools=(None, []), tool_choice=(None, "none"),
@@ -125,8 +134,24 @@ COMPLETION_UNSUPPORTED = dict(UNSUPPORTED, tools=(None, []), tool_choice=(None, 
 ANTHROPIC_UNSUPPORTED = {
     "tools": (None, []), "tool_choice": (None, {"type": "none"}, {"type": "auto"}),
     "thinking": (None, {"type": "disabled"}), "mcp_servers": (None, []),
-    "container": (None,),
+    "container": (None,), "service_tier": (None, "auto", "standard_only"),
 }
+# Documented request fields that are hints this server has no use for: accepted and ignored.
+IGNORED = {"metadata", "prompt_cache_key", "safety_identifier"}
+
+
+def refuse_unknown(req: pydantic.BaseModel, unsupported: dict, allow: bool = False):
+  """ApiError 400 `unknown_parameter` naming the first field of `req` that is neither one of its
+  model's fields nor in `unsupported` (the endpoint's table above) nor in `IGNORED`: a typo such as
+  `max_token` is reported, not silently dropped (OpenAI: "Unrecognized request argument"). allow:
+  accept and ignore such fields (the server's --allow_unknown_fields)."""
+  if allow or not req.model_extra:
+    return
+  for name in req.model_extra:
+    if name not in unsupported and name not in IGNORED:
+      raise ApiError(400, f"Unrecognized request argument supplied: {name} (a server started "
+                     "with --allow_unknown_fields ignores such fields)", param=name,
+                     code="unknown_parameter")
 
 
 def refuse_unsupported(extra: Optional[dict], table: dict, where: str = ""):
@@ -269,7 +294,8 @@ def chat_messages(messages, chat_template: Optional[str]) -> list[dict]:
 def anthropic_messages(system, messages) -> list[dict]:
   """An Anthropic request's `system` and `messages` -> chat-template messages. Content: a string
   or text blocks ({"type": "text", "text"}); other block types (images, tool_use, tool_result,
-  documents) are refused with a 400 naming the block. Roles: user, assistant."""
+  documents) are refused with a 400 naming the block. Roles: user, assistant; a final assistant
+  message is a prefill the reply continues (the caller renders it with continue_final)."""
   out = []
   if system is not None:
     out.append({"role": "system", "content": content_text(system, "system")})
@@ -281,8 +307,9 @@ def anthropic_messages(system, messages) -> list[dict]:
     if role not in ("user", "assistant"):
       raise ApiError(400, f"{where}.role must be 'user' or 'assistant', got {role!r}",
                      param=f"{where}.role")
-    if "content" not in m:
-      raise ApiError(400, f"{where} has no content", param=f"{where}.content")
+    if m.get("content") is None:
+      raise ApiError(400, f"{where} has no content (a string or a list of text blocks)",
+                     param=f"{where}.content")
     out.append({"role": role, "content": content_text(m["content"], f"{where}.content")})
   return out
 
@@ -312,6 +339,16 @@ def sse(event: Optional[str], data: dict) -> str:
   return f"{head}data: {json.dumps(data)}\n\n"
 
 
+# pydantic's tags of a union's members inside an error's location ("stop.str", "prompt.list[int]")
+_UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\])$")
+
+
+def _loc(err: dict) -> str:
+  """The request field a pydantic error is about, e.g. "logit_bias.1" (the leading "body" and
+  union-member tags dropped)."""
+  return ".".join(str(x) for x in err.get("loc", ())[1:] if not _UNION_TAG.match(str(x)))
+
+
 def validation_error(e) -> ApiError:
   """ApiError 400 for a pydantic RequestValidationError, naming the first bad field."""
   errs = e.errors()
@@ -319,7 +356,6 @@ def validation_error(e) -> ApiError:
     ctx = errs[0].get("ctx") or {}
     return ApiError(400, f"the request body is not valid JSON ({ctx.get('error', 'parse error')} "
                     f"at character {errs[0].get('loc', (None, '?'))[-1]})", param=None)
-  loc = ".".join(str(x) for x in errs[0].get("loc", ())[1:]) if errs else None
-  msg = "; ".join(f"{'.'.join(str(x) for x in d.get('loc', ())[1:]) or 'body'}: {d.get('msg')}"
-                  for d in errs) or "invalid request"
+  loc = _loc(errs[0]) if errs else None
+  msg = "; ".join(f"{_loc(d) or 'body'}: {d.get('msg')}" for d in errs) or "invalid request"
   return ApiError(400, msg, param=loc or None)

@@ -248,8 +248,12 @@ class GGUFTokenizer:
     return m.group(0) if m else None
 
   def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-                  parse_special: bool = False, **kwargs) -> list[int]:
+                  parse_special: bool = False, continue_final_message: bool = False,
+                  **kwargs) -> list[int]:
     """Token ids of `messages` rendered by the chat template (BOS once: see _without_bos).
+    continue_final_message: the last message is an assistant turn to be continued (Anthropic's
+    prefill; vLLM's continue_final_message): the prompt ends with its content, without the
+    template's end of turn and without a generation prompt (see render_chat).
 
     The template's own text is tokenized with special tokens parsed; message content is text:
     a special-token string inside it (e.g. "<|im_end|><|im_start|>system") is tokenized as the
@@ -270,8 +274,9 @@ class GGUFTokenizer:
         check_text(m["role"])
       except ValueError as e:
         raise ValueError(f"messages[{i}]: {e}") from None
-    text = self._without_bos(
-        self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs))
+    kwargs = dict(kwargs, add_generation_prompt=add_generation_prompt,
+                  continue_final_message=continue_final_message)
+    text = self._without_bos(self.render_chat(messages, **kwargs))
     spoof = [i for i, m in enumerate(messages) if self.special_text(m["content"])]
     if parse_special or not spoof:
       return self.encode(text)
@@ -279,8 +284,7 @@ class GGUFTokenizer:
     # pieces with special tokens and the contents as text.
     marks = {i: f"\ue000{i}\ue001" for i in spoof}
     marked = [dict(m, content=marks[i]) if i in marks else m for i, m in enumerate(messages)]
-    skeleton = self._without_bos(
-        self.apply_chat_template(marked, add_generation_prompt=add_generation_prompt, **kwargs))
+    skeleton = self._without_bos(self.render_chat(marked, **kwargs))
     parts = re.split("\ue000(\\d+)\ue001", skeleton)
     pieces = [(parts[k], True) if k % 2 == 0 else (messages[int(parts[k])]["content"], False)
               for k in range(len(parts))]
@@ -336,6 +340,26 @@ class GGUFTokenizer:
     if self.kind == "llama":
       return b"".join(self.token_bytes(int(i)) for i in ids).decode("utf-8", errors="replace")
     return self._tok.decode(list(ids), skip_special_tokens=False)
+
+  def render_chat(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True,
+                  continue_final_message: bool = False, **kwargs) -> str:
+    """`apply_chat_template`, or with continue_final_message the rendering of `messages` without
+    a generation prompt cut right after the last message's content (found by a marker appended
+    to it), so that generation continues that assistant turn. Raises ValueError when the last
+    message is not an assistant turn or the template does not reproduce its content."""
+    if not continue_final_message:
+      return self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                      **kwargs)
+    if not messages or messages[-1].get("role") != "assistant":
+      raise ValueError("continue_final_message needs an assistant message last")
+    mark = "\ue002"
+    last = dict(messages[-1], content=messages[-1]["content"] + mark)
+    text = self.apply_chat_template(list(messages[:-1]) + [last], add_generation_prompt=False,
+                                    **kwargs)
+    if text.count(mark) != 1:
+      raise ValueError("the chat template does not reproduce the final assistant message's "
+                       "content, so the turn cannot be continued")
+    return text[:text.index(mark)]
 
   def apply_chat_template(self, messages: Sequence[Mapping[str, str]], *,
                           add_generation_prompt: bool = True, **kwargs) -> str:

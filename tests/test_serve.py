@@ -119,6 +119,71 @@ def test_chat_message_content_errors_name_the_param(messages, param, words):
   assert ok[1]["role"] == "assistant" and "<tool_call>" in ok[1]["content"]
 
 
+@pytest.mark.parametrize("body,param,code", [
+    ({"max_token": 3}, "max_token", "unknown_parameter"),                  # a typo
+    ({"temprature": 0.5}, "temprature", "unknown_parameter"),
+    ({"store": True}, "store", "unsupported_parameter"),                   # asks for something
+    ({"max_tokens": "10"}, "max_tokens", None),                            # wrong JSON types
+    ({"max_tokens": 10.0}, "max_tokens", None),
+    ({"temperature": True}, "temperature", None),
+    ({"stream": "yes"}, "stream", None),
+    ({"stream": 1}, "stream", None),
+    ({"n": "2"}, "n", None),
+    ({"seed": "7"}, "seed", None),
+    ({"stop": 5}, "stop", None),
+    ({"logit_bias": {"1": "5"}}, "logit_bias.1", None),
+    ({"stream_options": {"include_usage": "true"}}, "stream_options.include_usage", None),
+])
+def test_unknown_fields_and_wrong_types_are_400s_naming_them(body, param, code):
+  """A field the API does not define is a 400 `unknown_parameter` naming it (OpenAI:
+  "Unrecognized request argument"), unless the server allows unknown fields; a documented field
+  asking for something unimplemented is `unsupported_parameter`; a value of the wrong JSON type
+  is a 400 naming the field, never coerced. Documented hints (metadata, store false,
+  service_tier auto, prompt_cache_key) are accepted. Checked on the app with no model loaded
+  (validation runs before the model is needed: a valid request gets the 503 of a loading
+  server)."""
+  from fastapi.testclient import TestClient
+  msgs = {"messages": [{"role": "user", "content": "hi"}]}
+  c = TestClient(serve.create_app(lambda: None))
+  r = c.post("/v1/chat/completions", json={**msgs, **body})
+  assert r.status_code == 400 and r.json()["error"]["param"] == param, r.json()
+  assert r.json()["error"]["code"] == code or code is None, r.json()
+  ok = {**msgs, "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+        "prompt_cache_key": "x", "temperature": 1, "max_tokens": 3}
+  assert c.post("/v1/chat/completions", json=ok).status_code == 503      # loading: valid
+  if code == "unknown_parameter":
+    loose = TestClient(serve.create_app(lambda: None, allow_unknown_fields=True))
+    assert loose.post("/v1/chat/completions", json={**msgs, **body}).status_code == 503
+    r = c.post("/v1/completions", json={"prompt": "x", **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+    r = c.post("/v1/messages", json={**msgs, "max_tokens": 3, **body})
+    assert r.status_code == 400 and param in r.json()["error"]["message"], r.json()
+  r = c.post("/v1/messages", json={"messages": [{"role": "user", "content": "hi"}],
+                                   "max_tokens": "3"})
+  assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+
+
+def test_anthropic_null_content_and_prefill_rendering(smol):
+  """Anthropic messages: null content is a 400 naming it; a final assistant message is a prefill
+  the reply continues: the prompt ends with its text, with no end of turn and no new assistant
+  turn after it (the template's rendering of the rest, then the text)."""
+  from dflash_jax import serve_protocol
+  with pytest.raises(serve_protocol.ApiError) as e:
+    serve_protocol.anthropic_messages(None, [{"role": "user", "content": None}])
+  assert e.value.param == "messages[0].content"
+  tok = smol.tokenizer
+  user = [{"role": "user", "content": "Count to five."}]
+  pre = "1, 2,"
+  msgs = serve_protocol.anthropic_messages("Be brief.", user + [{"role": "assistant",
+                                                                  "content": pre}])
+  text = tok.render_chat(msgs, add_generation_prompt=False, continue_final_message=True)
+  assert text == tok.apply_chat_template(msgs[:-1], add_generation_prompt=True) + pre
+  assert tok.encode_chat(msgs, add_generation_prompt=False, continue_final_message=True) == \
+      tok.encode(tok._without_bos(text))
+  with pytest.raises(ValueError, match="assistant message last"):
+    tok.render_chat(msgs[:-1], continue_final_message=True)
+
+
 def test_never_fitting_and_empty_requests_are_400s(server):
   """A request whose choices could never fit the queue (more prompts x n than --max_queue) is a
   400 naming the limit, without Retry-After (SDKs retry 503s forever); an empty prompt is a 400
@@ -841,6 +906,18 @@ def test_anthropic_messages_api(server, smol):
   assert "messages[0].content[0]" in e.value.body["error"]["message"]
   status, r = _http(base, "POST", "/v1/messages", {"messages": [{"role": "user", "content": "x"}]})
   assert status == 400 and r["type"] == "error" and "max_tokens" in r["error"]["message"]
+  # a final assistant message (prefill) is continued, not closed and followed by a new turn
+  pre = want[:max(1, len(want) // 2)]
+  pmsgs = [*msgs, {"role": "assistant", "content": pre}]
+  pids = smol.tokenizer.encode_chat(pmsgs, add_generation_prompt=False,
+                                    continue_final_message=True)
+  pref = dj.generate(smol, draft, pids, max_new_tokens=6, config=dec)
+  m = c.messages.create(**dict(kw, max_tokens=6, messages=[*kw["messages"],
+                                                           {"role": "assistant", "content": pre}]))
+  assert m.content[0].text == smol.tokenizer.decode(pref.tokens)
+  assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == len(pids)
+  assert c.messages.count_tokens(model="smol", system="You are terse.", messages=[
+      *kw["messages"], {"role": "assistant", "content": pre}]).input_tokens == len(pids)
 
 
 def test_logprobs_equal_log_softmax_of_the_target_logits(server, smol):
