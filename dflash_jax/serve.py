@@ -1032,10 +1032,14 @@ class Guard:
   request body size (413 request_too_large from Content-Length at once, or as soon as a body
   without one grows past the limit). max_body_bytes(): the limit now (it follows the engine)."""
 
-  def __init__(self, app, *, api_key: Optional[str], allowed_hosts, max_body_bytes: Callable[[], int]):
+  def __init__(self, app, *, api_key: Optional[str], allowed_hosts, max_body_bytes: Callable[[], int],
+               body_timeout: Optional[float] = None, body_min_rate: float = 16384.0,
+               max_requests: Optional[int] = None):
     self.app, self.max_body_bytes = app, max_body_bytes
     self.key = api_key.encode() if api_key else None
     self.hosts = None if allowed_hosts is None else frozenset(h.lower() for h in allowed_hosts)
+    self.body_timeout, self.body_min_rate, self.max_requests = body_timeout, body_min_rate, max_requests
+    self.in_flight = 0
 
   async def __call__(self, scope, receive, send):
     if scope["type"] != "http":
@@ -1058,18 +1062,51 @@ class Guard:
     if declared > limit:
       return await _json_error(_too_large(limit), {"Connection": "close"},
                                anthropic=anthropic)(scope, receive, send)
-    seen = 0
+    if (self.max_requests is not None and scope["path"] != "/health"
+        and self.in_flight >= self.max_requests):
+      return await _json_error(ApiError(503, f"the server has {self.in_flight} requests open, its "
+                                        "limit (--max_connections); retry later", type_="server_error",
+                                        code="too_many_connections"), {"Retry-After": "1"},
+                               anthropic=anthropic)(scope, receive, send)
+    seen, body_done = 0, False
+    deadline = (None if self.body_timeout is None else
+                time.monotonic() + self.body_timeout + declared / self.body_min_rate)
 
     async def limited_receive():
-      nonlocal seen
-      msg = await receive()
+      nonlocal seen, body_done
+      if body_done or deadline is None:
+        msg = await receive()
+      else:
+        try:
+          msg = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.0))
+        except asyncio.TimeoutError:
+          raise _body_timeout_exception(self.body_timeout, self.body_min_rate) from None
       if msg["type"] == "http.request":
         seen += len(msg.get("body", b""))
+        body_done = not msg.get("more_body", False)
         if seen > limit:
           raise _too_large_exception(limit)
       return msg
 
-    await self.app(scope, limited_receive, send)
+    self.in_flight += 1
+    try:
+      await self.app(scope, limited_receive, send)
+    finally:
+      self.in_flight -= 1
+
+
+# Connections uvicorn admits beyond --max_connections (its limit_concurrency): room for /health
+# and /metrics when the API's requests are at their cap.
+HEALTH_RESERVE = 16
+
+
+def _body_timeout_exception(seconds: float, min_rate: float):
+  """What the body reader raises when a request body has not arrived in time: 408, and the
+  connection closed."""
+  from starlette.exceptions import HTTPException
+  return HTTPException(408, f"the request body did not arrive within {seconds:g} s plus its "
+                       f"length at {min_rate:g} bytes/s (--body_timeout, --body_min_rate)",
+                       headers={"Connection": "close"})
 
 
 def header_timeout_protocol(seconds: float):
@@ -1162,7 +1199,8 @@ def _props(e: Engine) -> dict:
 
 def create_app(engine, api_key: Optional[str] = None, *, allowed_hosts=None,
                max_body_bytes: Optional[int] = None, cors_origins: Optional[list[str]] = None,
-               allow_unknown_fields: bool = False):
+               allow_unknown_fields: bool = False, body_timeout: Optional[float] = 30.0,
+               body_min_rate: float = 16384.0, max_requests: Optional[int] = None):
   """The ASGI application around `engine`: an Engine, or a function returning the Engine or
   None while it is still loading (then /health answers 503 {"status": "loading"} and the other
   routes a 503 error).
@@ -1176,6 +1214,11 @@ def create_app(engine, api_key: Optional[str] = None, *, allowed_hosts=None,
   page on another origin cannot read responses), ["*"]: any origin.
   allow_unknown_fields: accept and ignore request fields the API does not define (default: 400
   `unknown_parameter` naming the field; serve_protocol.refuse_unknown).
+  body_timeout, body_min_rate: a request body must arrive within body_timeout seconds (None: no
+  limit) plus its Content-Length at body_min_rate bytes/s of its headers, else 408 and the
+  connection closed (slow-body slowloris).
+  max_requests: requests open at once outside /health (503 `too_many_connections` beyond); with
+  uvicorn's limit_concurrency set a little higher, /health keeps answering when the rest is full.
   Every error, routing ones included, has OpenAI's shape {"error": {message, type, param, code}}
   (Anthropic's {"type": "error", "error": {type, message}} under /v1/messages); 503s carry
   Retry-After.
@@ -1210,6 +1253,7 @@ def create_app(engine, api_key: Optional[str] = None, *, allowed_hosts=None,
   api.exception_handler(RequestValidationError)(lambda r, e: error(r, validation_error(e)))
   api.exception_handler(HTTPException)(lambda r, e: error(r, ApiError(
       e.status_code, str(e.detail), code={404: "not_found", 405: "method_not_allowed",
+                                          408: "request_timeout",
                                           413: "request_too_large"}.get(e.status_code)),
       getattr(e, "headers", None)))
   api.exception_handler(Exception)(lambda r, e: error(r, _server_error(e)))
@@ -1310,7 +1354,8 @@ def create_app(engine, api_key: Optional[str] = None, *, allowed_hosts=None,
     e = get()
     return e.max_body_bytes() if e is not None else 1 << 20
 
-  app_ = Guard(api, api_key=api_key, allowed_hosts=allowed_hosts, max_body_bytes=body_limit)
+  app_ = Guard(api, api_key=api_key, allowed_hosts=allowed_hosts, max_body_bytes=body_limit,
+               body_timeout=body_timeout, body_min_rate=body_min_rate, max_requests=max_requests)
   if cors_origins:
     from starlette.middleware.cors import CORSMiddleware
     app_ = CORSMiddleware(app_, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],

@@ -36,11 +36,18 @@ _ALLOWED_HOSTS = flags.DEFINE_list("allowed_hosts", None, "Host header names ans
 _MAX_BODY = flags.DEFINE_integer("max_body_bytes", None, "Request body limit in bytes (413 "
                                  "above it). Default: 1 MiB + 12 bytes per character that "
                                  "max_ctx tokens can hold.", lower_bound=1024)
-_MAX_CONNECTIONS = flags.DEFINE_integer("max_connections", 1024, "Open connections at most "
-                                        "(uvicorn limit_concurrency: 503 beyond).", lower_bound=1)
+_MAX_CONNECTIONS = flags.DEFINE_integer("max_connections", 1024, "Requests open at once (503 "
+                                        "beyond); connections are capped a little above it "
+                                        "(uvicorn limit_concurrency) so /health still answers.",
+                                        lower_bound=1)
 _HEADER_TIMEOUT = flags.DEFINE_float("header_timeout", 10.0, "Seconds a connection may take to "
                                      "send a request's headers before it is closed.",
                                      lower_bound=0.1)
+_BODY_TIMEOUT = flags.DEFINE_float("body_timeout", 30.0, "Seconds a request body may take to arrive "
+                                   "after its headers, plus its length at --body_min_rate; later: "
+                                   "408 and the connection closed.", lower_bound=0.1)
+_BODY_MIN_RATE = flags.DEFINE_float("body_min_rate", 16384.0, "Bytes per second a request body is "
+                                    "allowed on top of --body_timeout.", lower_bound=1.0)
 _KEEP_ALIVE = flags.DEFINE_float("keep_alive_timeout", 5.0, "Seconds an idle keep-alive "
                                  "connection stays open.", lower_bound=0.1)
 _DRAIN_TIMEOUT = flags.DEFINE_float("drain_timeout", 30.0, "On SIGTERM / Ctrl-C: seconds "
@@ -165,10 +172,13 @@ def main(argv):
   _raise_fd_limit()
   app_ = serve.create_app(lambda: holder.get("engine"), key, allowed_hosts=hosts,
                           max_body_bytes=_MAX_BODY.value, cors_origins=_CORS.value,
-                          allow_unknown_fields=_ALLOW_UNKNOWN.value)
+                          allow_unknown_fields=_ALLOW_UNKNOWN.value,
+                          body_timeout=_BODY_TIMEOUT.value, body_min_rate=_BODY_MIN_RATE.value,
+                          max_requests=_MAX_CONNECTIONS.value)
   uvicorn.run(app_, host=_HOST.value, port=_PORT.value, log_level="warning",
               http=serve.header_timeout_protocol(_HEADER_TIMEOUT.value),
-              limit_concurrency=_MAX_CONNECTIONS.value, timeout_keep_alive=_KEEP_ALIVE.value,
+              limit_concurrency=_MAX_CONNECTIONS.value + serve.HEALTH_RESERVE,
+              timeout_keep_alive=_KEEP_ALIVE.value,
               timeout_graceful_shutdown=_DRAIN_TIMEOUT.value)
 
 

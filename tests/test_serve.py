@@ -184,6 +184,65 @@ def test_anthropic_null_content_and_prefill_rendering(smol):
     tok.render_chat(msgs[:-1], continue_final_message=True)
 
 
+def test_slow_bodies_time_out_and_health_keeps_answering():
+  """Slowloris in the body phase: requests whose bodies drip in (a byte every 0.2 s of a declared
+  100000) are answered 408 `request_timeout` and their connections closed once --body_timeout
+  has passed, however steadily they drip; with the request cap (--max_connections, here 3)
+  taken by them, a further API request is a 503 at once and /health still answers 200 (uvicorn
+  admits HEALTH_RESERVE connections beyond the cap). No model: an engine stand-in for /health."""
+  import types
+  eng = types.SimpleNamespace(model_name="m", waiting=0, warm_buckets=lambda: [1], max_batch=1)
+  base, srv, th = _start(eng, uvicorn_kw={"limit_concurrency": 3 + serve.HEALTH_RESERVE,
+                                          "http": serve.header_timeout_protocol(30.0)},
+                         max_body_bytes=1 << 20, body_timeout=1.5, body_min_rate=1e9,
+                         max_requests=3)
+  u = urllib.parse.urlparse(base)
+  head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+          b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n{")
+  try:
+    socks = []
+    for _ in range(3):
+      sk = socket.create_connection((u.hostname, u.port), timeout=10)
+      sk.sendall(head)
+      socks.append(sk)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    status, r = _http(base, "GET", "/health", timeout=5)
+    assert status == 200 and r["status"] == "ok", r
+    status, r = _http(base, "POST", "/v1/chat/completions", raw=b"{}", timeout=5)
+    assert status == 503 and r["error"]["code"] == "too_many_connections", r
+    replies = [b""] * 3
+    while time.monotonic() - t0 < 8 and not all(b"\r\n\r\n" in x for x in replies):
+      for i, sk in enumerate(socks):
+        try:
+          sk.sendall(b" ")                         # still dripping
+        except OSError:
+          pass
+        sk.setblocking(False)
+        try:
+          replies[i] += sk.recv(65536)
+        except (BlockingIOError, OSError):
+          pass
+        sk.setblocking(True)
+      time.sleep(0.2)
+    for x in replies:
+      assert x.startswith(b"HTTP/1.1 408") and b"request_timeout" in x, x[:300]
+    for sk in socks:                               # closed by the server after the 408
+      sk.settimeout(5)
+      rest = b""
+      try:
+        while chunk := sk.recv(65536):
+          rest += chunk
+      except ConnectionResetError:
+        pass
+      sk.close()
+    status, r = _http(base, "POST", "/v1/chat/completions", raw=b"{}", timeout=5)
+    assert status == 400, r                        # the cap is free again: a validation error
+  finally:
+    srv.should_exit = True
+    th.join(timeout=10)
+
+
 def test_never_fitting_and_empty_requests_are_400s(server):
   """A request whose choices could never fit the queue (more prompts x n than --max_queue) is a
   400 naming the limit, without Retry-After (SDKs retry 503s forever); an empty prompt is a 400
