@@ -82,14 +82,70 @@ class Grammar:
     return bool(self.final[s])
 
 
+def _pattern_body(pattern: str, where: str) -> str:
+  """A JSON-Schema `pattern` as the whole-string regex constrained decoding uses: a leading `^`
+  and a trailing unescaped `$` dropped (each optional: a pattern always matches the whole string,
+  as in outlines-core and llama.cpp's grammar converter). Raises ValueError naming `where` for
+  what a finite automaton cannot express: look-around, back-references, word boundaries, and
+  anchors anywhere but at the ends."""
+  body = pattern[1:] if pattern.startswith("^") else pattern
+  if body.endswith("$"):
+    slashes = len(body) - 1 - len(body[:-1].rstrip("\\"))    # backslashes before the "$"
+    if slashes % 2 == 0:
+      body = body[:-1]
+  i, in_class = 0, False
+  while i < len(body):
+    c = body[i]
+    if c == "\\":
+      nxt = body[i + 1:i + 2]
+      if not in_class and (nxt.isdigit() and nxt != "0" or nxt in ("k", "b", "B")):
+        what = "a word boundary" if nxt in ("b", "B") else "a back-reference"
+        raise ValueError(f"{where}: the pattern {pattern!r} uses {what} (\\{nxt}), which a "
+                         "finite automaton cannot express")
+      i += 2
+      continue
+    if in_class:
+      in_class = c != "]"
+    elif c == "[":
+      in_class = True
+      if body[i + 1:i + 2] == "^":
+        i += 1
+      if body[i + 1:i + 2] == "]":
+        i += 1
+    elif c == "(" and body[i + 1:i + 3] in ("?=", "?!") or body[i:i + 4] in ("(?<=", "(?<!"):
+      raise ValueError(f"{where}: the pattern {pattern!r} uses a look-around assertion, which a "
+                       "finite automaton cannot express")
+    elif c in "^$":
+      raise ValueError(f"{where}: the pattern {pattern!r} has the anchor {c!r} inside it; only a "
+                       "leading '^' and a trailing '$' are supported (a pattern matches the whole "
+                       "string)")
+    i += 1
+  return body
+
+
+def _with_pattern_bodies(node: Any, where: str) -> Any:
+  """The schema with every string-valued `pattern` replaced by its `_pattern_body`."""
+  if isinstance(node, dict):
+    return {k: (_pattern_body(v, f"{where}.{k}") if k == "pattern" and isinstance(v, str)
+                else _with_pattern_bodies(v, f"{where}.{k}")) for k, v in node.items()}
+  if isinstance(node, list):
+    return [_with_pattern_bodies(v, f"{where}[{i}]") for i, v in enumerate(node)]
+  return node
+
+
 def json_schema_regex(schema: Any, *, param: str = "response_format") -> str:
   """The regex of a JSON Schema (dict or JSON text) by outlines-core, whitespace limited to
-  at most one space between tokens (so a model cannot loop on blanks). Raises ValueError naming
-  `param` for a schema it cannot compile."""
+  at most one space between tokens (so a model cannot loop on blanks). A string `pattern`
+  matches the whole string, its `^` / `$` anchors optional (`_pattern_body`). Raises ValueError
+  naming `param` (and the pattern's place) for a schema it cannot compile."""
   from outlines_core.json_schema import build_regex_from_schema
   try:
-    text = schema if isinstance(schema, str) else json.dumps(schema)
-    return build_regex_from_schema(text, whitespace_pattern=r"[ ]?")
+    node = json.loads(schema) if isinstance(schema, str) else schema
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{param}: the JSON schema is not valid JSON: {e}") from None
+  node = _with_pattern_bodies(node, param)
+  try:
+    return build_regex_from_schema(json.dumps(node), whitespace_pattern=r"[ ]?")
   except Exception as e:  # outlines-core raises its own error types
     raise ValueError(f"{param}: cannot compile this JSON schema: {e}") from None
 

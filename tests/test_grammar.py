@@ -183,3 +183,28 @@ def test_grammar_errors(smol):
   with pytest.raises(ValueError, match="capacity"):
     bank.check(g, param="tools")
   assert comp.compile(r"(a|b)+") is g                     # cached
+
+
+@pytest.mark.parametrize("pattern,good,bad", [
+    ("^a+$", "aaa", "ab"), ("(a+)+$", "aaa", "ab"), ("^(a+)+", "aa", "ba"), ("a+", "a", "b"),
+    (r"cost\$", "cost$", "cost"), (r"^[$^]x$", "$x", "x"), (r"^(?<n>ab)+$", "abab", "aba")])
+def test_schema_patterns_match_the_whole_string_with_optional_anchors(smol, pattern, good, bad):
+  """A JSON-Schema `pattern` is a whole-string match whose leading `^` and trailing `$` are
+  optional (so `(a+)+$` works as `^a+$` does), an escaped `\\$` stays a character: the grammar
+  accepts `good` and refuses `bad` as the property's value."""
+  schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}},
+            "required": ["s"], "additionalProperties": False}
+  g = api.grammar_compiler(smol).compile(grammar.json_schema_regex(schema))
+  tok = smol.tokenizer
+  assert g.accepts(tok.encode(json.dumps({"s": good}), add_bos=False)), good
+  assert not g.accepts(tok.encode(json.dumps({"s": bad}), add_bos=False)), bad
+
+
+@pytest.mark.parametrize("pattern,reason", [
+    ("(?=a)b", "look-around"), ("(?<!a)b", "look-around"), (r"(a)\1", "back-reference"),
+    (r"\bword", "word boundary"), ("a$b", "anchor '\\$' inside"), ("a^b", "anchor '\\^' inside")])
+def test_inexpressible_patterns_are_refused_with_the_reason(pattern, reason):
+  schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}}
+  with pytest.raises(ValueError, match=reason) as e:
+    grammar.json_schema_regex(schema, param="response_format.json_schema.schema")
+  assert "response_format.json_schema.schema.properties.s.pattern" in str(e.value)
