@@ -144,7 +144,12 @@ def resolve(dec: DecodeConfig, target_path: str, draft_path: Optional[str], batc
   threshold as set. A dec.lookup_table with lookup = 0 and table_mix = 0 is offered: then the
   "lookup@G+tableE" columns count, such a pick decodes in mode "lookup" with the table, G and
   lookup_table_expect = the measured E, and a pick of another column decodes without it. Raises
-  ValueError when dec.table_mix > 0 and the pick runs no draft ("ar" / "lookup")."""
+  ValueError when dec.table_mix > 0 and the pick runs no draft ("ar" / "lookup").
+
+  A chain pick verifies sampled rows by the "match" rule: every mode auto can pick (ar, lookup,
+  chain-match, ddtree) then draws the token at each position with the same key
+  (`decode.accept`), so a seeded sampled request gets the same text whatever mode its batch size
+  picks; the "rejection" rule accepts more drafts but draws differently."""
   if dec.mode != "auto":
     return dec
   offered = bool(dec.lookup_table) and not dec.lookup and not dec.table_mix
@@ -162,6 +167,8 @@ def resolve(dec: DecodeConfig, target_path: str, draft_path: Optional[str], batc
     return dataclasses.replace(dec, mode=mode, budget=size)
   if mode == "lookup" or (mode == "ar" and dec.lookup):
     return dataclasses.replace(dec, mode="lookup", lookup=dec.lookup or size)
+  if mode == "chain":                  # sampled rows: the same text as every other pick
+    return dataclasses.replace(dec, mode=mode, chain_rule="match")
   return dataclasses.replace(dec, mode=mode)
 
 

@@ -227,13 +227,17 @@ def _safe(sp: sampling_lib.SamplingParams) -> sampling_lib.SamplingParams:
   return dataclasses.replace(sp, temperature=jnp.where(sp.temperature > 0, sp.temperature, 1.0))
 
 
-def _next_token(logits: jax.Array, key: jax.Array, sp, sampled: bool) -> jax.Array:
+def _next_token(logits: jax.Array, key: jax.Array, positions: jax.Array, sp,
+                sampled: bool) -> jax.Array:
   """[R, V] logits -> [R] int32: the argmax (greedy variant, or a row with temperature 0) or
-  one draw per node from the processed distribution (independent keys)."""
+  one draw per node from the processed distribution, node r's with fold_in(key, positions[r]):
+  key is the row's base key and positions [R] int32 the positions of the tokens drawn, so the
+  token at a position is drawn with the same key whatever the mode, draft, tree or batch (a
+  seeded request's sampled text does not depend on them: `sampling.position_key`)."""
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   if not sampled:
     return greedy
-  drawn = sampling_lib.draw(key, sampling_lib.process_logits(logits, _safe(sp)))
+  drawn = sampling_lib.draw_at(key, positions, sampling_lib.process_logits(logits, _safe(sp)))
   return jnp.where(sp.temperature > 0, drawn, greedy)
 
 
@@ -266,7 +270,6 @@ def _prefill_row(tparams, dparams, row: DecodeState, k_all, v_all, slot, tokens,
     dk, dv = draft_lib.ingest_rows(dparams, plan.dcfg, pre.feats, start, plan.rt,
                                     rope_keys=not plan.draft_relative)
   last = jax.lax.dynamic_slice_in_dim(pre.hidden, n_valid - 1, 1, axis=0)
-  key = jax.random.fold_in(row.key, sampling_lib.PREFILL_STREAM)
   logits = target_lib.logits(tparams, plan.tcfg, last, plan.rt)
   recent = jax.lax.dynamic_slice_in_dim(jnp.concatenate([before, tokens]), n_valid,
                                         RECENT_WINDOW)
@@ -280,7 +283,7 @@ def _prefill_row(tparams, dparams, row: DecodeState, k_all, v_all, slot, tokens,
   gstate = jnp.int32(grammar_lib.NO_GRAMMAR)
   if grammar is not None:
     adjusted = grammar_lib.mask_logits(adjusted, grammar, gstart[None])
-  first = _next_token(adjusted, key, row.samp, sampled)[0]
+  first = _next_token(adjusted, row.key, (start + n_valid)[None], row.samp, sampled)[0]
   if grammar is not None:
     gstate = grammar_lib.advance(grammar, gstart, first)
   new = dataclasses.replace(
@@ -590,16 +593,22 @@ def build_verify_tree(dlogits: Optional[jax.Array], bonus: jax.Array, dec: Decod
 
 
 def accept(tree: tree_lib.Tree, logits: jax.Array, q_logp: Optional[jax.Array],
-           dec: DecodeConfig, sp, key: jax.Array, sampled: bool = False):
+           dec: DecodeConfig, sp, key: jax.Array, sampled: bool = False, *,
+           row_key: Optional[jax.Array] = None, pos: Optional[jax.Array] = None):
   """Which root path of the verified tree to keep, and the tokens it emits (one row).
 
   logits: [N, V] target logits per node. Greedy (the greedy variant, or a row with temperature
-  0): follow the target's argmax. Sampling, "match": follow independent draws of the processed
-  target distribution at each node. Sampling, chain "rejection": `sampling.rejection_chain`
-  against q_logp.
+  0): follow the target's argmax. Sampling, "match": follow draws of the processed target
+  distribution at each node, the node at depth d drawing with fold_in(row_key, pos + d + 1) (the
+  position of the token it predicts; pos: the root's position), so the followed path's tokens are
+  the autoregressive draws at those positions: the same text in every mode for one row key.
+  row_key / pos default to key / 0 (draws keyed by depth). Sampling, chain "rejection":
+  `sampling.rejection_chain` against q_logp, with `key`.
   Returns (path [L] int32 node ids, n_acc [] int32 accepted drafts, emit [L] int32: the
   accepted drafts, then the bonus token at emit[n_acc])."""
-  post = _next_token(logits, key, sp, sampled and not _uses_rejection(dec, sampled))
+  positions = (jnp.int32(0) if pos is None else pos) + tree.depths + 1
+  post = _next_token(logits, key if row_key is None else row_key, positions, sp,
+                     sampled and not _uses_rejection(dec, sampled))
   path, n_acc, _ = tree_lib.follow(tree, post, dec.L - 1)        # path: [L] node ids
   emit = post if tree.is_path else post[path]
   if _uses_rejection(dec, sampled):
@@ -730,7 +739,8 @@ def _step(tparams, dparams, s: DecodeState, eog_ids, live_bound, rules, grammar,
   into the draft's tree), else None. table: the static n-gram table, passed to the proposer when
   dec.table_mix > 0 (the draft's rows mixed with it, `ngram.mix_rows`)."""
   dec = plan.dec
-  k_draft, k_accept = jax.random.split(jax.random.fold_in(s.key, s.n_steps))
+  k_step = jax.random.fold_in(s.key, sampling_lib.step_stream(s.n_steps))
+  k_draft, k_accept = jax.random.split(k_step)
   if dec.mode == "lookup":
     prop = Proposal(tree_lib.path_tree(jnp.concatenate([s.bonus[None], look[0]])), None, None)
   elif dec.speculative:
@@ -762,7 +772,8 @@ def _step(tparams, dparams, s: DecodeState, eog_ids, live_bound, rules, grammar,
       logits = jax.lax.cond(rules, ruled, plain, logits)
     if grammar is not None:
       logits = grammar_lib.mask_logits(logits, grammar, gnodes)
-    path, n_acc, emit = accept(tree, logits, q_logp, dec, s.samp, k_accept, sampled)
+    path, n_acc, emit = accept(tree, logits, q_logp, dec, s.samp, k_accept, sampled,
+                               row_key=s.key, pos=s.pos)
     # Commit nothing past the row's last output token (its first EOG token, its max_new
     # budget): the output is the same, and the caches of a finished row then hold exactly its
     # prompt and output but the last token, a state the prompt cache can reuse (a hybrid's

@@ -25,10 +25,14 @@ exactly autoregressive output under the same rules.
 Speculative rules (all exact: the distribution of generated sequences equals autoregressive
 sampling from the processed target distribution):
   * "match" (sample-and-match; the z-lab DFlash and DDTree reference loops): at each node of
-    the verified tree, draw the target's token from its processed distribution with an
-    independent key, and follow the child carrying that token (`tree.follow` with the draws as
-    the posterior). Every emitted token is a fresh target draw given its own prefix. Works for
-    any tree; it is what DDTree uses here.
+    the verified tree, draw the target's token from its processed distribution with the key
+    of the position it predicts (`draw_at`: fold_in(row key, position), the key autoregressive
+    decoding and the prefill's first token use too), and follow the child carrying that token
+    (`tree.follow` with the draws as the posterior). Every emitted token is a fresh target draw
+    given its own prefix (a position's key is used once along the followed path, and the tree
+    does not depend on it), and it is the very token AR draws there with the same seed: AR,
+    lookup, DDTree and a match chain give a seed the same text. Works for any tree; it is what
+    DDTree uses here.
   * "rejection" (the standard speculative sampling rule, Leviathan et al. 2023 / Chen et al.
     2023; PyPI dflash 0.1.0 `_rejection_sample`): chain drafts are drawn from the draft's
     processed distribution q; draft d_i is accepted with probability min(1, p_i(d_i)/q_i(d_i));
@@ -46,9 +50,9 @@ import numpy as np
 
 from dflash_jax.config import check_int, check_number
 
-# A key for the first generated token (drawn at the end of prefill); decode step n uses
-# fold_in(base key, n).
-PREFILL_STREAM = 2**31 - 1
+# The target's token at position p of a sequence is drawn with fold_in(row key, p), at the end
+# of prefill and in every decode step alike (`draw_at`); the draft's draws and the rejection rule
+# use per-step keys fold_in(row key, 2**31 - 1 - n) for step n, apart from those.
 MAX_LOGIT_BIAS = 300          # tokens a logit_bias may list (static size of the row's table)
 PENALTY_WINDOW = 256          # largest penalty_last_n (the recent-token window a row carries)
 
@@ -257,6 +261,20 @@ def process_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:
   top = jnp.max(jnp.where(keep, x, -jnp.inf), axis=-1, keepdims=True)
   keep = keep & ((sp.min_p <= 0) | (x >= top + jnp.log(jnp.maximum(sp.min_p, 1e-30))))
   return jax.nn.log_softmax(jnp.where(keep, x / sp.temperature, -jnp.inf), axis=-1)
+
+
+def step_stream(n: jax.Array) -> jax.Array:
+  """The fold_in value of decode step n's own key (the draft's draws, the rejection rule):
+  2**31 - 1 - n, apart from the positions `draw_at` folds in."""
+  return jnp.int32(2**31 - 1) - n
+
+
+def draw_at(key: jax.Array, positions: jax.Array, logp: jax.Array) -> jax.Array:
+  """One token per row from log-probabilities logp [R, V], row r's drawn with
+  fold_in(key, positions[r]) (positions [R] int32: where the drawn tokens go in the sequence).
+  [R] int32."""
+  keys = jax.vmap(lambda p: jax.random.fold_in(key, p))(positions)
+  return jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)
 
 
 def draw(key: jax.Array, logp: jax.Array) -> jax.Array:

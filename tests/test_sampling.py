@@ -205,23 +205,47 @@ def _chi_square_p(samples, joint):
   return float(jax.scipy.stats.chi2.sf(stat, len(exp) - 1))
 
 
+@pytest.fixture(scope="module")
+def sampled_runs(qwen_f32, qwen_draft, exact_joint):
+  """(mode, chain rule, proposer) -> [N_SAMPLES, N_TOKENS] sampled tokens (`_sample_many`),
+  computed once per module."""
+  prompt, _, tables = exact_joint
+  runs = {}
+
+  def get(mode, rule, proposer):
+    if (mode, rule, proposer) not in runs:
+      block = 4 if proposer else None
+      dec = dj.api.resolve_config(qwen_draft if proposer is None else None,
+                                  dj.DecodeConfig(mode=mode, chain_rule=rule or "rejection",
+                                                  budget=6, block_size=block, **SMALL_CTX),
+                                  has_proposer=proposer is not None)
+      prop = _proposer(proposer, qwen_f32.config.n_vocab) if proposer else None
+      runs[mode, rule, proposer] = _sample_many(qwen_f32, qwen_draft, prompt, dec, CFG,
+                                                N_SAMPLES, prop, tables if proposer else None)
+    return runs[mode, rule, proposer]
+
+  return get
+
+
 @pytest.mark.parametrize("mode,rule,proposer", [
     # DDTree with the fixture draft: its trees sample by matching like the proposer's ("wrong")
     ("ar", None, None), ("chain", "rejection", None),
     ("chain", "rejection", "wrong"), ("chain", "match", "wrong"),
     ("ddtree", None, "wrong")])
-def test_sampled_sequences_match_autoregressive(qwen_f32, qwen_draft, exact_joint, mode, rule,
-                                                proposer):
-  prompt, joint, tables = exact_joint
-  block = 4 if proposer else None
-  dec = dj.api.resolve_config(qwen_draft if proposer is None else None,
-                              dj.DecodeConfig(mode=mode, chain_rule=rule or "rejection", budget=6,
-                                              block_size=block, **SMALL_CTX),
-                              has_proposer=proposer is not None)
-  prop = _proposer(proposer, qwen_f32.config.n_vocab) if proposer else None
-  samples = _sample_many(qwen_f32, qwen_draft, prompt, dec, CFG, N_SAMPLES, prop,
-                         tables if proposer else None)
-  assert _chi_square_p(samples, joint) > 1e-4
+def test_sampled_sequences_match_autoregressive(exact_joint, sampled_runs, mode, rule, proposer):
+  assert _chi_square_p(sampled_runs(mode, rule, proposer), exact_joint[1]) > 1e-4
+
+
+def test_seeded_draws_are_the_same_in_every_matching_mode(sampled_runs):
+  """The target's token at a position is drawn with a key fixed by the row's seed and that
+  position (decode.accept), so AR, a chain under the match rule and DDTree (both with the
+  adversarial proposer, accepting its drafts about a third of the time) give each seed the same
+  tokens, run for run; the rejection rule draws differently (a different, equally exact
+  sample)."""
+  ar = sampled_runs("ar", None, None)
+  for key in (("chain", "match", "wrong"), ("ddtree", None, "wrong")):
+    np.testing.assert_array_equal(sampled_runs(*key), ar, err_msg=str(key))
+  assert (sampled_runs("chain", "rejection", "wrong") != ar).any()
 
 
 def test_sampled_table_mix_matches_autoregressive(qwen_f32, qwen_draft, exact_joint):
