@@ -162,3 +162,22 @@ def test_shipped_table_found_and_offered(tmp_path):
   assert cli.offer_shipped_table(auto, smol, True).lookup_table == ""
   for dec in (dj.DecodeConfig(mode="ar"), dj.DecodeConfig(lookup=4)):
     assert cli.offer_shipped_table(dec, smol, False) == dec
+
+
+def test_auto_chain_picks_verify_sampled_rows_by_matching(tmp_path, monkeypatch):
+  """Where auto picks chain it verifies sampled rows with the "match" rule, the rule whose draws
+  are AR's (decode.accept; tests/test_sampling.py checks the draws agree run for run), so a
+  seeded request's text does not depend on the mode its batch size picks; an explicit chain
+  keeps the rule it was given."""
+  table = tmp_path / "auto.json"
+  key = auto_mode.table_key("t.gguf", "d")
+  table.write_text(json.dumps({key: {"1": {"ar": 1.0, "chain": 2.0},
+                                     "4": {"ar": 2.0, "ddtree@8": 3.0}}}))
+  monkeypatch.setattr(auto_mode, "user_table_path", lambda: str(table))
+  monkeypatch.setattr(auto_mode, "SHIPPED_TABLE", str(tmp_path / "none.json"))
+  one = auto_mode.resolve(dj.DecodeConfig(), "t.gguf", "d", 1, has_draft=True)
+  assert (one.mode, one.chain_rule) == ("chain", "match")
+  four = auto_mode.resolve(dj.DecodeConfig(), "t.gguf", "d", 4, has_draft=True)
+  assert (four.mode, four.budget) == ("ddtree", 8)
+  named = auto_mode.resolve(dj.DecodeConfig(mode="chain"), "t.gguf", "d", 1, has_draft=True)
+  assert named.chain_rule == "rejection"
