@@ -131,11 +131,17 @@ class Engine:
   checkpointed at the end of a prefill chunk or of a cached sequence. Output is unchanged.
   parse_special: tokenize special-token text inside chat content and raw prompts as control
   tokens (llama-server); default False: it stays text (tokenizer.encode_chat).
+  warm_only: the batch grows only into buckets whose programs `warm_up` has compiled for what
+  its rows need (the sampled variant when any row samples): while a background warm-up is still
+  compiling a larger bucket, requests wait in the queue for a slot of a warm one instead of
+  stalling every row behind a compile (the server sets it; default False: a bucket compiles when
+  first needed).
   """
 
   def __init__(self, target, draft, dec, sampling_defaults, model_name: str, max_queue: int,
                max_batch: Optional[int] = None, steps_per_call: int = 4,
-               prompt_cache_bytes: int = 1 << 30, parse_special: bool = False):
+               prompt_cache_bytes: int = 1 << 30, parse_special: bool = False,
+               warm_only: bool = False):
     from dflash_jax import api, batching
     self.target, self.draft = target, draft
     self.dec_for = dec if callable(dec) else (lambda _b, d=dec: d)
@@ -165,6 +171,7 @@ class Engine:
     self._small_since: Optional[float] = None
     self.shrink_after_s = 1.0     # a batch shrinks when fewer rows than half of it stayed busy
     self.warmed: list[tuple[int, str]] = []   # (bucket, sampling variant) compiled (warm_up)
+    self.warm_only = warm_only
 
   def max_prompt_chars(self) -> int:
     """Characters a prompt may have: more than max_ctx tokens of the longest token cannot fit
@@ -425,9 +432,10 @@ class Engine:
         self._pending.remove(r)
         self._finish(r, cancelled=True)
       want = min(len(self._live) + len(self._pending), self.max_batch)
+      size = self._warm_bucket(batching.bucket(want)) if want else 0
     if want == 0:
       return
-    hold = self._fit(batching.bucket(want))
+    hold = self._fit(size)
     # While a grow waits for joining rows' prefills to end (soon: `_fit`), admit no one into
     # the small batch: under a steady stream of arrivals some row would always be mid-prefill
     # and the batch would never grow (measured: 20 clients served two at a time).
@@ -458,6 +466,7 @@ class Engine:
     # joins (a reused prefix leaves a few tokens) go in together instead of one per decode call.
     chunk = self._batch.dec.prefill_chunk
     budget = chunk
+    prefilled = []
     for r in sorted((r for r in self._live if r.prefill is not None), key=lambda x: x.t_submit):
       if budget <= 0:
         break
@@ -469,12 +478,20 @@ class Engine:
           raise StopIteration
       except StopIteration:
         r.prefill = None
-        r.t_first = time.perf_counter()
         if not self._batch.finite(r.slot):
           self._batch.release(r.slot)
           self._fail(r, ApiError(500, f"{self.target.path}: the target's logits after prefill "
                                  "are not finite (NaN or inf)", type_="server_error"))
-    decoding = [r for r in self._live if r.prefill is None]
+        else:
+          prefilled.append(r)
+    if prefilled:
+      # The prefill's last chunk drew each joining row's first token: stream it now, before the
+      # decode call (time to first token is when it is handed to the client).
+      n_out, idle = self._batch.progress()
+      for r in prefilled:
+        r.t_first = time.perf_counter()
+        self._stream(r, int(n_out[r.slot]), bool(idle[r.slot]))
+    decoding = [r for r in self._live if r.prefill is None and r.t_first is not None]
     if not decoding:
       return
     n_out, idle = self._batch.progress()
@@ -483,6 +500,20 @@ class Engine:
       n_out, idle = self._batch.progress()
     for r in decoding:
       self._stream(r, int(n_out[r.slot]), bool(idle[r.slot]))
+
+  def _warm_bucket(self, want: int) -> int:
+    """The bucket to use for `want` slots: want itself, or with warm_only the largest warm bucket
+    below it that serves the rows' sampling variant (never below the current batch's size or 1).
+    Called holding the lock (it reads the queue)."""
+    if not self.warm_only:
+      return want
+    rows = list(self._live) + list(self._pending)
+    variant = "sampled" if any(not r.samp.greedy for r in rows) else "greedy"
+    floor = self._batch.size if self._batch is not None else 1
+    b = want
+    while b > floor and (b, variant) not in self.warmed:
+      b //= 2
+    return max(b, min(floor, want))
 
   def _keep(self, r: _Live):
     """Put the sequence in r's slot into the prompt cache (when there is one). A failure there

@@ -95,10 +95,10 @@ def build_engine() -> serve.Engine:
   name = _MODEL_NAME.value or os.path.basename(target.path)
   engine = serve.Engine(target, draft, decs.__getitem__, defaults, name, _MAX_QUEUE.value,
                         _MAX_BATCH.value, _STEPS_PER_CALL.value, prompt_cache_bytes=_PROMPT_CACHE.value,
-                        parse_special=_TF.parse_special.value)
+                        parse_special=_TF.parse_special.value, warm_only=True)
   dj.api.check_config(target, draft, decs[engine.max_batch], engine.max_batch)
   dj.api.check_config(target, draft, decs[1])     # loads an n-gram table auto picked for one row
-  engine.warm_up([1], [engine.default_variant()])
+  engine.warm_up([1])            # both sampling variants: no request waits for a compile
   return engine
 
 

@@ -337,6 +337,36 @@ def test_chat_equals_generate_streamed_and_not(server, smol):
   assert chunks[0].choices[0].delta.role == "assistant"
   assert chunks[-2].choices[0].finish_reason in ("stop", "length")
   assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.tokens)
+  # the first content chunk is the prefill's token alone, streamed before the first decode call
+  # (which would add up to steps_per_call rounds of accepted tokens to it)
+  first = next(ch.choices[0].delta.content for ch in chunks
+               if ch.choices and ch.choices[0].delta.content)
+  assert first == smol.tokenizer.decode(ref.tokens[:1]), (first, want)
+
+
+def test_warm_only_engine_never_grows_into_a_cold_bucket(server, smol):
+  """With warm_only (the server's setting) and only bucket 1's greedy programs warm, three
+  concurrent greedy requests are served one after another in bucket 1 (queued, not stalled
+  behind compiling bucket 4), with the same text as alone."""
+  _, _, draft, dec = server
+  engine = serve.Engine(smol, draft, dec, None, "smol", max_queue=64, max_batch=4,
+                        warm_only=True)
+  engine.warm_up([1], ["greedy"])
+  base, srv, th = _start(engine)
+  try:
+    want = [_reference(smol, draft, dec, p, 8)[1].tokens for p in PROMPTS]
+    with concurrent.futures.ThreadPoolExecutor(3) as ex:
+      got = list(ex.map(lambda p: _http(base, "POST", "/v1/chat/completions", {
+          "messages": [{"role": "user", "content": p}], "max_tokens": 8, "temperature": 0}),
+          PROMPTS))
+    assert [g[0] for g in got] == [200] * 3
+    assert [g[1]["choices"][0]["message"]["content"] for g in got] == \
+        [smol.tokenizer.decode(w) for w in want]
+    assert engine.metrics["batch_rows_peak"] == 1 and engine._batch.size == 1
+    assert engine.warmed == [(1, "greedy")]
+  finally:
+    srv.should_exit = True
+    th.join(timeout=10)
 
 
 def test_completions_models_and_max_tokens(server, smol):
