@@ -239,9 +239,9 @@ def test_sampled_sequences_match_autoregressive(exact_joint, sampled_runs, mode,
 def test_seeded_draws_are_the_same_in_every_matching_mode(sampled_runs):
   """The target's token at a position is drawn with a key fixed by the row's seed and that
   position (decode.accept), so AR, a chain under the match rule and DDTree (both with the
-  adversarial proposer, accepting its drafts about a third of the time) give each seed the same
-  tokens, run for run; the rejection rule draws differently (a different, equally exact
-  sample)."""
+  adversarial proposer, whose drafts are accepted whenever the target draws its second choice)
+  give each seed the same tokens, run for run; the rejection rule draws differently (a
+  different, equally exact sample)."""
   ar = sampled_runs("ar", None, None)
   for key in (("chain", "match", "wrong"), ("ddtree", None, "wrong")):
     np.testing.assert_array_equal(sampled_runs(*key), ar, err_msg=str(key))
