@@ -233,7 +233,7 @@ def _next_token(logits: jax.Array, key: jax.Array, positions: jax.Array, sp,
   one draw per node from the processed distribution, node r's with fold_in(key, positions[r]):
   key is the row's base key and positions [R] int32 the positions of the tokens drawn, so the
   token at a position is drawn with the same key whatever the mode, draft, tree or batch (a
-  seeded request's sampled text does not depend on them: `sampling.position_key`)."""
+  seeded request's sampled text does not depend on them: `sampling.draw_at`)."""
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   if not sampled:
     return greedy

@@ -112,7 +112,7 @@ def _pattern_body(pattern: str, where: str) -> str:
         i += 1
       if body[i + 1:i + 2] == "]":
         i += 1
-    elif c == "(" and body[i + 1:i + 3] in ("?=", "?!") or body[i:i + 4] in ("(?<=", "(?<!"):
+    elif body[i:i + 3] in ("(?=", "(?!") or body[i:i + 4] in ("(?<=", "(?<!"):
       raise ValueError(f"{where}: the pattern {pattern!r} uses a look-around assertion, which a "
                        "finite automaton cannot express")
     elif c in "^$":

@@ -318,14 +318,12 @@ class Engine:
 
   def check(self, req, ids: list[int], *, n_prompts: int = 1) -> tuple[int, list[str]]:
     """(max new tokens, stop strings) of a request (ids: its longest prompt). Raises ApiError
-    (400), also for a field this server does not implement (`UNSUPPORTED`) given with a value
-    other than its no-op default: nothing a client asks for is silently dropped; 400 when its
-    n x prompts choices exceed the whole queue (they could never be queued), 503 when they do
-    not fit the queue now."""
+    400 for bad values, and when its n x prompts choices exceed the whole queue (they could
+    never be queued), 503 when they do not fit the queue now. The request's fields outside its
+    model (unknown, or unsupported with a value other than their no-op default) are refused
+    before this, by the app's routes (serve_protocol.refuse_unknown / refuse_unsupported)."""
     from dflash_jax.tokenizer import check_text
     anthropic = isinstance(req, AnthropicRequest)
-    refuse_unsupported(req.model_extra, ANTHROPIC_UNSUPPORTED if anthropic else
-                       COMPLETION_UNSUPPORTED if isinstance(req, CompletionRequest) else UNSUPPORTED)
     n = 1 if anthropic else req.n
     if not 1 <= n <= self.MAX_CHOICES:
       raise ApiError(400, f"n={n}: the number of choices must be in [1, {self.MAX_CHOICES}]",
@@ -491,7 +489,7 @@ class Engine:
       for r in prefilled:
         r.t_first = time.perf_counter()
         self._stream(r, int(n_out[r.slot]), bool(idle[r.slot]))
-    decoding = [r for r in self._live if r.prefill is None and r.t_first is not None]
+    decoding = [r for r in self._live if r.prefill is None]
     if not decoding:
       return
     n_out, idle = self._batch.progress()
@@ -513,7 +511,7 @@ class Engine:
     b = want
     while b > floor and (b, variant) not in self.warmed:
       b //= 2
-    return max(b, min(floor, want))
+    return b
 
   def _keep(self, r: _Live):
     """Put the sequence in r's slot into the prompt cache (when there is one). A failure there
@@ -964,7 +962,6 @@ async def _anthropic(engine: Engine, req: AnthropicRequest, request: fastapi.Req
   from fastapi.responses import StreamingResponse
   _check_queue(engine)
   engine.check_size(req)
-  refuse_unsupported(req.model_extra, ANTHROPIC_UNSUPPORTED)
   msgs = anthropic_messages(req.system, req.messages)
   ids = await asyncio.to_thread(engine.messages_ids, msgs,
                                 continue_final=msgs[-1]["role"] == "assistant")
