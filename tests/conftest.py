@@ -269,6 +269,24 @@ def pytest_unconfigure(config):
     shutil.rmtree(d, ignore_errors=True)
 
 
+def pytest_terminal_summary(terminalreporter):
+  """Seconds per test file (setup + call + teardown summed over its tests), longest first: the
+  figures LONGEST_FIRST and docs/benchmarks.md "The test suite's time" are kept from."""
+  per_file = {}
+  for reports in terminalreporter.stats.values():
+    for r in reports:
+      nodeid, duration = getattr(r, "nodeid", None), getattr(r, "duration", None)
+      if nodeid and duration is not None:
+        f = nodeid.split("::")[0]
+        per_file[f] = per_file.get(f, 0.0) + duration
+  if not per_file:
+    return
+  terminalreporter.write_sep("=", "seconds per test file")
+  for f, s in sorted(per_file.items(), key=lambda kv: -kv[1]):
+    terminalreporter.write_line(f"{s:8.1f}  {f}")
+  terminalreporter.write_line(f"{sum(per_file.values()):8.1f}  total")
+
+
 @contextlib.contextmanager
 def optimized_xla():
   """Inside: programs compile with XLA's usual optimizations (see the top of this file), for

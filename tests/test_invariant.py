@@ -216,6 +216,7 @@ def test_verify_rows_are_bitwise_invariant_tiny_hybrid(qwen_f32, qwen_ref):
     np.testing.assert_array_equal(a, x, err_msg=name)
 
 
+@pytest.mark.optimized_xla   # bound by running the decode steps, not by compiling them
 def test_invariant_rows_exact_tiny_hybrid(qwen_f32, qwen_draft, qwen_ref):
   """Tiny Qwen3.5 hybrid (Gated DeltaNet tree states beside the attention caches), a q4_0 cache
   (the coarsest format; the formats share every code path but their encoding, which
@@ -235,6 +236,7 @@ def test_invariant_rows_exact_tiny_hybrid(qwen_f32, qwen_draft, qwen_ref):
   assert out.tokens == truth[:40]
 
 
+@pytest.mark.optimized_xla   # bound by running the decode steps, not by compiling them
 def test_invariant_rows_exact_smollm2_q4_0(smol):
   """SmolLM2 with the shipped draft and a q4_0 cache on a chat prompt where, without
   invariant_rows, chain and DDTree output left AR's at a near tie (on the 2-core CPU: at token
