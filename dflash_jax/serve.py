@@ -170,7 +170,7 @@ class Engine:
     self._thread: Optional[threading.Thread] = None
     self._small_since: Optional[float] = None
     self.shrink_after_s = 1.0     # a batch shrinks when fewer rows than half of it stayed busy
-    self.warmed: list[tuple[int, str]] = []   # (bucket, sampling variant) compiled (warm_up)
+    self.warmed: list[tuple[int, str]] = []   # (bucket, program variant) compiled (warm_up)
     self.warm_only = warm_only
 
   def max_prompt_chars(self) -> int:
@@ -358,14 +358,17 @@ class Engine:
     return min(limit, self.dec.max_ctx), stops
 
   def submit(self, ids, max_new, stops, samp, on_text, cancelled,
-             grammar=None) -> concurrent.futures.Future:
+             grammar=None, t_arrival: Optional[float] = None) -> concurrent.futures.Future:
     """Queue one request; the future resolves to its Outcome (or raises ApiError 400 for input
     the library rejects). on_text(str) gets streamable text increments from the scheduler
     thread; cancelled() is polled between decode calls; grammar: constrain the output to a
-    grammar.Grammar (`grammar()`). Counts toward `waiting` until done."""
+    grammar.Grammar (`grammar()`); t_arrival: time.perf_counter() when the request arrived
+    (default now), from which its time to first token, queue time and latency count. Counts
+    toward `waiting` until done."""
     fut: concurrent.futures.Future = concurrent.futures.Future()
     live = _Live(np.asarray(ids, np.int32), max_new, stops, samp, on_text, cancelled, fut,
-                 scan=cli.StopScanner(self.target.tokenizer, stops), t_submit=time.perf_counter(),
+                 scan=cli.StopScanner(self.target.tokenizer, stops),
+                 t_submit=time.perf_counter() if t_arrival is None else t_arrival,
                  grammar=grammar)
     with self._cv:
       self.waiting += 1
@@ -376,44 +379,76 @@ class Engine:
       self._cv.notify()
     return fut
 
-  def warm_up(self, buckets: Optional[list[int]] = None, variants=("greedy", "sampled")):
+  VARIANTS = ("greedy", "sampled", "greedy+grammar", "sampled+grammar")
+
+  def warm_up(self, buckets: Optional[list[int]] = None, variants=VARIANTS):
     """Compile (or read from the compile cache) the programs of `buckets` (default: every bucket
-    up to max_batch) for the sampling `variants` ("greedy", "sampled"): prefill at every chunk
-    size and one decode call. The server warms the variant of its default sampling at bucket 1
-    before it reports ready and the rest right after (`warmed`: the (bucket, variant) pairs
-    done; `warm_buckets()`: buckets with both); a request that needs a program not yet warm
-    compiles it on the spot."""
+    up to max_batch) in the `variants` of Engine.VARIANTS (greedy or sampled rows, with or
+    without a constrained-decoding row): prefill at every chunk size and one decode call, in
+    the mode `dec_for` gives the bucket. The server warms the greedy and sampled variants of
+    bucket 1 before it reports ready and the rest right after, bucket by bucket (`warmed`: the
+    (bucket, variant) pairs done; `warm_buckets()`: buckets with every variant). With
+    warm_only, rows only run programs that are warm; otherwise a request that needs a program
+    not yet warm compiles it on the spot."""
     from dflash_jax import batching
     from dflash_jax.sampling import SamplingConfig
     samps = {"greedy": SamplingConfig(), "sampled": SamplingConfig(temperature=1.0)}
+    for v in variants:
+      if v not in self.VARIANTS:
+        raise ValueError(f"warm_up: unknown variant {v!r} (one of {self.VARIANTS})")
+    g = self.grammar("(ab)+", "warm_up") if any(v.endswith("+grammar") for v in variants) else None
     for bsz in (_buckets(self.max_batch) if buckets is None else buckets):
       dec = self.dec_for(bsz)
       for v in variants:
         if (bsz, v) in self.warmed:
           continue
+        samp, constrained = samps[v.split("+")[0]], v.endswith("+grammar")
         b = batching.SlotBatch(self.target, self.draft, dec, bsz, self.eog)
+        if constrained:
+          b.grammar_fits(0, g)
         for n in batching.prefill_sizes(dec.prefill_chunk):
-          b.prefill(0, np.zeros(n, np.int32), 3, samps[v])
+          b.prefill(0, np.zeros(n, np.int32), 3, samp, grammar=g if constrained else None)
         b.run(1)
         jax.block_until_ready(b.state.out)
-        self.warmed.append((bsz, v))
+        with self._cv:
+          self.warmed.append((bsz, v))
+          self._cv.notify_all()                 # a request waiting for this variant may join
 
   def default_variant(self) -> str:
     """"greedy" or "sampled": what a request without sampling fields decodes with."""
     return "greedy" if (self.sampling_defaults is None or self.sampling_defaults.greedy) else "sampled"
 
   def warm_buckets(self) -> list[int]:
-    """Buckets whose greedy and sampled programs are both warm."""
-    return sorted({b for b, _ in self.warmed if (b, "greedy") in self.warmed
-                   and (b, "sampled") in self.warmed})
+    """Buckets whose every variant (Engine.VARIANTS) is warm."""
+    return sorted({b for b, _ in self.warmed if all((b, v) in self.warmed for v in self.VARIANTS)})
+
+  @staticmethod
+  def _variant(rows) -> str:
+    """The program variant (Engine.VARIANTS) a batch holding `rows` runs."""
+    v = "sampled" if any(not r.samp.greedy for r in rows) else "greedy"
+    return v + "+grammar" if any(r.grammar is not None for r in rows) else v
+
+  def _stalled(self) -> bool:
+    """No row is live and every queued request waits for a program variant still warming (so
+    there is nothing to do until warm_up adds one, or a request is cancelled). Holding the lock."""
+    if self._live or not self._pending:
+      return False
+    from dflash_jax import batching
+    size = self._warm_bucket(batching.bucket(min(len(self._pending), self.max_batch)))
+    return all(not r.cancelled() and not self._admissible(r, size) for r in self._pending)
+
+  def _admissible(self, r: "_Live", size: int) -> bool:
+    """With warm_only: whether r can join the batch of `size` slots without a compile (the
+    variant of the live rows plus r is warm there). Called holding the lock."""
+    return not self.warm_only or (size, self._variant([*self._live, r])) in self.warmed
 
   # --- the scheduler thread -------------------------------------------------------------------
 
   def _loop(self):
     while True:
       with self._cv:
-        while not self._pending and not self._live:
-          self._cv.wait()
+        while (not self._pending and not self._live) or self._stalled():
+          self._cv.wait(0.1 if self._pending else None)    # (warm_up notifies)
       try:
         self._iteration()
       except Exception as e:       # a failed device call: its rows' state is gone
@@ -440,9 +475,12 @@ class Engine:
     free = [] if hold else sorted(set(range(self._batch.size)) - {r.slot for r in self._live})
     with self._cv:
       while free and self._pending:
-        if not self._batch.grammar_fits(free[0], self._pending[0].grammar):
+        # the oldest request that joins without a compile (with warm_only, one whose program
+        # variant is still warming waits while the others go ahead)
+        r = next((q for q in self._pending if self._admissible(q, self._batch.size)), None)
+        if r is None or not self._batch.grammar_fits(free[0], r.grammar):
           break                                 # the grammar bank is full: wait for a row
-        r = self._pending.popleft()
+        self._pending.remove(r)
         r.slot = free.pop(0)
         r.t_admit = time.perf_counter()
         if self.prompt_cache is not None:
@@ -501,15 +539,17 @@ class Engine:
 
   def _warm_bucket(self, want: int) -> int:
     """The bucket to use for `want` slots: want itself, or with warm_only the largest warm bucket
-    below it that serves the rows' sampling variant (never below the current batch's size or 1).
+    below it that serves the rows' program variant (never below the current batch's size or 1).
     Called holding the lock (it reads the queue)."""
     if not self.warm_only:
       return want
-    rows = list(self._live) + list(self._pending)
-    variant = "sampled" if any(not r.samp.greedy for r in rows) else "greedy"
+    # the variant of every row, or of the rows but the constrained requests still queued (they
+    # wait for their own variant: `_admissible`)
+    variants = {self._variant([*self._live, *self._pending]),
+                self._variant([*self._live, *(r for r in self._pending if r.grammar is None)])}
     floor = self._batch.size if self._batch is not None else 1
     b = want
-    while b > floor and (b, variant) not in self.warmed:
+    while b > floor and not any((b, v) in self.warmed for v in variants):
       b //= 2
     return b
 
@@ -670,7 +710,21 @@ class Engine:
     if pc is not None:
       m.update(prompt_cache_bytes=pc.bytes, prompt_cache_entries=len(pc),
                prompt_cache_hits=pc.stats["hits"], prompt_cache_evictions=pc.stats["evictions"])
+    m["memory_bytes"] = self.memory_bytes()
     return m
+
+  def memory_bytes(self) -> dict[str, int]:
+    """Device bytes by component: {"target_weights", "draft_weights", "batch_state" (KV cache,
+    SSM / conv states, target features and tokens of the batch's slots: max_batch x max_ctx at
+    most), "prompt_cache" (at most --prompt_cache_bytes)}. On the CPU backend device buffers are
+    host memory, part of the process's RSS (`process_resident_memory_bytes`)."""
+    nbytes = lambda tree: int(sum({id(x): x.nbytes for x in jax.tree.leaves(tree)  # noqa: E731
+                                   if hasattr(x, "nbytes")}.values()))
+    batch = self._batch
+    return {"target_weights": self.target.device_bytes,
+            "draft_weights": nbytes(getattr(self.draft, "params", None)),
+            "batch_state": nbytes(batch.state) if batch is not None else 0,
+            "prompt_cache": self.prompt_cache.bytes if self.prompt_cache is not None else 0}
 
   def metrics_text(self) -> str:
     """/metrics: Prometheus text format with # HELP / # TYPE (serve_metrics.ServerMetrics)."""
@@ -760,10 +814,11 @@ def _launch(engine: Engine, runs: list, max_new, stops, request: fastapi.Request
   loop = asyncio.get_running_loop()
   cancel, pieces = threading.Event(), asyncio.Queue()
   tasks = []
+  t_arrival = getattr(request.state, "t_arrival", None)          # set by Guard
   for i, (ids, samp) in enumerate(runs):
     fut = engine.submit(ids, max_new, stops, samp,
                         lambda t, i=i: loop.call_soon_threadsafe(pieces.put_nowait, (i, t)),
-                        cancel.is_set, grammar=grammar)
+                        cancel.is_set, grammar=grammar, t_arrival=t_arrival)
     tasks.append(asyncio.wrap_future(fut))
 
   async def watch_disconnect():
@@ -1072,6 +1127,8 @@ class Guard:
   async def __call__(self, scope, receive, send):
     if scope["type"] != "http":
       return await self.app(scope, receive, send)
+    # the request's arrival (its headers read): time to first token and latency count from here
+    scope.setdefault("state", {})["t_arrival"] = time.perf_counter()
     headers = dict(scope.get("headers") or [])
     host = headers.get(b"host", b"").decode("latin-1")
     anthropic = _is_anthropic(scope.get("path", ""))

@@ -98,7 +98,7 @@ def build_engine() -> serve.Engine:
                         parse_special=_TF.parse_special.value, warm_only=True)
   dj.api.check_config(target, draft, decs[engine.max_batch], engine.max_batch)
   dj.api.check_config(target, draft, decs[1])     # loads an n-gram table auto picked for one row
-  engine.warm_up([1])            # both sampling variants: no request waits for a compile
+  engine.warm_up([1], ("greedy", "sampled"))   # the rest (constrained too) after ready
   return engine
 
 

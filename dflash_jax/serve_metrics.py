@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -54,6 +54,7 @@ class ServerMetrics:
     self.ttft = Histogram("dflash_time_to_first_token_seconds", "Submit to first token "
                           "(queue + prefill).", buckets=_SECONDS, registry=self.registry)
     self.registry.register(_EngineCollector(engine_state))
+    ProcessCollector(registry=self.registry)   # process_resident_memory_bytes, cpu seconds, fds
 
   def observe(self, latency_s: float, ttft_s):
     self.latency.observe(latency_s)
@@ -94,6 +95,12 @@ class _EngineCollector:
         g = GaugeMetricFamily(name, doc)
         g.add_metric([], float(s[key]))
         yield g
+    if "memory_bytes" in s:
+      g = GaugeMetricFamily("dflash_memory_bytes", "Device bytes by component (host memory on "
+                            "the CPU backend).", labels=["component"])
+      for component, n in s["memory_bytes"].items():
+        g.add_metric([component], float(n))
+      yield g
     for name, doc, key in [("dflash_prompt_cache_hits", "Requests that restored a cached prefix.",
                             "prompt_cache_hits"),
                            ("dflash_prompt_cache_evictions", "Prompt cache entries evicted.",

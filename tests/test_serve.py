@@ -10,6 +10,7 @@ import threading
 import time
 import urllib.parse
 
+import jax
 import numpy as np
 import openai
 import pytest
@@ -368,6 +369,39 @@ def test_warm_only_engine_never_grows_into_a_cold_bucket(server, smol):
     srv.should_exit = True
     th.join(timeout=10)
 
+
+
+def test_warm_only_constrained_request_waits_for_its_variant(server, smol):
+  """With warm_only and only bucket 1's greedy programs warm, a JSON-schema request waits in the
+  queue for its constrained variant while a plain request is served past it (nothing compiles
+  for a request on the spot); once warm_up has compiled the variant, it is answered."""
+  _, _, draft, dec = server
+  engine = serve.Engine(smol, draft, dec, None, "smol", max_queue=64, max_batch=1,
+                        warm_only=True)
+  engine.warm_up([1], ["greedy"])
+  base, srv, th = _start(engine)
+  schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+            "additionalProperties": False}
+  try:
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+      constrained = ex.submit(_http, base, "POST", "/v1/chat/completions", {
+          "messages": [{"role": "user", "content": "Give me a JSON object."}], "max_tokens": 32,
+          "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {
+              "name": "a", "schema": schema}}})
+      time.sleep(1.0)
+      plain = _http(base, "POST", "/v1/chat/completions", {
+          "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 8,
+          "temperature": 0})
+      assert plain[0] == 200 and not constrained.done() and engine.waiting == 1
+      engine.warm_up([1], ["greedy+grammar"])
+      status, r = constrained.result(timeout=600)
+    assert status == 200, r
+    assert isinstance(json.loads(r["choices"][0]["message"]["content"])["a"], int)
+    assert engine.warmed == [(1, "greedy"), (1, "greedy+grammar")]
+    assert engine.warm_buckets() == []                       # the sampled variants are cold
+  finally:
+    srv.should_exit = True
+    th.join(timeout=10)
 
 def test_completions_models_and_max_tokens(server, smol):
   base, _, draft, dec = server
@@ -881,6 +915,39 @@ def test_requests_without_seed_get_a_fresh_reported_seed(server):
   assert again["dflash"]["seed"] == s1
 
 
+
+def test_a_seed_reproduces_its_text_under_load(server, smol):
+  """The same seeded sampled request gives the same text alone and while three other sampled
+  requests decode beside it, though alone it decodes in batch bucket 1 with the chain (match
+  rule, drafts accepted) and beside them in bucket 4 autoregressively (as `--mode auto` may pick
+  per bucket): every token is drawn with a key fixed by the seed and its position, not by the
+  step that drew it."""
+  import dataclasses
+  _, _, draft, dec = server
+  chain = dataclasses.replace(dec, chain_rule="match")
+  ar = dj.api.resolve_config(None, dj.DecodeConfig(mode="ar", max_ctx=dec.max_ctx))
+  engine = serve.Engine(smol, draft, lambda b: chain if b == 1 else ar, None, "smol",
+                        max_queue=64, max_batch=4)
+  base, srv, th = _start(engine)
+  body = {"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 24,
+          "temperature": 0.9, "seed": 1234}
+  try:
+    alone = _http(base, "POST", "/v1/chat/completions", body)[1]
+    others = [{"messages": [{"role": "user", "content": p}], "max_tokens": 40,
+               "temperature": 0.9, "seed": i} for i, p in enumerate(PROMPTS)]
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+      busy = [ex.submit(_http, base, "POST", "/v1/chat/completions", o) for o in others]
+      time.sleep(0.5)                                   # the others hold slots first
+      loaded = ex.submit(_http, base, "POST", "/v1/chat/completions", body).result()[1]
+      assert all(f.result()[0] == 200 for f in busy)
+  finally:
+    srv.should_exit = True
+    th.join(timeout=10)
+  assert alone["dflash"]["mode"] == "chain" and alone["dflash"]["mean_acceptance_length"] > 1
+  assert loaded["dflash"]["mode"] == "ar" and engine.metrics["batch_rows_peak"] == 4
+  assert loaded["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
+  assert loaded["dflash"]["seed"] == alone["dflash"]["seed"] == 1234
+
 def test_llama_server_endpoints(server, smol):
   base, engine = server[0], server[1]
   tok = smol.tokenizer
@@ -950,6 +1017,14 @@ def test_metrics_are_prometheus_and_timings_add_up(server):
     assert count and count[0] >= 1
   drafted = fams["dflash_draft_tokens"].samples[0].value
   assert 0 < fams["dflash_draft_tokens_accepted"].samples[0].value <= drafted
+  # memory by component: the weights and the batch's state are the bytes of their arrays
+  mem = {s.labels["component"]: s.value for s in fams["dflash_memory_bytes"].samples}
+  assert mem["target_weights"] == engine.target.device_bytes > 0
+  assert mem["draft_weights"] == sum(x.nbytes for x in jax.tree.leaves(engine.draft.params)) > 0
+  assert mem["batch_state"] == sum(x.nbytes for x in jax.tree.leaves(engine._batch.state)) > 0
+  assert mem["prompt_cache"] == engine.prompt_cache.bytes > 0       # the request above is cached
+  rss = fams["process_resident_memory_bytes"].samples[0].value
+  assert rss > mem["target_weights"] + mem["batch_state"]
   from dflash_jax import serve_metrics                   # what soak.py / bench_serve.py read
   assert serve_metrics.parse(text)["dflash_requests_total"] == fams["dflash_requests"].samples[0].value
   assert "# TYPE dflash_tokens_generated_total counter" in text or \
