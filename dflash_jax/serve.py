@@ -131,11 +131,12 @@ class Engine:
   checkpointed at the end of a prefill chunk or of a cached sequence. Output is unchanged.
   parse_special: tokenize special-token text inside chat content and raw prompts as control
   tokens (llama-server); default False: it stays text (tokenizer.encode_chat).
-  warm_only: the batch grows only into buckets whose programs `warm_up` has compiled for what
-  its rows need (the sampled variant when any row samples): while a background warm-up is still
-  compiling a larger bucket, requests wait in the queue for a slot of a warm one instead of
-  stalling every row behind a compile (the server sets it; default False: a bucket compiles when
-  first needed).
+  warm_only: rows only run programs `warm_up` has compiled (Engine.VARIANTS: sampled when any
+  row samples, constrained when any row has a grammar): while a background warm-up is still
+  compiling, the batch does not grow into a bucket whose variant is cold (requests wait for a
+  slot of a warm one), and a request whose joining would need a cold variant waits in the queue
+  while the requests behind it join, instead of stalling every row behind a compile (the server
+  sets it; default False: a program compiles when first needed).
   """
 
   def __init__(self, target, draft, dec, sampling_defaults, model_name: str, max_queue: int,

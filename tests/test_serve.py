@@ -944,7 +944,7 @@ def test_a_seed_reproduces_its_text_under_load(server, smol):
     srv.should_exit = True
     th.join(timeout=10)
   assert alone["dflash"]["mode"] == "chain" and alone["dflash"]["mean_acceptance_length"] > 1
-  assert loaded["dflash"]["mode"] == "ar" and engine.metrics["batch_rows_peak"] == 4
+  assert loaded["dflash"]["mode"] == "ar" and engine.metrics["batch_rows_peak"] >= 2   # bucket > 1
   assert loaded["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
   assert loaded["dflash"]["seed"] == alone["dflash"]["seed"] == 1234
 
