@@ -497,7 +497,7 @@ def check_prompt(target: Target, prompt_ids, dec: DecodeConfig) -> np.ndarray:
   return ids
 
 
-def _eog(target: Target, eog_ids):
+def resolve_eog(target: Target, eog_ids):
   """[E] int32 end-of-generation ids: `eog_ids` checked (a sequence of ids in the vocabulary;
   ValueError naming eog_ids otherwise), default the tokenizer's."""
   if eog_ids is None:
@@ -541,7 +541,7 @@ def first_draft_logits(target: Target, draft: Draft, prompt_ids: Sequence[int], 
   prompt's target features. Returns draft logits [D, V] float32 (row j predicts the token at
   position P+1+j; D = block_size-1, a DSpark draft's block_size)."""
   dec = resolve_config(draft, mode="chain", max_ctx=max_ctx, prefill_chunk=prefill_chunk)
-  b = batching.SlotBatch(target, draft, dec, 1, _eog(target, None))
+  b = batching.SlotBatch(target, draft, dec, 1, resolve_eog(target, None))
   b.prefill(0, check_prompt(target, prompt_ids, dec), 2, SamplingConfig())
   return np.asarray(decode_lib.draft_once(target.params, draft.params, b.state, jnp.int32(0),
                                           plan=b.plan))
@@ -617,7 +617,7 @@ def generate(target: Target, draft: Optional[Draft], prompt_ids: Sequence[int], 
   ids = check_prompt(target, prompt_ids, dec)
   check_config(target, draft if proposer is None else None, dec)
   max_new_tokens = min(max_new_tokens, dec.max_ctx)    # never more than the context holds
-  eog = _eog(target, eog_ids)
+  eog = resolve_eog(target, eog_ids)
   t0 = time.perf_counter()
   b = batching.SlotBatch(target, draft, dec, 1, eog, proposer=proposer,
                          proposer_params=proposer_params)
@@ -679,7 +679,7 @@ def precompile(target: Target, draft: Optional[Draft], prompt_len: int, *,
   if not 0 < prompt_len < dec.max_ctx:
     raise ValueError(f"prompt_len={prompt_len} must be in [1, max_ctx={dec.max_ctx})")
   check_config(target, draft, dec)             # before the decode state is allocated
-  b = batching.SlotBatch(target, draft, dec, 1, _eog(target, None))
+  b = batching.SlotBatch(target, draft, dec, 1, resolve_eog(target, None))
   t = b.compile_prefill(prompt_len, sampling, grammar=grammar)
   if loop:
     t += b.compile_loop(sampled=not sampling.greedy, grammar=grammar)
@@ -763,7 +763,7 @@ def generate_batch(target: Target, draft: Optional[Draft], prompts: Sequence[Seq
       raise ValueError(f"prompts[{i}]: {e}") from None
   check_config(target, draft if proposer is None else None, dec, B)
   max_news = [min(m, dec.max_ctx) for m in max_news]
-  eog = _eog(target, eog_ids)
+  eog = resolve_eog(target, eog_ids)
   b = batching.SlotBatch(target, draft, dec, B, eog, proposer=proposer,
                          proposer_params=proposer_params)
   results: list[Optional[GenerateResult]] = [None] * n

@@ -36,7 +36,7 @@ def _is_finite_real(v: Any) -> bool:
   return not isinstance(v, bool) and isinstance(v, numbers.Real) and math.isfinite(v)
 
 
-class _Fields:
+class Fields:
   """Typed, bounded reads of a metadata mapping (GGUF metadata or config.json). Errors name the
   file and the key: "{path}: {what} {key}={value!r}: ..."."""
 
@@ -186,7 +186,7 @@ class TargetConfig:
       raise ValueError(f"{path}: unsupported architecture general.architecture={arch!r}; "
                        f"supported: {', '.join(SUPPORTED_ARCHS)}")
 
-    m = _Fields(meta, path, "GGUF metadata key", prefix=f"{arch}.")
+    m = Fields(meta, path, "GGUF metadata key", prefix=f"{arch}.")
     n_block = m.int("block_count", 1, MAX_LAYERS)
     n_nextn = m.int("nextn_predict_layers", 0, n_block - 1, default=0)
     n_layer = n_block - n_nextn
@@ -301,7 +301,7 @@ class DFlash2Fields:
   causal: tuple[bool, ...]
 
 
-def _dflash2_fields(cfg, dfl: "_Fields", top: "_Fields", d_model: int, n_vocab: int,
+def _dflash2_fields(cfg, dfl: "Fields", top: "Fields", d_model: int, n_vocab: int,
                     sliding: tuple[bool, ...]) -> DFlash2Fields:
   g = dfl.int("conv_group_size", 1, d_model)
   if d_model % g:
@@ -346,7 +346,7 @@ class DSparkFields:
   confidence_with_markov: bool
 
 
-def _dspark_fields(top: "_Fields") -> DSparkFields:
+def _dspark_fields(top: "Fields") -> DSparkFields:
   rank = top.int("markov_rank", 0, MAX_DIM, default=0)
   head = None
   if rank:
@@ -466,10 +466,10 @@ class DraftConfig:
     dfc = cfg.get("dflash_config") or {}
     if not isinstance(dfc, Mapping):
       raise ValueError(f"{path}: dflash_config must be a JSON object, got {type(dfc).__name__}")
-    top = _Fields(cfg, path, "draft config field")
+    top = Fields(cfg, path, "draft config field")
     _check_variant(cfg, dfc, path, variants)
     # DFlash fields: dflash_config first, then the top level.
-    dfl = _Fields({**{k: v for k, v in cfg.items() if v is not None},
+    dfl = Fields({**{k: v for k, v in cfg.items() if v is not None},
                    **{k: v for k, v in dfc.items() if v is not None}}, path, "draft config field")
     n_layer = top.int("num_hidden_layers", 1, MAX_LAYERS)
     d_model = top.int("hidden_size", 1, MAX_DIM)
@@ -478,7 +478,7 @@ class DraftConfig:
     if cfg.get("rope_theta") is not None:
       rope_theta = top.number("rope_theta", 0.0, 1e30)
     elif isinstance(rope, Mapping) and "rope_theta" in rope:
-      rope_theta = _Fields(rope, path, "draft config field rope_parameters.").number(
+      rope_theta = Fields(rope, path, "draft config field rope_parameters.").number(
           "rope_theta", 0.0, 1e30)
     else:
       raise ValueError(f"{path}: no rope_theta or rope_parameters.rope_theta")

@@ -156,21 +156,21 @@ def init_cache(cfg: DraftConfig, capacity: int, rt: Runtime = Runtime(),
                     relative and window > 0)
 
 
-def _kv(x, lay: DraftLayer, pos, cfg: DraftConfig, rt: Runtime):
+def kv_rows(x, lay: DraftLayer, pos, cfg: DraftConfig, rt: Runtime):
   """Context / block K, V [T, Hkv, Dh] of normed rows x [T, D]; pos None: k before RoPE."""
   return layers.context_kv(x, lay.wk, lay.wv, lay.k_norm, pos, n_kv_head=cfg.n_kv_head,
                            head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rms_eps=cfg.rms_eps,
                            rt=rt)
 
 
-def _queries(x, lay: DraftLayer, pos, cfg: DraftConfig, rt: Runtime):
+def queries(x, lay: DraftLayer, pos, cfg: DraftConfig, rt: Runtime):
   """x: [T, D] normed block rows -> q [T, H, Dh] (q_norm, RoPE)."""
   q = layers.linear(x, lay.wq, rt).reshape(x.shape[0], cfg.n_head, cfg.head_dim)
   return layers.rope(layers.rms_norm(q, lay.q_norm, cfg.rms_eps), pos, rot_dim=cfg.head_dim,
                      theta=cfg.rope_theta, style="neox")
 
 
-def _context(params: DraftParams, feats, cfg: DraftConfig, rt: Runtime):
+def context_rows(params: DraftParams, feats, cfg: DraftConfig, rt: Runtime):
   """Target features [T, F*D_target] -> draft context rows c [T, D] (fc, then hidden_norm)."""
   return layers.rms_norm(layers.linear(feats, params.fc, rt), params.hidden_norm, cfg.rms_eps)
 
@@ -192,8 +192,8 @@ def ingest_rows(params: DraftParams, cfg: DraftConfig, feats: jax.Array, start: 
   Returns (k, v): [n_layer, W, Hkv, Dh] float32.
   """
   pos = start + jnp.arange(feats.shape[0], dtype=jnp.int32) if rope_keys else None
-  c = _context(params, feats, cfg, rt)
-  kv = [_kv(c, lay, pos, cfg, rt) for lay in params.layers]
+  c = context_rows(params, feats, cfg, rt)
+  kv = [kv_rows(c, lay, pos, cfg, rt) for lay in params.layers]
   return jnp.stack([k for k, _ in kv]), jnp.stack([v for _, v in kv])
 
 
@@ -254,7 +254,7 @@ def block_hidden(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, bonu
   full_local = jnp.ones((L, L), bool)
   for i, lay in enumerate(params.layers):
     x = layers.rms_norm(h, lay.in_norm, cfg.rms_eps)
-    k, v = _kv(x, lay, rpos, cfg, rt)
+    k, v = kv_rows(x, lay, rpos, cfg, rt)
     past = in_window
     if cfg.sliding[i]:
       past = pos[:, None] - key_pos[None, :] < cfg.sliding_window
@@ -262,7 +262,7 @@ def block_hidden(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, bonu
       local = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < cfg.sliding_window)
     else:
       local = full_local
-    o = layers.attention_live(_queries(x, lay, rpos, cfg, rt), cache.k, cache.v, i, past, n_live,
+    o = layers.attention_live(queries(x, lay, rpos, cfg, rt), cache.k, cache.v, i, past, n_live,
                               local=(k, v, local), key_fn=key_fn,
                               dense=rt.dense)
     h = _mlp_residual(h, o.reshape(L, cfg.n_head * cfg.head_dim), lay, cfg, rt)
@@ -312,7 +312,7 @@ def block_masks(anchors: jax.Array, n_ctx: int, cfg: DraftConfig, sliding: bool)
   return ctx, blk
 
 
-def _block_attention(q, kc, vc, kb, vb, ctx_mask, blk_mask, head_dim: int,
+def block_attention(q, kc, vc, kb, vb, ctx_mask, blk_mask, head_dim: int,
                      compute_dtype=jnp.float32):
   """Training attention of A blocks: q [A, L, Hkv, G, Dh] over the shared context kc/vc
   [n_ctx, Hkv, Dh] and the block's own kb/vb [A, L, Hkv, Dh]. Returns [A, L, Hkv, G, Dh]
@@ -332,11 +332,11 @@ def _block_attention(q, kc, vc, kb, vb, ctx_mask, blk_mask, head_dim: int,
   return mm("akglt,tkd->alkgd", p[..., :n_ctx], vc) + mm("akglm,amkd->alkgd", p[..., n_ctx:], vb)
 
 
-# `_block_attention` rematerialized: the backward pass recomputes the scores and probabilities
+# `block_attention` rematerialized: the backward pass recomputes the scores and probabilities
 # instead of keeping them ([A, Hkv, G, L, n_ctx + L] float32 a layer, 147 MB for a packed row of
 # 1024 with 245 blocks of 16: kept, they are most of a training step's memory once the loss is
 # fused, `objective.fused_head_loss`), for one more forward of the attention.
-_block_attention_remat = jax.checkpoint(_block_attention, static_argnums=(7, 8))
+block_attention_remat = jax.checkpoint(block_attention, static_argnums=(7, 8))
 
 
 def packed_positions(anchors: jax.Array, n_ctx: int, block_size: int, positions, segments):
@@ -374,17 +374,17 @@ def train_hidden(params: DraftParams, cfg: DraftConfig, feats: jax.Array, block_
   H, Hkv, Dh = cfg.n_head, cfg.n_kv_head, cfg.head_dim
   cpos, qpos, same = packed_positions(anchors, n_ctx, L, positions, segments)
   qpos = qpos.reshape(-1)                                                 # [A*L]
-  c = _context(params, feats, cfg, rt)
+  c = context_rows(params, feats, cfg, rt)
   h = take_rows(embed, block_ids.reshape(-1)).reshape(A, L, -1)
   for i, lay in enumerate(params.layers):
-    kc, vc = _kv(c, lay, cpos, cfg, rt)
+    kc, vc = kv_rows(c, lay, cpos, cfg, rt)
     x = layers.rms_norm(h, lay.in_norm, cfg.rms_eps).reshape(A * L, -1)
-    q = _queries(x, lay, qpos, cfg, rt).reshape(A, L, Hkv, H // Hkv, Dh)
-    kb, vb = _kv(x, lay, qpos, cfg, rt)
+    q = queries(x, lay, qpos, cfg, rt).reshape(A, L, Hkv, H // Hkv, Dh)
+    kb, vb = kv_rows(x, lay, qpos, cfg, rt)
     ctx_mask, blk_mask = block_masks(anchors, n_ctx, cfg, cfg.sliding[i])
     if same is not None:
       ctx_mask = ctx_mask & same[:, None, :]
-    attend = _block_attention_remat if remat_attention else _block_attention
+    attend = block_attention_remat if remat_attention else block_attention
     o = attend(q, kc, vc, kb.reshape(A, L, Hkv, Dh), vb.reshape(A, L, Hkv, Dh),
                ctx_mask, blk_mask, Dh, rt.cdt)
     h = _mlp_residual(h, o.reshape(A, L, H * Dh), lay, cfg, rt)

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 from dflash_jax import layers
 from dflash_jax import tree as tree_lib
 from dflash_jax.config import DraftConfig
-from dflash_jax.draft import (ConvParams, DraftCache, DraftParams, _block_attention,
-                             _block_attention_remat, _context, _kv, _queries, context_rope,
+from dflash_jax.draft import (ConvParams, DraftCache, DraftParams, block_attention,
+                             block_attention_remat, context_rows, kv_rows, queries, context_rope,
                              packed_positions)
 from dflash_jax.quants import QuantWeight, take_rows
 from dflash_jax.runtime import Runtime
@@ -132,9 +132,9 @@ def propose_hidden(params: DraftParams, cfg: DraftConfig, embed: QuantWeight, bo
   for i, lay in enumerate(params.layers):
 
     def attend(a):
-      k, v = _kv(a, lay, rpos, cfg, rt)
+      k, v = kv_rows(a, lay, rpos, cfg, rt)
       ctx_mask, blk_mask = block_masks(pos, key_pos, cfg, i, in_window)
-      o = layers.attention_live(_queries(a, lay, rpos, cfg, rt), cache.k, cache.v, i, ctx_mask,
+      o = layers.attention_live(queries(a, lay, rpos, cfg, rt), cache.k, cache.v, i, ctx_mask,
                                 n_live, local=(k, v, blk_mask), key_fn=key_fn,
                                 dense=rt.dense)
       return o.reshape(L, cfg.n_head * cfg.head_dim)
@@ -174,18 +174,18 @@ def train_hidden(params: DraftParams, cfg: DraftConfig, feats: jax.Array, block_
   before = jnp.broadcast_to(cpos[None, None, :] < anchors[:, None, None], (A, L, n_ctx))
   if same is not None:
     before = before & same[:, None, :]
-  c = _context(params, feats, cfg, rt)
+  c = context_rows(params, feats, cfg, rt)
   x = take_rows(embed, block_ids.reshape(-1)).reshape(A, L, D).astype(jnp.float32)
   x = x * f.input_embedding_scale
   for i, lay in enumerate(params.layers):
-    kc, vc = _kv(c, lay, rcpos, cfg, rt)
+    kc, vc = kv_rows(c, lay, rcpos, cfg, rt)
 
     def attend(a):
       af = a.reshape(A * L, D)
-      q = _queries(af, lay, rqpos.reshape(-1), cfg, rt).reshape(A, L, Hkv, H // Hkv, Dh)
-      kb, vb = _kv(af, lay, rqpos.reshape(-1), cfg, rt)
+      q = queries(af, lay, rqpos.reshape(-1), cfg, rt).reshape(A, L, Hkv, H // Hkv, Dh)
+      kb, vb = kv_rows(af, lay, rqpos.reshape(-1), cfg, rt)
       ctx_mask, blk_mask = jax.vmap(lambda p, m: block_masks(p, cpos, cfg, i, m))(qpos, before)
-      o = (_block_attention_remat if remat_attention else _block_attention)(
+      o = (block_attention_remat if remat_attention else block_attention)(
           q, kc, vc, kb.reshape(A, L, Hkv, Dh), vb.reshape(A, L, Hkv, Dh), ctx_mask, blk_mask, Dh,
           rt.cdt)
       return o.reshape(A, L, H * Dh)

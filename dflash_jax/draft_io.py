@@ -219,9 +219,9 @@ def load(draft_dir: str, tcfg: TargetConfig, *, variants: tuple[str, ...] = DRAF
   cfg = DraftConfig.from_json(raw, path=cfg_path, variants=variants)
   validate(cfg, tcfg, path=draft_dir)
   arrays = {}
-  for shard in _shard_paths(st_path):
+  for shard in shard_paths(st_path):
     try:
-      arrays.update(_load_safetensors(shard))
+      arrays.update(load_safetensors(shard))
     except Exception as e:
       raise ValueError(f"{shard}: cannot read safetensors (truncated or corrupt?): {e}") from e
   for key in (SELECTOR_KEYS["pred"], SELECTOR_KEYS["succ"]):
@@ -246,7 +246,7 @@ def load(draft_dir: str, tcfg: TargetConfig, *, variants: tuple[str, ...] = DRAF
     if tuple(arrays[key].shape) != shape:
       raise ValueError(f"{st_path}: tensor {key!r} has shape {tuple(arrays[key].shape)}, "
                        f"expected {shape}")
-    if arrays[key].dtype not in _FLOAT_DTYPES:
+    if arrays[key].dtype not in FLOAT_DTYPES:
       raise ValueError(f"{st_path}: tensor {key!r} has dtype {arrays[key].dtype}; a DFlash draft "
                        f"is read from float32 / float16 / bfloat16 tensors (quantized drafts are "
                        f"not supported)")
@@ -258,10 +258,10 @@ def _float_dtypes():
   return frozenset(np.dtype(t) for t in (np.float32, np.float16, np.float64, ml_dtypes.bfloat16))
 
 
-_FLOAT_DTYPES = _float_dtypes()
+FLOAT_DTYPES = _float_dtypes()      # the safetensors dtypes a draft's float tensors may have
 
 
-def _shard_paths(st_path: str) -> list[str]:
+def shard_paths(st_path: str) -> list[str]:
   """[st_path], or for a `model.safetensors.index.json` the shard files its weight_map names (in
   its directory). Raises ValueError naming the index when it is unreadable or names a missing
   shard."""
@@ -279,7 +279,7 @@ def _shard_paths(st_path: str) -> list[str]:
   return paths
 
 
-def _load_safetensors(path: str) -> dict[str, np.ndarray]:
+def load_safetensors(path: str) -> dict[str, np.ndarray]:
   """Load with safetensors' numpy API; bf16 tensors come back as ml_dtypes.bfloat16."""
   from safetensors import safe_open
   out = {}

@@ -46,7 +46,7 @@ import numpy as np
 
 from dflash_jax import draft_io, layers, mtp
 from dflash_jax import target as target_lib
-from dflash_jax.config import MAX_DIM, MAX_LAYERS, TargetConfig, _Fields
+from dflash_jax.config import MAX_DIM, MAX_LAYERS, TargetConfig, Fields
 from dflash_jax.draft import DraftCache
 from dflash_jax.quants import QuantWeight, take_rows
 from dflash_jax.runtime import Runtime
@@ -165,7 +165,7 @@ def llama3_freq_factors(head_dim: int, theta: float, rope: Mapping[str, Any],
   """Divisors of the RoPE frequencies for rope_type "llama3" (transformers'
   `_compute_llama3_parameters`; llama.cpp's converter writes the same as `rope_freqs.weight`):
   [head_dim/2] float32, inv_freq / inv_freq_llama3. Raises ValueError naming the file and field."""
-  f = _Fields(rope, path, "EAGLE-3 rope field")
+  f = Fields(rope, path, "EAGLE-3 rope field")
   factor = f.number("factor", 0.0, 1e6)
   low = f.number("low_freq_factor", 0.0, 1e6)
   high = f.number("high_freq_factor", 0.0, 1e6)
@@ -200,8 +200,8 @@ def config_from_json(raw: dict, tcfg: TargetConfig, *, path: str = "?") -> Eagle
   scaling, activation or depth, a hidden size or vocabulary that does not match the target, aux
   layer ids outside it."""
   lc, model_type = _layer_config(raw, path)
-  f = _Fields(lc, path, "EAGLE-3 layer config field")
-  top = _Fields(raw, path, "EAGLE-3 config field")
+  f = Fields(lc, path, "EAGLE-3 layer config field")
+  top = Fields(raw, path, "EAGLE-3 config field")
   if model_type not in LAYER_TYPES:
     f.fail("model_type", model_type, f"supported draft layers: {', '.join(LAYER_TYPES)}")
   n_layer = f.int("num_hidden_layers", 1, MAX_LAYERS, default=1)
@@ -227,7 +227,7 @@ def config_from_json(raw: dict, tcfg: TargetConfig, *, path: str = "?") -> Eagle
   if lc.get("rope_theta") is not None:
     theta = f.number("rope_theta", 0.0, 1e30)
   else:
-    theta = _Fields(rope, path, "EAGLE-3 rope field").number("rope_theta", 0.0, 1e30,
+    theta = Fields(rope, path, "EAGLE-3 rope field").number("rope_theta", 0.0, 1e30,
                                                              default=10000.0)
   v = f.int("vocab_size", 1, 1 << 24)
   if v != tcfg.n_vocab:
@@ -247,7 +247,7 @@ def config_from_json(raw: dict, tcfg: TargetConfig, *, path: str = "?") -> Eagle
   if aux is None:
     aux_ids = (2, n // 2, n - 3)                # vLLM's and the speculators package's default
   else:
-    aux_ids = _Fields(src, path, "EAGLE-3 config field").int_list(key, 0, MAX_LAYERS)
+    aux_ids = Fields(src, path, "EAGLE-3 config field").int_list(key, 0, MAX_LAYERS)
   if (not aux_ids or min(aux_ids) < 1 or max(aux_ids) > n
       or list(aux_ids) != sorted(set(aux_ids))):
     raise ValueError(f"{path}: eagle_aux_hidden_state_layer_ids {list(aux_ids)}"
@@ -259,7 +259,7 @@ def config_from_json(raw: dict, tcfg: TargetConfig, *, path: str = "?") -> Eagle
   methods = (sc.get("proposal_methods") if isinstance(sc, Mapping) else None) or []
   if (isinstance(methods, list) and methods and isinstance(methods[0], Mapping)
       and methods[0].get("speculative_tokens")):
-    steps = _Fields(methods[0], path, "EAGLE-3 proposal field").int("speculative_tokens", 1,
+    steps = Fields(methods[0], path, "EAGLE-3 proposal field").int("speculative_tokens", 1,
                                                                     MAX_STEPS)
   flags = {k: bool(raw.get(k, False)) for k in ("norm_before_residual", "norm_before_fc",
                                                  "fc_norm", "norm_output")}
@@ -322,9 +322,9 @@ def load(draft_dir: str, tcfg: TargetConfig, raw: Optional[dict] = None, *,
                        f"safetensors (e.g. torch.load + safetensors.torch.save_file)")
     raise FileNotFoundError(f"draft file not found: {st_path}")
   arrays = {}
-  for shard in draft_io._shard_paths(st_path):
+  for shard in draft_io.shard_paths(st_path):
     try:
-      arrays.update(draft_io._load_safetensors(shard))
+      arrays.update(draft_io.load_safetensors(shard))
     except Exception as e:
       raise ValueError(f"{shard}: cannot read safetensors (truncated or corrupt?): {e}") from e
   prefix = "midlayer." if any(k.startswith("midlayer.") for k in arrays) else "layers.0."
@@ -350,7 +350,7 @@ def load(draft_dir: str, tcfg: TargetConfig, raw: Optional[dict] = None, *,
       raise ValueError(f"{st_path}: tensor {key!r} has shape {tuple(arrays[key].shape)}, "
                        f"expected {shape}")
     ints = key in ("d2t", "t2d")
-    if not ints and arrays[key].dtype not in draft_io._FLOAT_DTYPES:
+    if not ints and arrays[key].dtype not in draft_io.FLOAT_DTYPES:
       raise ValueError(f"{st_path}: tensor {key!r} has dtype {arrays[key].dtype}; EAGLE-3 weights "
                        f"are read from float32 / float16 / bfloat16 tensors")
   unused = sorted(set(arrays) - set(expected) - set(optional) - {"verifier_norm.weight",

@@ -41,7 +41,7 @@ from dflash_jax.draft import DraftCache
 from dflash_jax.gguf_io import GGUFFile
 from dflash_jax.quants import QuantWeight, take_rows
 from dflash_jax.runtime import Runtime
-from dflash_jax.target_params import AttnParams, TargetParams, _attn_layer, _mat, _vec
+from dflash_jax.target_params import AttnParams, TargetParams, attn_layer_params, matrix, vector
 
 DEFAULT_STEPS = 3     # draft tokens per step: llama.cpp's and vLLM's usual 2-3 for one MTP block
 MAX_STEPS = 15
@@ -137,14 +137,14 @@ def load_params(f: GGUFFile, cfg: TargetConfig, *, weights: str = "quantized",
   check_target(cfg, f.path)
   d, v = cfg.d_model, cfg.n_vocab
   p = f"blk.{cfg.n_layer}."
-  opt = lambda name: (_mat(f, p + name, (v, d), weights) if p + name in f.tensors else None)
+  opt = lambda name: (matrix(f, p + name, (v, d), weights) if p + name in f.tensors else None)
   return MTPParams(
-      eh_proj=_mat(f, p + "nextn.eh_proj.weight", (d, 2 * d), weights),
-      enorm=_vec(f, p + "nextn.enorm.weight", d), hnorm=_vec(f, p + "nextn.hnorm.weight", d),
-      head_norm=(_vec(f, p + "nextn.shared_head_norm.weight", d)
+      eh_proj=matrix(f, p + "nextn.eh_proj.weight", (d, 2 * d), weights),
+      enorm=vector(f, p + "nextn.enorm.weight", d), hnorm=vector(f, p + "nextn.hnorm.weight", d),
+      head_norm=(vector(f, p + "nextn.shared_head_norm.weight", d)
                  if p + "nextn.shared_head_norm.weight" in f.tensors
-                 else _vec(f, "output_norm.weight", d)),
-      layer=_attn_layer(f, cfg, p, weights, fuse),
+                 else vector(f, "output_norm.weight", d)),
+      layer=attn_layer_params(f, cfg, p, weights, fuse),
       head=opt("nextn.shared_head_head.weight"), embed=opt("nextn.embed_tokens.weight"))
 
 

@@ -154,7 +154,7 @@ class Engine:
     from dflash_jax.prompt_cache import PromptCache
     self.prompt_cache = (PromptCache.for_target(target, prompt_cache_bytes)
                          if prompt_cache_bytes > 0 else None)
-    self.eog = api._eog(target, None)
+    self.eog = api.resolve_eog(target, None)
     self.eog_set = set(np.asarray(self.eog).tolist())
     self.waiting = 0
     self.metrics = {"requests_total": 0, "requests_failed": 0, "tokens_generated_total": 0,
@@ -398,7 +398,7 @@ class Engine:
       if v not in self.VARIANTS:
         raise ValueError(f"warm_up: unknown variant {v!r} (one of {self.VARIANTS})")
     g = self.grammar("(ab)+", "warm_up") if any(v.endswith("+grammar") for v in variants) else None
-    for bsz in (_buckets(self.max_batch) if buckets is None else buckets):
+    for bsz in (batch_buckets(self.max_batch) if buckets is None else buckets):
       dec = self.dec_for(bsz)
       for v in variants:
         if (bsz, v) in self.warmed:
@@ -732,7 +732,8 @@ class Engine:
     return self.prom.text()
 
 
-def _buckets(max_batch: int) -> list[int]:
+def batch_buckets(max_batch: int) -> list[int]:
+  """The batch buckets (batching.BATCH_BUCKETS) of at most max_batch slots, ascending."""
   from dflash_jax import batching
   return [b for b in batching.BATCH_BUCKETS if b <= max_batch]
 

@@ -91,7 +91,7 @@ def build_engine() -> serve.Engine:
     raise app.UsageError(f"--mode={dec.mode} needs a draft (--draft)")
   defaults = decode_flags.sampling(_DF, target.sampling_defaults)
   decs = {b: dj.api.resolve_config(draft, dec, target=target, batch=b)
-          for b in serve._buckets(64)}          # mode "auto": per batch size
+          for b in serve.batch_buckets(64)}          # mode "auto": per batch size
   name = _MODEL_NAME.value or os.path.basename(target.path)
   engine = serve.Engine(target, draft, decs.__getitem__, defaults, name, _MAX_QUEUE.value,
                         _MAX_BATCH.value, _STEPS_PER_CALL.value, prompt_cache_bytes=_PROMPT_CACHE.value,
@@ -154,7 +154,7 @@ def main(argv):
       print(f"error: {e}", file=sys.stderr, flush=True)
       os._exit(1)
     holder["engine"] = engine
-    modes = ", ".join(f"B={b}: {engine.dec_for(b).mode}" for b in serve._buckets(engine.max_batch))
+    modes = ", ".join(f"B={b}: {engine.dec_for(b).mode}" for b in serve.batch_buckets(engine.max_batch))
     print(f"[dflash] ready: {engine.model_name} ({modes}) on http://{_HOST.value}:{_PORT.value}",
           flush=True)
     # the other programs while the first requests are served (one needed sooner compiles then)

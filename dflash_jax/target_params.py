@@ -142,12 +142,15 @@ def _dense(f: GGUFFile, name: str, shape: tuple[int, ...]) -> np.ndarray:
   return np.asarray(to_dtype(w, "f32").data, np.float32).reshape(shape)
 
 
-def _vec(f: GGUFFile, name: str, n: int) -> np.ndarray:
+def vector(f: GGUFFile, name: str, n: int) -> np.ndarray:
   """A 1-D tensor (norm weights, biases) as [n] float32 on the host."""
   return _dense(f, name, (n,))
 
 
-def _mat(f: GGUFFile, name: str, shape: tuple[int, int], weights: str) -> QuantWeight:
+def matrix(f: GGUFFile, name: str, shape: tuple[int, int], weights: str) -> QuantWeight:
+  """The weight matrix `name` [N, K] (numpy order: GGUF [out, in]) as a QuantWeight: its GGUF
+  blocks packed (weights "quantized") or dequantized to weights ("f32" / "bf16"). Raises
+  ValueError naming the file and tensor when it is missing or of another shape."""
   t = _expect(f, name, shape)
   w = from_numpy(t.data, t.fmt, shape, name=f"{f.path}:{name}")
   return w if weights == "quantized" else to_dtype(w, weights)
@@ -187,16 +190,16 @@ def _moe(f: GGUFFile, cfg: TargetConfig, p: str, weights: str, fuse: bool, norm:
     shexp_gate = p + "ffn_gate_inp_shexp.weight"
     gate_shape = (1, d) if tuple(f.tensor(shexp_gate).shape) == (1, d) else (d,)
     shared = dict(
-        shared_gate_up=fuse_projections([_mat(f, p + "ffn_gate_shexp.weight", (fs, d), weights),
-                                         _mat(f, p + "ffn_up_shexp.weight", (fs, d), weights)],
+        shared_gate_up=fuse_projections([matrix(f, p + "ffn_gate_shexp.weight", (fs, d), weights),
+                                         matrix(f, p + "ffn_up_shexp.weight", (fs, d), weights)],
                                         fuse),
-        shared_down=_mat(f, p + "ffn_down_shexp.weight", (d, fs), weights),
+        shared_down=matrix(f, p + "ffn_down_shexp.weight", (d, fs), weights),
         shared_gate=_dense(f, shexp_gate, gate_shape).reshape(d))
   return MoEParams(
-      norm=_vec(f, norm, d),
+      norm=vector(f, norm, d),
       # the router stays float32 when weights are dequantized at load (a bf16 router would choose
       # other experts than the file's F32 one near ties)
-      router=_mat(f, p + "ffn_gate_inp.weight", (e, d),
+      router=matrix(f, p + "ffn_gate_inp.weight", (e, d),
                   "quantized" if weights == "quantized" else "f32"),
       gate_up_exps=gate_up, up_exps=up,
       down_exps=_experts(f, p + "ffn_down_exps.weight", (e, d, fe), weights), **shared)
@@ -207,11 +210,11 @@ def _ffn(f: GGUFFile, cfg: TargetConfig, p: str, weights: str, fuse: bool) -> FF
   norm = p + ("post_attention_norm" if cfg.arch in HYBRID_ARCHS else "ffn_norm") + ".weight"
   if cfg.moe:
     return _moe(f, cfg, p, weights, fuse, norm)
-  return FFNParams(norm=_vec(f, norm, d),
-                   gate_up=fuse_projections([_mat(f, p + "ffn_gate.weight", (cfg.d_ff, d), weights),
-                                             _mat(f, p + "ffn_up.weight", (cfg.d_ff, d), weights)],
+  return FFNParams(norm=vector(f, norm, d),
+                   gate_up=fuse_projections([matrix(f, p + "ffn_gate.weight", (cfg.d_ff, d), weights),
+                                             matrix(f, p + "ffn_up.weight", (cfg.d_ff, d), weights)],
                                             fuse),
-                   down=_mat(f, p + "ffn_down.weight", (d, cfg.d_ff), weights))
+                   down=matrix(f, p + "ffn_down.weight", (d, cfg.d_ff), weights))
 
 
 def _rows(w: QuantWeight, idx: np.ndarray) -> QuantWeight:
@@ -229,11 +232,11 @@ def _qwen3next_inputs(f: GGUFFile, cfg: TargetConfig, p: str, weights: str):
   src/models/qwen3next.cpp build_qkvz, conversion/qwen.py Qwen3NextModel)."""
   d, hk, hv, dk, dv = cfg.d_model, cfg.gdn_n_k_head, cfg.gdn_n_v_head, cfg.gdn_d_k, cfg.gdn_d_v
   r, c = hv // hk, cfg.conv_dim
-  ba = _mat(f, p + "ssm_ba.weight", (2 * hv, d), weights)
+  ba = matrix(f, p + "ssm_ba.weight", (2 * hv, d), weights)
   g, j = np.arange(hk)[:, None], np.arange(r)[None, :]
   beta, alpha = _rows(ba, (g * 2 * r + j).ravel()), _rows(ba, (g * 2 * r + r + j).ravel())
   if p + "ssm_in.weight" in f.tensors and p + "attn_qkv.weight" not in f.tensors:
-    fused = _mat(f, p + "ssm_in.weight", (c + hv * dv, d), weights)
+    fused = matrix(f, p + "ssm_in.weight", (c + hv * dv, d), weights)
     w = 2 * dk + 2 * r * dv                       # rows per K head
     base = np.arange(hk)[:, None] * w
     q = (base + np.arange(dk)).ravel()
@@ -241,8 +244,8 @@ def _qwen3next_inputs(f: GGUFFile, cfg: TargetConfig, p: str, weights: str):
     v = (base + 2 * dk + np.arange(r * dv)).ravel()
     z = (base + 2 * dk + r * dv + np.arange(r * dv)).ravel()
     return _rows(fused, np.concatenate([q, k, v])), _rows(fused, z), beta, alpha
-  return (_mat(f, p + "attn_qkv.weight", (c, d), weights),
-          _mat(f, p + "attn_gate.weight", (hv * dv, d), weights), beta, alpha)
+  return (matrix(f, p + "attn_qkv.weight", (c, d), weights),
+          matrix(f, p + "attn_gate.weight", (hv * dv, d), weights), beta, alpha)
 
 
 def _gdn_layer(f: GGUFFile, cfg: TargetConfig, p: str, weights: str, fuse: bool) -> GDNParams:
@@ -250,38 +253,40 @@ def _gdn_layer(f: GGUFFile, cfg: TargetConfig, p: str, weights: str, fuse: bool)
   if cfg.arch == "qwen3next":
     ins = _qwen3next_inputs(f, cfg, p, weights)
   else:
-    ins = (_mat(f, p + "attn_qkv.weight", (c, d), weights),
-           _mat(f, p + "attn_gate.weight", (hv * dv, d), weights),
-           _mat(f, p + "ssm_beta.weight", (hv, d), weights),
-           _mat(f, p + "ssm_alpha.weight", (hv, d), weights))
+    ins = (matrix(f, p + "attn_qkv.weight", (c, d), weights),
+           matrix(f, p + "attn_gate.weight", (hv * dv, d), weights),
+           matrix(f, p + "ssm_beta.weight", (hv, d), weights),
+           matrix(f, p + "ssm_alpha.weight", (hv, d), weights))
   return GDNParams(
-      norm=_vec(f, p + "attn_norm.weight", d),
+      norm=vector(f, p + "attn_norm.weight", d),
       in_proj=fuse_projections(list(ins), fuse),
       conv=_dense(f, p + "ssm_conv1d.weight", (c, cfg.conv_kernel)),
-      dt_bias=_vec(f, p + "ssm_dt.bias", hv), ssm_a=_vec(f, p + "ssm_a", hv),
-      ssm_norm=_vec(f, p + "ssm_norm.weight", dv),
-      w_out=_mat(f, p + "ssm_out.weight", (d, hv * dv), weights),
+      dt_bias=vector(f, p + "ssm_dt.bias", hv), ssm_a=vector(f, p + "ssm_a", hv),
+      ssm_norm=vector(f, p + "ssm_norm.weight", dv),
+      w_out=matrix(f, p + "ssm_out.weight", (d, hv * dv), weights),
       ffn=_ffn(f, cfg, p, weights, fuse))
 
 
-def _attn_layer(f: GGUFFile, cfg: TargetConfig, p: str, weights: str, fuse: bool) -> AttnParams:
+def attn_layer_params(f: GGUFFile, cfg: TargetConfig, p: str, weights: str, fuse: bool) -> AttnParams:
+  """The softmax-attention and FFN weights of the block whose tensor names start with `p`
+  ("blk.3."), in the file's formats (see `matrix`; fuse: q/k/v and gate/up stacked)."""
   d, h, hkv, dh, dvh = cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.v_head_dim
   q_rows = h * dh * (2 if cfg.attn_gate else 1)
   sizes = (q_rows, hkv * dh, hkv * dvh)
   names = [p + f"attn_{x}.bias" for x in "qkv"]
   bias = None
   if any(n in f.tensors for n in names):    # llama.cpp create_tensor_qkv: each one optional
-    bias = tuple(_vec(f, n, m) if n in f.tensors else np.zeros((m,), np.float32)
+    bias = tuple(vector(f, n, m) if n in f.tensors else np.zeros((m,), np.float32)
                  for n, m in zip(names, sizes))
   return AttnParams(
       qkv_bias=bias,
-      norm=_vec(f, p + "attn_norm.weight", d),
-      qkv=fuse_projections([_mat(f, p + "attn_q.weight", (q_rows, d), weights),
-                            _mat(f, p + "attn_k.weight", (hkv * dh, d), weights),
-                            _mat(f, p + "attn_v.weight", (hkv * dvh, d), weights)], fuse),
-      wo=_mat(f, p + "attn_output.weight", (d, h * dvh), weights),
-      q_norm=_vec(f, p + "attn_q_norm.weight", dh) if cfg.qk_norm else None,
-      k_norm=_vec(f, p + "attn_k_norm.weight", dh) if cfg.qk_norm else None,
+      norm=vector(f, p + "attn_norm.weight", d),
+      qkv=fuse_projections([matrix(f, p + "attn_q.weight", (q_rows, d), weights),
+                            matrix(f, p + "attn_k.weight", (hkv * dh, d), weights),
+                            matrix(f, p + "attn_v.weight", (hkv * dvh, d), weights)], fuse),
+      wo=matrix(f, p + "attn_output.weight", (d, h * dvh), weights),
+      q_norm=vector(f, p + "attn_q_norm.weight", dh) if cfg.qk_norm else None,
+      k_norm=vector(f, p + "attn_k_norm.weight", dh) if cfg.qk_norm else None,
       ffn=_ffn(f, cfg, p, weights, fuse))
 
 
@@ -313,12 +318,12 @@ def load_params(f: GGUFFile, cfg: TargetConfig, *, weights: str = "quantized",
   if weights not in ("quantized", "f32", "bf16"):
     raise ValueError(f"weights={weights!r}: expected 'quantized', 'f32' or 'bf16'")
   d, v = cfg.d_model, cfg.n_vocab
-  embed = _mat(f, "token_embd.weight", (v, d), weights)
-  lm_head = (_mat(f, "output.weight", (v, d), weights) if "output.weight" in f.tensors else embed)
-  out = [(_gdn_layer if cfg.recurrent[i] else _attn_layer)(f, cfg, f"blk.{i}.", weights, fuse)
+  embed = matrix(f, "token_embd.weight", (v, d), weights)
+  lm_head = (matrix(f, "output.weight", (v, d), weights) if "output.weight" in f.tensors else embed)
+  out = [(_gdn_layer if cfg.recurrent[i] else attn_layer_params)(f, cfg, f"blk.{i}.", weights, fuse)
          for i in range(cfg.n_layer)]
-  rope_freqs = _vec(f, "rope_freqs.weight", cfg.rope_dim // 2) if cfg.has_rope_freqs else None
-  params = TargetParams(embed=embed, out_norm=_vec(f, "output_norm.weight", d), lm_head=lm_head,
+  rope_freqs = vector(f, "rope_freqs.weight", cfg.rope_dim // 2) if cfg.has_rope_freqs else None
+  params = TargetParams(embed=embed, out_norm=vector(f, "output_norm.weight", d), lm_head=lm_head,
                         layers=tuple(out), rope_freqs=rope_freqs)
   _check_all_used(f, cfg)
   return params

@@ -99,10 +99,10 @@ def test_dflash2_and_unknown_draft_variants_are_refused(tmp_path, qwen_f32):
 def test_draft_with_unused_tensor(tmp_path, qwen_f32):
   """A tensor no DFlash-1 layer uses (a DFlash-2 conv kernel) is refused, naming it."""
   from safetensors.numpy import save_file
-  from dflash_jax.draft_io import _load_safetensors
+  from dflash_jax.draft_io import load_safetensors
   d = tmp_path / "draft"
   shutil.copytree(DRAFT, d)
-  arrays = _load_safetensors(str(d / "model.safetensors"))
+  arrays = load_safetensors(str(d / "model.safetensors"))
   arrays["layers.0.mlp_conv.base_kernel"] = np.zeros((16, 2), np.float32)
   save_file({k: np.asarray(v, np.float32) for k, v in arrays.items()}, str(d / "model.safetensors"))
   with pytest.raises(ValueError, match=r"model\.safetensors: tensor 'layers\.0\.mlp_conv\.base_kernel' "
@@ -112,10 +112,10 @@ def test_draft_with_unused_tensor(tmp_path, qwen_f32):
 
 def test_draft_with_wrong_tensor_shape(tmp_path, qwen_f32):
   from safetensors.numpy import save_file
-  from dflash_jax.draft_io import _load_safetensors
+  from dflash_jax.draft_io import load_safetensors
   d = tmp_path / "draft"
   shutil.copytree(DRAFT, d)
-  arrays = _load_safetensors(str(d / "model.safetensors"))
+  arrays = load_safetensors(str(d / "model.safetensors"))
   arrays["layers.1.mlp.up_proj.weight"] = np.zeros((100, 256), np.float32)
   save_file(arrays, str(d / "model.safetensors"))
   with pytest.raises(ValueError, match=r"layers\.1\.mlp\.up_proj\.weight.*\(100, 256\)"):
@@ -182,10 +182,10 @@ def test_pallas_kernels_without_gpu_name_the_option():
 
 def test_draft_with_integer_weights_or_repeated_layers(tmp_path, qwen_f32):
   from safetensors.numpy import save_file
-  from dflash_jax.draft_io import _load_safetensors
+  from dflash_jax.draft_io import load_safetensors
   d = tmp_path / "draft"
   shutil.copytree(DRAFT, d)
-  arrays = _load_safetensors(str(d / "model.safetensors"))
+  arrays = load_safetensors(str(d / "model.safetensors"))
   arrays["layers.0.mlp.up_proj.weight"] = arrays["layers.0.mlp.up_proj.weight"].astype(np.int8)
   save_file(arrays, str(d / "model.safetensors"))
   with pytest.raises(ValueError, match=r"up_proj\.weight' has dtype int8.*quantized drafts"):

@@ -48,7 +48,7 @@ def test_block_masks_hand_computed(qwen_f32):
 
 
 def test_block_attention_against_float64():
-  """The training attention of A blocks (`draft._block_attention`: context rows before each
+  """The training attention of A blocks (`draft.block_attention`: context rows before each
   anchor plus the block's own rows) against a float64 numpy softmax attention over the same
   masks: float32 (HIGHEST) within 1e-5 relative Frobenius; bfloat16 operands with float32
   accumulation (the GPU run's compute dtype) within 1e-2 and not equal to float32 (the operands
@@ -70,12 +70,12 @@ def test_block_attention_against_float64():
   ref = (np.einsum("alkgt,tkd->alkgd", p[..., :T], vc.astype(np.float64))
          + np.einsum("alkgm,amkd->alkgd", p[..., T:], vb.astype(np.float64)))
   args = [jnp.asarray(x) for x in (q, kc, vc, kb, vb, ctx, blk)]
-  out = {dt: np.asarray(draft_lib._block_attention(*args, Dh, dt), np.float64)
+  out = {dt: np.asarray(draft_lib.block_attention(*args, Dh, dt), np.float64)
          for dt in (jnp.float32, jnp.bfloat16)}
   err = {dt: np.linalg.norm(o - ref) / np.linalg.norm(ref) for dt, o in out.items()}
   assert err[jnp.float32] < 1e-5 and err[jnp.bfloat16] < 1e-2, err
   assert err[jnp.bfloat16] > 10 * err[jnp.float32], err
-  remat = np.asarray(draft_lib._block_attention_remat(*args, Dh, jnp.bfloat16), np.float64)
+  remat = np.asarray(draft_lib.block_attention_remat(*args, Dh, jnp.bfloat16), np.float64)
   assert np.array_equal(remat, out[jnp.bfloat16])
 
 

@@ -47,7 +47,7 @@ def make_seq_batch(rng: np.random.Generator, seqs, *, seq_len: int, n_steps: int
   lengths = np.zeros((b,), np.int32)
   plens = np.zeros((b,), np.int32)
   for i, s in enumerate(seqs):
-    t, p = objective._window(rng, s, seq_len)
+    t, p = objective.window(rng, s, seq_len)
     tokens[i, :t.size] = t
     lengths[i], plens[i] = t.size, p
   return SeqBatch(tokens=tokens, lengths=lengths, prompt_lens=plens)

@@ -69,7 +69,7 @@ class Batch:
   segments: Optional[jax.Array] = None
 
 
-def _window(rng: np.random.Generator, s, seq_len: int):
+def window(rng: np.random.Generator, s, seq_len: int):
   """(tokens, prompt_len) of sequence s, or of a random window of seq_len tokens inside it
   (starting >= 0, the prompt length clipped to >= 1) when it is longer."""
   t, p = np.asarray(s.tokens), int(s.prompt_len)
@@ -93,7 +93,7 @@ def make_batch(rng: np.random.Generator, seqs, cfg: DraftConfig, *, seq_len: int
   avalid = np.zeros((B, n_anchors), bool)
   lengths = np.zeros((B,), np.int32)
   for i, s in enumerate(seqs):
-    t, p = _window(rng, s, seq_len)
+    t, p = window(rng, s, seq_len)
     tokens[i, :t.size] = t
     lengths[i] = t.size
     anchors[i], avalid[i] = sample_anchors(rng, p, t.size, n_anchors)
@@ -189,7 +189,7 @@ def make_packed_batch(rng: np.random.Generator, rows: Sequence[Sequence], cfg: D
   for b, row in enumerate(rows):
     at, cand, ends = 0, [], []
     for j, s in enumerate(row):
-      t, p = _window(rng, s, seq_len)
+      t, p = window(rng, s, seq_len)
       if at + t.size > seq_len:
         raise ValueError(f"make_packed_batch: row {b} holds more than seq_len={seq_len} tokens")
       tokens[b, at:at + t.size] = t

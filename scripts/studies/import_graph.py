@@ -2,11 +2,13 @@
 uses of another module's `_private` names (imported, or read as `module._name`), imports of the
 training code from outside it, and whether the decode path loads the training code.
 
-  python scripts/studies/import_graph.py [--dot /tmp/imports.dot]
+  python scripts/studies/import_graph.py [--dot /tmp/imports.dot] [--check]
 
 Reads the source with `ast` (module-level imports only: imports inside functions are deferred and
 not part of the graph), then imports `dflash_jax`, loads the embedded default target and its
 shipped draft, generates 8 tokens in the default mode and lists the dflash_jax modules loaded.
+With --check it exits 1 when there is a cycle, a use of another module's `_private` name, or a
+training module loaded by that generation (tests/test_imports.py).
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ import dflash_jax
 PKG = os.path.dirname(os.path.abspath(dflash_jax.__file__))
 
 
-def modules() -> dict[str, str]:
-  """{dotted name: path} of every module of the package."""
+def modules(pkg: str = PKG) -> dict[str, str]:
+  """{dotted name: path} of every module of the package in directory `pkg`."""
   out = {}
-  for root, _, files in os.walk(PKG):
+  for root, _, files in os.walk(pkg):
     for f in files:
       if f.endswith(".py"):
-        rel = os.path.relpath(os.path.join(root, f), os.path.dirname(PKG))[:-3].replace(os.sep, ".")
+        rel = os.path.relpath(os.path.join(root, f), os.path.dirname(pkg))[:-3].replace(os.sep, ".")
         out[rel[:-len(".__init__")] if rel.endswith(".__init__") else rel] = os.path.join(root, f)
   return out
 
@@ -110,8 +112,11 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--dot", help="write the graph in Graphviz format here")
   ap.add_argument("--no_generate", action="store_true", help="skip loading the default model")
+  ap.add_argument("--root", default=PKG, help="the package directory to read (default: dflash_jax's)")
+  ap.add_argument("--check", action="store_true", help="exit 1 on a cycle, a _private use or a "
+                  "training module loaded by the default decode path")
   args = ap.parse_args()
-  mods = modules()
+  mods = modules(args.root)
   graph, private = {}, {}
   for name, path in sorted(mods.items()):
     graph[name], private[name] = imports(path, name, mods)
@@ -157,6 +162,10 @@ def main():
     train = [m for m in loaded if m.startswith("dflash_jax.train")]
     print(f"after load_target + load_draft + generate: {len(loaded)} dflash_jax modules loaded, "
           f"training modules among them: {train or 'none'}")
+  else:
+    train = []
+  if args.check and (cyc or priv or train):
+    sys.exit(1)
 
 
 if __name__ == "__main__":
