@@ -8,7 +8,9 @@ vocabulary.
 from __future__ import annotations
 
 import ast
+import collections
 import dataclasses
+import functools
 import glob
 import os
 import random
@@ -58,25 +60,46 @@ def package_functions(packages: Iterable[str] = PACKAGE_CORPUS,
     yield from _functions_in(files, root, max_doc_chars)
 
 
+def _statements(tree: ast.AST):
+  """The nodes `ast.walk(tree)` yields that are statements (or the except handlers and match
+  cases holding them), in the same order: a breadth-first walk that skips expressions, which
+  never hold a statement (~2x faster on library source)."""
+  todo = collections.deque([tree])
+  while todo:
+    node = todo.popleft()
+    todo.extend(c for c in ast.iter_child_nodes(node)
+                if isinstance(c, (ast.stmt, ast.excepthandler, ast.match_case)))
+    yield node
+
+
 def _functions_in(files, root, max_doc_chars: int = 1200):
   for path in files:
-    try:
-      src = open(path, encoding="utf-8").read()
-      tree = ast.parse(src)
-    except (SyntaxError, UnicodeDecodeError, ValueError):
+    yield from _file_functions(path, root, max_doc_chars)
+
+
+@functools.lru_cache(maxsize=None)
+def _file_functions(path: str, root: str, max_doc_chars: int) -> tuple:
+  """(module, name, signature + docstring text) of the public documented functions of one source
+  file, in `ast.walk` order (read once per process: corpora are built more than once)."""
+  try:
+    src = open(path, encoding="utf-8").read()
+    tree = ast.parse(src)
+  except (SyntaxError, UnicodeDecodeError, ValueError):
+    return ()
+  lines = src.splitlines()
+  mod = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+  out = []
+  for node in _statements(tree):
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
       continue
-    lines = src.splitlines()
-    mod = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
-    for node in ast.walk(tree):
-      if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        continue
-      doc = ast.get_docstring(node)
-      if not doc or len(node.body) < 2 or node.name.startswith("_") or len(doc) > max_doc_chars:
-        continue
-      ds = node.body[0]
-      head = lines[node.lineno - 1:ds.end_lineno]
-      indent = len(head[0]) - len(head[0].lstrip())
-      yield mod, node.name, "\n".join(l[indent:] for l in head) + "\n"
+    doc = ast.get_docstring(node)
+    if not doc or len(node.body) < 2 or node.name.startswith("_") or len(doc) > max_doc_chars:
+      continue
+    ds = node.body[0]
+    head = lines[node.lineno - 1:ds.end_lineno]
+    indent = len(head[0]) - len(head[0].lstrip())
+    out.append((mod, node.name, "\n".join(l[indent:] for l in head) + "\n"))
+  return tuple(out)
 
 
 # General-assistant instruction templates for `general` chat prompts ({w}, {v}: topic words).
