@@ -388,7 +388,10 @@ def test_warm_only_constrained_request_waits_for_its_variant(server, smol):
           "messages": [{"role": "user", "content": "Give me a JSON object."}], "max_tokens": 32,
           "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {
               "name": "a", "schema": schema}}})
-      time.sleep(1.0)
+      deadline = time.time() + 120
+      while engine.waiting < 1 and time.time() < deadline:    # queued (its schema compiled)
+        time.sleep(0.05)
+      time.sleep(0.5)
       plain = _http(base, "POST", "/v1/chat/completions", {
           "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 8,
           "temperature": 0})
@@ -937,7 +940,9 @@ def test_a_seed_reproduces_its_text_under_load(server, smol):
                "temperature": 0.9, "seed": i} for i, p in enumerate(PROMPTS)]
     with concurrent.futures.ThreadPoolExecutor(4) as ex:
       busy = [ex.submit(_http, base, "POST", "/v1/chat/completions", o) for o in others]
-      time.sleep(0.5)                                   # the others hold slots first
+      deadline = time.time() + 120
+      while engine.waiting < len(others) and time.time() < deadline:   # the others come first
+        time.sleep(0.02)
       loaded = ex.submit(_http, base, "POST", "/v1/chat/completions", body).result()[1]
       assert all(f.result()[0] == 200 for f in busy)
   finally:
