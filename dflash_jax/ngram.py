@@ -117,7 +117,7 @@ def _greedy(entry: dict) -> bool:
 
 
 def from_shards(data_dir: str, vocab: int, *, greedy_only: bool = True, **kw) -> NgramTable:
-  """`build` over a token-shard directory (`train.shards`, validated as read: a corrupt shard is a
+  """`build` over a token-shard directory (`token_shards`, validated as read: a corrupt shard is a
   ValueError naming its file): each sequence's response tokens with its prompt as context.
 
   greedy_only: count only the shards generated at temperature 0 (the manifest's "temperature";
@@ -126,7 +126,7 @@ def from_shards(data_dir: str, vocab: int, *, greedy_only: bool = True, **kw) ->
     acceptance 1.668 -> 1.678 chat, 1.900 -> 1.911 HumanEval without them). A directory of
     sampled shards only is counted whole.
   kw: `build`'s options. Raises ValueError for a directory without shards."""
-  from dflash_jax.train import shards
+  from dflash_jax import token_shards as shards
   greedy = greedy_only and any(map(_greedy, shards.read_manifest(data_dir)["shards"]))
   seqs = shards.read_shards(data_dir, vocab, where=_greedy if greedy else None)
   return build([(s.tokens, s.prompt_len) for s in seqs], vocab, **kw)

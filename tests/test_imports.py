@@ -1,7 +1,8 @@
 """The package's import graph (scripts/studies/import_graph.py --check): no import cycles between
-its modules, no module using another's `_private` names, and the default decode path (load the
-embedded target and its shipped draft, generate) loads no training module. The check fails on a
-planted cycle and a planted private import."""
+its modules, no module using another's `_private` names, no import of `dflash_jax.train` from
+outside it (deferred ones included), and the default decode path (load the embedded target and its
+shipped draft, generate) loads no training module. The check fails on a planted cycle, a planted
+private import and a planted training import."""
 
 import os
 import shutil
@@ -21,10 +22,11 @@ def test_import_graph_of_the_package():
   r = _run()
   assert r.returncode == 0, r.stdout + r.stderr
   assert "cycles: 0" in r.stdout and "_private names: 0" in r.stdout
+  assert "imports of dflash_jax.train from outside it: 0" in r.stdout
   assert "training modules among them: none" in r.stdout
 
 
-def test_the_check_fails_on_a_planted_cycle_and_private_import(tmp_path):
+def test_the_check_fails_on_planted_violations(tmp_path):
   import dflash_jax
   pkg = tmp_path / "dflash_jax"
   shutil.copytree(os.path.dirname(dflash_jax.__file__), pkg,
@@ -38,3 +40,10 @@ def test_the_check_fails_on_a_planted_cycle_and_private_import(tmp_path):
     fh.write("from dflash_jax.api import _no_such_private_name\n")
   r = _run("--root", str(pkg), "--no_generate")
   assert r.returncode == 1 and "dflash_jax.api._no_such_private_name" in r.stdout
+  pkg2 = tmp_path / "b" / "dflash_jax"
+  shutil.copytree(os.path.dirname(dflash_jax.__file__), pkg2,
+                  ignore=shutil.ignore_patterns("__pycache__", "*.json"))
+  with open(pkg2 / "ngram.py", "a") as fh:                 # the decode side reaching training
+    fh.write("\ndef _f():\n  from dflash_jax.train import objective\n")
+  r = _run("--root", str(pkg2), "--no_generate")
+  assert r.returncode == 1 and "dflash_jax.ngram -> dflash_jax.train" in r.stdout

@@ -7,8 +7,9 @@ training code from outside it, and whether the decode path loads the training co
 Reads the source with `ast` (module-level imports only: imports inside functions are deferred and
 not part of the graph), then imports `dflash_jax`, loads the embedded default target and its
 shipped draft, generates 8 tokens in the default mode and lists the dflash_jax modules loaded.
-With --check it exits 1 when there is a cycle, a use of another module's `_private` name, or a
-training module loaded by that generation (tests/test_imports.py).
+With --check it exits 1 when there is a cycle, a use of another module's `_private` name, an import
+of the training package from outside it, or a training module loaded by that generation
+(tests/test_imports.py).
 """
 
 from __future__ import annotations
@@ -113,8 +114,9 @@ def main():
   ap.add_argument("--dot", help="write the graph in Graphviz format here")
   ap.add_argument("--no_generate", action="store_true", help="skip loading the default model")
   ap.add_argument("--root", default=PKG, help="the package directory to read (default: dflash_jax's)")
-  ap.add_argument("--check", action="store_true", help="exit 1 on a cycle, a _private use or a "
-                  "training module loaded by the default decode path")
+  ap.add_argument("--check", action="store_true", help="exit 1 on a cycle, a _private use, an "
+                  "import of dflash_jax.train from outside it or a training module loaded by the "
+                  "default decode path")
   args = ap.parse_args()
   mods = modules(args.root)
   graph, private = {}, {}
@@ -164,7 +166,7 @@ def main():
           f"training modules among them: {train or 'none'}")
   else:
     train = []
-  if args.check and (cyc or priv or train):
+  if args.check and (cyc or priv or up or deferred or train):
     sys.exit(1)
 
 
