@@ -57,8 +57,12 @@ class Target:
   @property
   def device_bytes(self) -> int:
     """Bytes of the distinct device buffers holding the params (tied embeddings counted once)."""
-    seen = {id(x): x.nbytes for x in jax.tree.leaves(self.params)}
-    return int(sum(seen.values()))
+    return device_bytes(self.params)
+
+
+def device_bytes(tree) -> int:
+  """Bytes of the distinct arrays among a pytree's leaves (an array held twice counts once)."""
+  return int(sum({id(x): x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes")}.values()))
 
 
 @dataclasses.dataclass
@@ -72,6 +76,11 @@ class Draft:
   config: DraftConfig | mtp_lib.MTPConfig | eagle3_lib.Eagle3Config
   params: draft_lib.DraftParams | mtp_lib.MTPParams | eagle3_lib.Eagle3Params
   path: str
+
+  @property
+  def device_bytes(self) -> int:
+    """Bytes of the distinct device buffers holding the params."""
+    return device_bytes(self.params)
 
   @property
   def is_mtp(self) -> bool:

@@ -145,19 +145,28 @@ def start_server(args: list, port: int, log_path: str):
   Raises RuntimeError when the server exits first."""
   import subprocess
   import sys
-  import time
   cmd = [sys.executable, "-m", "dflash_jax.serve", f"--port={port}", *args]
   proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, text=True)
+  wait_for_server(proc, port, log_path)
+  return proc
+
+
+def wait_for_server(proc, port: int, log_path: str, *, all_warm: bool = True) -> None:
+  """Block until the server process `proc` answers /health 200 on 127.0.0.1:port and, with
+  all_warm, reports every batch bucket warm. Raises RuntimeError (naming its command and
+  log_path) when the server exits first."""
+  import time
   while True:
     if proc.poll() is not None:
-      raise RuntimeError(f"the server exited ({proc.returncode}) before serving: {' '.join(cmd)}; "
+      args = proc.args if isinstance(proc.args, str) else " ".join(map(str, proc.args))
+      raise RuntimeError(f"the server exited ({proc.returncode}) before serving: {args}; "
                          f"see {log_path}")
     h = health(port)
     if h is not None and h[0] == 200:
       warm = h[1].get("warm_buckets")
-      if warm is None or (warm and max(warm) >= h[1].get("max_batch", max(warm))):
-        return proc
-    time.sleep(1.0)
+      if not all_warm or warm is None or (warm and max(warm) >= h[1].get("max_batch", max(warm))):
+        return
+    time.sleep(0.2)
 
 
 # Benchmark chat prompts (bench.py --dataset chat, bench_serve.py), written for this project: never

@@ -719,12 +719,11 @@ class Engine:
     SSM / conv states, target features and tokens of the batch's slots: max_batch x max_ctx at
     most), "prompt_cache" (at most --prompt_cache_bytes)}. On the CPU backend device buffers are
     host memory, part of the process's RSS (`process_resident_memory_bytes`)."""
-    nbytes = lambda tree: int(sum({id(x): x.nbytes for x in jax.tree.leaves(tree)  # noqa: E731
-                                   if hasattr(x, "nbytes")}.values()))
+    from dflash_jax import api
     batch = self._batch
     return {"target_weights": self.target.device_bytes,
-            "draft_weights": nbytes(getattr(self.draft, "params", None)),
-            "batch_state": nbytes(batch.state) if batch is not None else 0,
+            "draft_weights": self.draft.device_bytes if self.draft is not None else 0,
+            "batch_state": api.device_bytes(batch.state) if batch is not None else 0,
             "prompt_cache": self.prompt_cache.bytes if self.prompt_cache is not None else 0}
 
   def metrics_text(self) -> str:

@@ -49,9 +49,9 @@ class ServerMetrics:
 
   def __init__(self, engine_state: Callable[[], dict]):
     self.registry = CollectorRegistry(auto_describe=True)
-    self.latency = Histogram("dflash_request_seconds", "Request latency, submit to last token.",
+    self.latency = Histogram("dflash_request_seconds", "Request latency, arrival to last token.",
                              buckets=_SECONDS, registry=self.registry)
-    self.ttft = Histogram("dflash_time_to_first_token_seconds", "Submit to first token "
+    self.ttft = Histogram("dflash_time_to_first_token_seconds", "Arrival to first token "
                           "(queue + prefill).", buckets=_SECONDS, registry=self.registry)
     self.registry.register(_EngineCollector(engine_state))
     ProcessCollector(registry=self.registry)   # process_resident_memory_bytes, cpu seconds, fds

@@ -74,24 +74,8 @@ def start_timed(port: int, extra=()) -> tuple[subprocess.Popen, float, float]:
   cmd = [sys.executable, "-m", "dflash_jax.serve", f"--port={port}", *server_args(extra)]
   t0 = time.perf_counter()
   proc = subprocess.Popen(cmd, stdout=open(_SERVER_LOG.value, "a"), stderr=subprocess.STDOUT)
-  while True:
-    if proc.poll() is not None:
-      raise RuntimeError(f"the server exited ({proc.returncode}): see {_SERVER_LOG.value}")
-    h = cli.health(port)
-    if h is not None and h[0] == 200:
-      return proc, time.perf_counter() - t0, t0
-    time.sleep(0.2)
-
-
-def wait_all_warm(port: int, proc: subprocess.Popen) -> None:
-  while True:
-    if proc.poll() is not None:
-      raise RuntimeError(f"the server exited ({proc.returncode}): see {_SERVER_LOG.value}")
-    h = cli.health(port)
-    warm = h[1].get("warm_buckets") if h else None
-    if warm is None or (warm and max(warm) >= h[1].get("max_batch", max(warm))):
-      return
-    time.sleep(0.5)
+  cli.wait_for_server(proc, port, _SERVER_LOG.value, all_warm=False)
+  return proc, time.perf_counter() - t0, t0
 
 
 def one_request(port: int, prompt: str, extra: dict | None = None) -> dict:
@@ -135,39 +119,32 @@ def _q(xs, p):
 
 
 def run_requests(port: int, prompts: list, clients: int, extras=None) -> dict:
-  """Send `prompts` from `clients` threads (each takes the next prompt when its last finished);
-  TTFT p50 / p95 as the client and the server see it, and the wall time."""
+  """Send `prompts` from `clients` threads (a closed loop: each takes the next prompt when its last
+  finished): wall time, aggregate tok/s, TTFT p50 / p95 as the client and the server see it, and
+  per-token latency p50 / p95."""
   extras = extras or [None] * len(prompts)
   t0 = time.perf_counter()
   with concurrent.futures.ThreadPoolExecutor(clients) as ex:
     reqs = list(ex.map(lambda pe: one_request(port, *pe), zip(prompts, extras)))
+  wall = time.perf_counter() - t0
   ttft = [r["ttft_s"] for r in reqs]
   srv = [r["server_ttft_s"] for r in reqs]
-  return {"clients": clients, "requests": len(reqs), "wall_s": time.perf_counter() - t0,
-          "tokens": sum(r["tokens"] for r in reqs),
+  ptl = [r["per_token_s"] for r in reqs]
+  tokens = sum(r["tokens"] for r in reqs)
+  return {"clients": clients, "requests": len(reqs), "wall_s": wall, "tokens": tokens,
+          "aggregate_tok_s": tokens / wall,
           "ttft_p50_s": _q(ttft, 0.5), "ttft_p95_s": _q(ttft, 0.95),
           "server_ttft_p50_s": _q(srv, 0.5), "server_ttft_p95_s": _q(srv, 0.95),
           "client_minus_server_ms_p50": 1e3 * _q([a - b for a, b in zip(ttft, srv)
                                                   if b is not None], 0.5)
-          if any(b is not None for b in srv) else None}
+          if any(b is not None for b in srv) else None,
+          "per_token_p50_s": _q(ptl, 0.5), "per_token_p95_s": _q(ptl, 0.95)}
 
 
-def run_level(port: int, n_clients: int, per_client: int, offset: int = 0) -> dict:
-  def client(i):
-    return [one_request(port, PROMPTS[(offset + i * per_client + j) % len(PROMPTS)])
-            for j in range(per_client)]
-
-  t0 = time.perf_counter()
-  with concurrent.futures.ThreadPoolExecutor(n_clients) as ex:
-    reqs = [r for rs in ex.map(client, range(n_clients)) for r in rs]
-  wall = time.perf_counter() - t0
-  ttft = sorted(r["ttft_s"] for r in reqs)
-  ptl = sorted(r["per_token_s"] for r in reqs if r["per_token_s"] is not None)
-  q = lambda xs, p: xs[min(len(xs) - 1, int(round(p * (len(xs) - 1))))] if xs else None
-  return {"clients": n_clients, "requests": len(reqs), "tokens": sum(r["tokens"] for r in reqs),
-          "wall_s": wall, "aggregate_tok_s": sum(r["tokens"] for r in reqs) / wall,
-          "ttft_p50_s": q(ttft, 0.5), "ttft_p95_s": q(ttft, 0.95),
-          "per_token_p50_s": q(ptl, 0.5), "per_token_p95_s": q(ptl, 0.95)}
+def run_level(port: int, n_clients: int, per_client: int) -> dict:
+  """n_clients x per_client chat prompts (PROMPTS in turn) from n_clients closed-loop clients."""
+  n = n_clients * per_client
+  return run_requests(port, [PROMPTS[k % len(PROMPTS)] for k in range(n)], n_clients)
 
 
 def metrics_text(port: int) -> str:
@@ -220,7 +197,7 @@ def scenario_startup() -> dict:
       try:
         mem_ready = memory(port)
         burst = run_requests(port, PROMPTS[:_BURST.value], _BURST.value)
-        wait_all_warm(port, proc)
+        cli.wait_for_server(proc, port, _SERVER_LOG.value)            # every bucket warm
         all_warm_s = time.perf_counter() - t0
         row = {"ready_s": ready_s, "all_buckets_warm_s": all_warm_s, "burst": burst,
                "memory_after_ready": mem_ready}

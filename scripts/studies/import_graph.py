@@ -35,14 +35,17 @@ def modules(pkg: str = PKG) -> dict[str, str]:
   return out
 
 
-def imports(path: str, name: str, mods: dict) -> tuple[set[str], list[str]]:
-  """(modules of the package `path` imports at module level, `_private` names it imports)."""
+def imports(path: str, name: str, mods: dict) -> tuple[set[str], list[str], list[str]]:
+  """(modules of the package `path` imports at module level, `_private` names it uses,
+  "module (line n)" of each package module it imports inside a function or block)."""
   tree = ast.parse(open(path).read())
-  deps, private = set(), []
+  deps, private, deferred = set(), [], []
+  top = {id(node) for node in tree.body}
   pkg = name if path.endswith("__init__.py") else name.rsplit(".", 1)[0]
-  for node in tree.body:
+  for node in ast.walk(tree):
+    found = []
     if isinstance(node, ast.Import):
-      deps |= {a.name for a in node.names if a.name in mods}
+      found = [a.name for a in node.names if a.name in mods]
     elif isinstance(node, ast.ImportFrom):
       base = node.module or ""
       if node.level:
@@ -51,11 +54,15 @@ def imports(path: str, name: str, mods: dict) -> tuple[set[str], list[str]]:
       for a in node.names:
         full = f"{base}.{a.name}"
         if full in mods:
-          deps.add(full)
+          found.append(full)
         elif base in mods:
-          deps.add(base)
+          found.append(base)
           if a.name.startswith("_"):
             private.append(f"{base}.{a.name}")
+    if id(node) in top:
+      deps.update(found)
+    else:
+      deferred += [f"{m} (line {node.lineno})" for m in found if m != name]
   deps.discard(name)
   # `module._name` where `module` is a package module imported anywhere in the file
   aliases = {}
@@ -73,7 +80,7 @@ def imports(path: str, name: str, mods: dict) -> tuple[set[str], list[str]]:
         and node.value.id in aliases and node.attr.startswith("_")
         and not node.attr.startswith("__")):
       private.append(f"{aliases[node.value.id]}.{node.attr}")
-  return deps, sorted(set(private))
+  return deps, sorted(set(private)), deferred
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -119,9 +126,9 @@ def main():
                   "default decode path")
   args = ap.parse_args()
   mods = modules(args.root)
-  graph, private = {}, {}
+  graph, private, deferred_of = {}, {}, {}
   for name, path in sorted(mods.items()):
-    graph[name], private[name] = imports(path, name, mods)
+    graph[name], private[name], deferred_of[name] = imports(path, name, mods)
   edges = sum(len(v) for v in graph.values())
   print(f"{len(mods)} modules, {edges} module-level import edges")
   cyc = cycles(graph)
@@ -137,13 +144,8 @@ def main():
   print(f"module-level imports of dflash_jax.train from outside it: {len(up)}")
   for e in up:
     print("  " + e)
-  deferred = []
-  for name, path in sorted(mods.items()):
-    if not name.startswith("dflash_jax.train"):
-      for node in ast.walk(ast.parse(open(path).read())):
-        if (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dflash_jax.train")
-            and node not in ast.parse(open(path).read()).body):
-          deferred.append(f"{name} -> {node.module} (line {node.lineno})")
+  deferred = [f"{a} -> {m}" for a, ms in deferred_of.items() for m in ms
+              if m.startswith("dflash_jax.train") and not a.startswith("dflash_jax.train")]
   print(f"deferred (in-function) imports of dflash_jax.train from outside it: {len(deferred)}")
   for e in deferred:
     print("  " + e)
